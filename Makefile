@@ -1,0 +1,25 @@
+# The two commands: `make demo` runs the main job, `make test` runs the tests.
+# Each creates the virtual environment in .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[worker,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m airflow_gpu_resilience.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""links of the airflow-gpu-resilience provider."""

@@ -1,0 +1,1 @@
+"""operators of the airflow-gpu-resilience provider."""

@@ -1,0 +1,1 @@
+"""sensors of the airflow-gpu-resilience provider."""

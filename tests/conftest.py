@@ -1,0 +1,26 @@
+"""Test-wide environment: offline google-auth, a throwaway AIRFLOW_HOME, no example DAGs.
+
+This runs before any test module imports Airflow or a Google client, so the settings below
+are in place for every import.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_AIRFLOW_HOME = tempfile.mkdtemp(prefix="agr-airflow-home-")
+
+_OFFLINE_ENV = {
+    # google-auth must never probe the metadata server: nothing here reaches Google Cloud.
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "CLOUDSDK_CONFIG": "",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "AIRFLOW_HOME": _AIRFLOW_HOME,
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+}
+for _key, _value in _OFFLINE_ENV.items():
+    os.environ[_key] = _value
