@@ -1,0 +1,67 @@
+"""Provider metadata for Airflow's provider manager (entry point ``apache_airflow_provider``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PKG = "airflow_gpu_resilience"
+
+
+def get_provider_info() -> dict[str, Any]:
+    """Return this provider's metadata as a plain dict.
+
+    Airflow reads it through the ``apache_airflow_provider`` entry point to list the hooks,
+    operators, sensors, triggers, extra links and connection types this package contributes.
+
+    :return: the provider metadata dict in the shape of Airflow's ``provider_info.schema.json``.
+    """
+    return {
+        "package-name": "airflow-gpu-resilience",
+        "name": "GPU Resilience (Cloud Run GPU jobs)",
+        "description": (
+            "Run long PyTorch GPU jobs on Google Cloud Run from Airflow, surviving "
+            "maintenance preemptions by re-running from checkpoints."
+        ),
+        "versions": ["0.1.0"],
+        "integrations": [
+            {
+                "integration-name": "Google Cloud Run GPU jobs",
+                "external-doc-url": "https://cloud.google.com/run/docs/configuring/jobs/gpu",
+                "tags": ["gcp"],
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "Google Cloud Run GPU jobs",
+                "python-modules": [f"{_PKG}.hooks.cloud_run"],
+            }
+        ],
+        "operators": [
+            {
+                "integration-name": "Google Cloud Run GPU jobs",
+                "python-modules": [f"{_PKG}.operators.cloud_run"],
+            }
+        ],
+        "sensors": [
+            {
+                "integration-name": "Google Cloud Run GPU jobs",
+                "python-modules": [f"{_PKG}.sensors.cloud_run"],
+            }
+        ],
+        "triggers": [
+            {
+                "integration-name": "Google Cloud Run GPU jobs",
+                "python-modules": [f"{_PKG}.triggers.cloud_run"],
+            }
+        ],
+        "extra-links": [
+            f"{_PKG}.links.cloud_run.CloudRunGpuExecutionLink",
+            f"{_PKG}.links.cloud_run.CloudRunGpuLogsLink",
+        ],
+        "connection-types": [
+            {
+                "hook-class-name": f"{_PKG}.hooks.cloud_run.CloudRunGpuHook",
+                "connection-type": "google_cloud_platform",
+            }
+        ],
+    }
