@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints/dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m airflow_gpu_resilience.demo
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

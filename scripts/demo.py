@@ -1,0 +1,247 @@
+"""The main job on one machine: the example DAG against the local Cloud Run and GCS emulators.
+
+``make demo`` runs this script. It
+
+1. starts the Cloud Run emulator (with its embedded GCS emulator) on free loopback ports,
+2. runs ``airflow dags test gpu_resilient_training`` against them, with a throwaway
+   ``AIRFLOW_HOME`` and a ``google_cloud_platform`` connection whose extra ``api_endpoint``
+   points at the emulator,
+3. injects maintenance preemptions (SIGTERM, grace period, SIGKILL) into the running training
+   task through the emulator's admin endpoint, once the worker has made progress,
+4. prints a report (DAG run state, executions, attempts, preemptions, the step each resume
+   started from, work lost, held-out accuracy) and writes it as JSON,
+5. stops every process it started, also on Ctrl-C, SIGTERM or failure.
+
+Exit status: 0 when the DAG run succeeded, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from google.api_core.client_options import ClientOptions  # noqa: E402
+from google.auth.credentials import AnonymousCredentials  # noqa: E402
+from google.cloud import run_v2  # noqa: E402
+
+from airflow_gpu_resilience.emulator.process import EmulatorProcess  # noqa: E402
+
+DAG_ID = "gpu_resilient_training"
+PROJECT = "local-project"
+REGION = "us-central1"
+JOB = "gpu-resilient-training"
+BUCKET = "gpu-resilient-checkpoints"
+
+OFFLINE_ENV = {
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "CLOUDSDK_CONFIG": "",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+}
+
+
+class Interrupted(Exception):
+    """Raised in the main thread when the demo receives SIGTERM, so that cleanup runs."""
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--step-delay", type=float, default=0.03, help="seconds of delay per step")
+    parser.add_argument("--preemptions", type=int, default=1, help="maintenance preemptions to inject")
+    parser.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
+    parser.add_argument("--workdir", type=Path, default=None, help="where state and logs go (default: new)")
+    parser.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    return parser.parse_args(argv)
+
+
+def _airflow_env(workdir: Path, emulator: EmulatorProcess) -> dict[str, str]:
+    connection = {
+        "conn_type": "google_cloud_platform",
+        "extra": {"project": PROJECT, "is_anonymous": True, "api_endpoint": emulator.endpoint},
+    }
+    env = dict(os.environ)
+    env.update(OFFLINE_ENV)
+    env.update(
+        {
+            "AIRFLOW_HOME": str(workdir / "airflow-home"),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": json.dumps(connection),
+            "STORAGE_EMULATOR_HOST": emulator.gcs_endpoint,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def _run_client(emulator: EmulatorProcess, client_class):
+    return client_class(
+        credentials=AnonymousCredentials(),
+        transport="rest",
+        client_options=ClientOptions(api_endpoint=emulator.endpoint),
+    )
+
+
+class Preempter(threading.Thread):
+    """Injects maintenance preemptions into task 0 once the worker has made progress.
+
+    Preemption ``k`` (1-based) of ``count`` lands when ``progress.json`` reports at least
+    ``k / (count + 1)`` of the total steps, so every preemption hits real, unsaved work.
+    Each one is recorded with the attempt result that the Cloud Run API then reports.
+    """
+
+    def __init__(self, emulator: EmulatorProcess, count: int, total_steps: int) -> None:
+        super().__init__(name="preempter", daemon=True)
+        self.emulator, self.count, self.total_steps = emulator, count, total_steps
+        self.records: list[dict] = []
+        self.error: str | None = None
+        self.stop = threading.Event()
+        self.jobs = _run_client(emulator, run_v2.JobsClient)
+        self.tasks = _run_client(emulator, run_v2.TasksClient)
+        self.progress_file = emulator.bucket_dir(BUCKET) / JOB / "task-0" / "progress.json"
+
+    def run(self) -> None:
+        try:
+            for k in range(1, self.count + 1):
+                if not self._preempt_at(self.total_steps * k // (self.count + 1)):
+                    return
+        except Exception as exc:  # reported in the summary; the DAG still decides success
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _progress_step(self) -> int:
+        try:
+            return int(json.loads(self.progress_file.read_text())["step"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    def _preempt_at(self, step: int) -> bool:
+        while self._progress_step() < step:
+            if self.stop.wait(0.05):
+                return False
+        execution = self.jobs.get_job(name=f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}")
+        execution_name = execution.latest_created_execution.name
+        task_name = next(t.name for t in self.tasks.list_tasks(parent=execution_name) if t.index == 0)
+        before = self.tasks.get_task(name=task_name).retried
+        answer = self.emulator.preempt(execution_name, task_index=0)
+        print(f"[demo] preemption injected at step {self._progress_step()}: {json.dumps(answer)}", flush=True)
+        self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": self._progress_step()})
+        self._record_result(task_name, before)
+        return True
+
+    def _record_result(self, task_name: str, retried_before: int) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not self.stop.is_set():
+            task = self.tasks.get_task(name=task_name)
+            if task.retried > retried_before or task.completion_time:
+                result = task.last_attempt_result
+                self.records[-1].update(
+                    attempt=retried_before,
+                    exit_code=result.exit_code if "exit_code" in result else None,
+                    term_signal=result.term_signal if "term_signal" in result else None,
+                    message=result.status.message,
+                )
+                return
+            time.sleep(0.1)
+
+
+def _run_dag(env: dict[str, str], conf: dict, log_path: Path) -> int:
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [airflow, "dags", "test", DAG_ID, "--conf", json.dumps(conf)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            return process.wait()
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, args: argparse.Namespace) -> dict:
+    namespace = emulator.bucket_dir(BUCKET) / JOB / "task-0"
+    metrics_path = namespace / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    return {
+        "dag_id": DAG_ID,
+        "dag_run_state": "success" if rc == 0 else "failed",
+        "steps": args.steps,
+        "preemptions": preempter.records,
+        "preempter_error": preempter.error,
+        "attempts": metrics.get("history", []),
+        "accuracy": metrics.get("accuracy"),
+        "model_sha256": metrics.get("model_sha256"),
+        "metrics": metrics,
+    }
+
+
+def _print_report(summary: dict, log_path: Path) -> None:
+    print("\n==== airflow-gpu-resilience demo report ====")
+    print(f"DAG {summary['dag_id']}: {summary['dag_run_state'].upper()}   (Airflow log: {log_path})")
+    for p in summary["preemptions"]:
+        how = f"exit code {p.get('exit_code')}" if p.get("exit_code") is not None else f"signal {p.get('term_signal')}"
+        print(f"preempted: task {p['task_index']} attempt {p.get('attempt')} at step {p['injected_at_step']} -> {how}")
+    for a in summary["attempts"]:
+        print(
+            f"attempt {a.get('attempt')} of execution {a.get('execution')}: resumed from step "
+            f"{a.get('resumed_from_step')}, work lost {a.get('lost_steps')} steps"
+        )
+    if summary["accuracy"] is not None:
+        print(f"held-out accuracy: {summary['accuracy']:.4f} after {summary['metrics'].get('steps')} steps")
+    print("============================================")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="demo-", dir=REPO / "demo-output"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def _on_sigterm(signum, frame):
+        raise Interrupted(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    log_path = workdir / "airflow-dags-test.log"
+    conf = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "step_delay_seconds": args.step_delay}
+    with EmulatorProcess(
+        data_dir=workdir / "emulator", images_file=REPO / "worker" / "emulator-image.json",
+        grace_seconds=args.grace_seconds,
+    ) as emulator:
+        print(f"[demo] Cloud Run emulator at {emulator.endpoint}, GCS emulator at {emulator.gcs_endpoint}")
+        preempter = Preempter(emulator, args.preemptions, args.steps)
+        preempter.start()
+        try:
+            rc = _run_dag(_airflow_env(workdir, emulator), conf, log_path)
+        finally:
+            preempter.stop.set()
+            preempter.join(timeout=30)
+        summary = _summary(emulator, rc, preempter, args)
+    _print_report(summary, log_path)
+    report_path = args.report or workdir / "report.json"
+    report_path.write_text(json.dumps(summary, indent=2))
+    print(f"[demo] report written to {report_path}")
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    (REPO / "demo-output").mkdir(exist_ok=True)
+    try:
+        sys.exit(main())
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(f"[demo] interrupted ({exc}); every process it started has been stopped", file=sys.stderr)
+        sys.exit(130)

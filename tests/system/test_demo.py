@@ -1,0 +1,59 @@
+"""End to end: the main job (``make demo``'s script) with a shorter training.
+
+It runs the real thing as a user does: the example DAG through ``airflow dags test`` against the
+Cloud Run and GCS emulators, the bundled worker as the task process, and one injected
+maintenance preemption. It then checks the report and that no process was left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e
+
+
+def _leftovers(marker: str) -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            environ = proc.info["environ"] or {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.pid != os.getpid() and (marker in cmdline or marker in environ.get("AIRFLOW_HOME", "")):
+            found.append(f"{proc.pid}: {cmdline}")
+    return found
+
+
+def test_demo_survives_a_preemption_and_reports_accuracy(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    report_path = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo.py"), "--steps", "300", "--checkpoint-every", "25",
+         "--step-delay", "0.03", "--preemptions", "1", "--workdir", str(workdir), "--report", str(report_path)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    log = workdir / "airflow-dags-test.log"
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:] + (log.read_text()[-8000:] if log.exists() else "")
+    report = json.loads(report_path.read_text())
+
+    assert report["dag_run_state"] == "success"
+    assert "SUCCESS" in result.stdout
+    [preemption] = report["preemptions"]
+    assert preemption["exit_code"] == 143, preemption
+    assert preemption["attempt"] == 0
+    resumed = [a for a in report["attempts"] if a.get("resumed_from_step")]
+    assert resumed and resumed[0]["resumed_from_step"] > 0
+    assert resumed[0]["resumed_from_step"] <= preemption["injected_at_step"]
+    assert report["accuracy"] > 0.9
+    assert report["metrics"]["steps"] == 300
+    assert _leftovers(str(workdir)) == []
