@@ -1,0 +1,349 @@
+"""Classify Cloud Run task attempts and executions, and decide what the execute operator does.
+
+Pure functions over ``run_v2`` messages and primitives: no I/O, no clocks. The classes follow the
+outcome table in DESIGN.md:
+
+============  ==========================================================  ======================
+Class         Last attempt looks like                                     Operator action
+============  ==========================================================  ======================
+SUCCEEDED     exit 0 (status OK)                                          done
+PREEMPTED     exit 143 or 137, or termSignal 15/9 not for memory, or a    re-run from checkpoint
+              maintenance-preemption status message                       (preemption budget)
+TIMED_OUT     the attempt hit the task timeout                            re-run (same budget)
+FAILED        any other non-zero exit, including out of memory            fail; Airflow retries
+FATAL         exit code in the non-retryable set (default 64-78)          fail, no retry
+CANCELLED     cancelled by a user or by ``on_kill``                       fail, no re-run
+============  ==========================================================  ======================
+
+Two helper classes complete the picture: RUNNING (not finished yet) and INCOMPLETE (a task that
+never ran to an end because its execution stopped early, e.g. siblings cancelled by the system).
+
+What Cloud Run shows for a preemption is not part of the API schema (see
+``reference/cloud-run-admin-api-v2.md`` §3.3), so detection uses every trace it leaves.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from google.cloud import run_v2
+
+#: BSD sysexits range: configuration or input errors that retrying cannot fix.
+DEFAULT_FATAL_EXIT_CODES: frozenset[int] = frozenset(range(64, 79))
+#: Exit codes of a process stopped by SIGTERM (143 = 128+15) or SIGKILL through a shell (137).
+PREEMPTION_EXIT_CODES: frozenset[int] = frozenset({143, 137})
+#: Termination signals the platform uses to stop a container (SIGTERM, SIGKILL).
+PREEMPTION_SIGNALS: frozenset[int] = frozenset({15, 9})
+
+# google.rpc.Code values seen in lastAttemptResult.status.
+_CODE_OK = 0
+_CODE_CANCELLED = 1
+_CODE_DEADLINE_EXCEEDED = 4
+
+_MAINTENANCE_RE = re.compile(r"preempt|maintenance", re.IGNORECASE)
+_TIMEOUT_RE = re.compile(r"timeout|timed out|deadline exceeded", re.IGNORECASE)
+_MEMORY_RE = re.compile(r"memory limit|out of memory|\boom\b|oomkill", re.IGNORECASE)
+
+
+class OutcomeClass(str, enum.Enum):
+    """How one task (or a whole execution) ended."""
+
+    SUCCEEDED = "SUCCEEDED"
+    PREEMPTED = "PREEMPTED"
+    TIMED_OUT = "TIMED_OUT"
+    FAILED = "FAILED"
+    FATAL = "FATAL"
+    CANCELLED = "CANCELLED"
+    RUNNING = "RUNNING"
+    INCOMPLETE = "INCOMPLETE"
+
+
+#: Classes that a new execution can fix by resuming from the checkpoint.
+RESUMABLE: frozenset[OutcomeClass] = frozenset({OutcomeClass.PREEMPTED, OutcomeClass.TIMED_OUT})
+
+
+class Action(str, enum.Enum):
+    """What the execute operator does with a finished execution."""
+
+    SUCCEED = "SUCCEED"
+    RERUN = "RERUN"
+    FAIL = "FAIL"
+    """Fail the Airflow task; Airflow's own ``retries`` apply."""
+    FAIL_NO_RETRY = "FAIL_NO_RETRY"
+    """Fail the Airflow task without retry (FATAL, CANCELLED, budget exhausted)."""
+
+
+class ExecutionState(str, enum.Enum):
+    """Coarse state of an execution as reported by the API."""
+
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """The classified last attempt of one task.
+
+    :param index: task index within the execution (0-based).
+    :param attempts: attempts made so far (``retried + 1``; 0 if it never started).
+    :param outcome: the class of the last attempt.
+    :param exit_code: exit code of the last attempt, ``None`` when it died by signal or never ran.
+    :param term_signal: terminating signal of the last attempt, or ``None``.
+    :param status_code: ``google.rpc.Code`` of the last attempt's status.
+    :param message: the last attempt's status message.
+    :param log_uri: the task's log URI (may be empty).
+    """
+
+    index: int
+    attempts: int
+    outcome: OutcomeClass
+    exit_code: int | None = None
+    term_signal: int | None = None
+    status_code: int = 0
+    message: str = ""
+    log_uri: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form for XCom and trigger events."""
+        return {
+            "index": self.index,
+            "attempts": self.attempts,
+            "outcome": self.outcome.value,
+            "exit_code": self.exit_code,
+            "term_signal": self.term_signal,
+            "status_code": self.status_code,
+            "message": self.message,
+            "log_uri": self.log_uri,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with a finished execution, and why.
+
+    :param action: the operator's next step.
+    :param outcome: the execution's overall class.
+    :param reason: one sentence for logs and exception messages.
+    :param blamed: the task that decided the outcome, or ``None`` (success, cancellation).
+    """
+
+    action: Action
+    outcome: OutcomeClass
+    reason: str
+    blamed: TaskOutcome | None = field(default=None)
+
+
+def classify_attempt(
+    *,
+    exit_code: int | None,
+    term_signal: int | None,
+    status_code: int = 0,
+    message: str = "",
+    fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES,
+) -> OutcomeClass:
+    """Classify one finished task attempt from its primitive result fields.
+
+    Precedence: out-of-memory (FAILED, even when killed by SIGKILL) > a FATAL exit code > a task
+    timeout > success > a preemption trace > a cancelled status > FAILED.
+
+    :param exit_code: the container's exit code, ``None`` when unset (signal death or no start).
+    :param term_signal: the signal that terminated the container, ``None`` or 0 when unset.
+    :param status_code: ``google.rpc.Code`` of the attempt's status (0 = OK).
+    :param message: the status message.
+    :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
+    :return: the attempt's class (never RUNNING or INCOMPLETE).
+    """
+    signal = term_signal or None
+    if _MEMORY_RE.search(message):
+        return OutcomeClass.FAILED
+    if exit_code is not None and exit_code in fatal_exit_codes:
+        return OutcomeClass.FATAL
+    if status_code == _CODE_DEADLINE_EXCEEDED or _TIMEOUT_RE.search(message):
+        return OutcomeClass.TIMED_OUT
+    if status_code == _CODE_OK and not exit_code and signal is None:
+        return OutcomeClass.SUCCEEDED
+    if (
+        exit_code in PREEMPTION_EXIT_CODES
+        or signal in PREEMPTION_SIGNALS
+        or _MAINTENANCE_RE.search(message)
+    ):
+        return OutcomeClass.PREEMPTED
+    if status_code == _CODE_CANCELLED:
+        return OutcomeClass.CANCELLED
+    return OutcomeClass.FAILED
+
+
+def classify_attempt_result(
+    result: run_v2.TaskAttemptResult,
+    fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES,
+) -> OutcomeClass:
+    """Classify a ``run_v2.TaskAttemptResult`` (see :func:`classify_attempt`).
+
+    :param result: the task's ``last_attempt_result``.
+    :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
+    :return: the attempt's class.
+    """
+    exit_code, signal = _exit_and_signal(result)
+    return classify_attempt(
+        exit_code=exit_code,
+        term_signal=signal,
+        status_code=result.status.code,
+        message=result.status.message,
+        fatal_exit_codes=fatal_exit_codes,
+    )
+
+
+def _exit_and_signal(result: run_v2.TaskAttemptResult) -> tuple[int | None, int | None]:
+    """At most one of exitCode and termSignal is set; a signal means no exit code."""
+    signal = result.term_signal or None
+    return (None if signal else result.exit_code), signal
+
+
+def _completed_condition(conditions: Iterable[run_v2.Condition]) -> run_v2.Condition | None:
+    for condition in conditions:
+        if condition.type_ == "Completed":
+            return condition
+    return None
+
+
+_TERMINAL_STATES = (run_v2.Condition.State.CONDITION_SUCCEEDED, run_v2.Condition.State.CONDITION_FAILED)
+_CANCEL_REASONS = (run_v2.Condition.ExecutionReason.CANCELLED, run_v2.Condition.ExecutionReason.CANCELLING)
+
+
+def classify_task(
+    task: run_v2.Task,
+    fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES,
+) -> TaskOutcome:
+    """Classify a task from its ``Completed`` condition and ``last_attempt_result``.
+
+    A task without a terminal ``Completed`` condition and without ``completion_time`` is
+    RUNNING. A finished task whose condition says it was cancelled, or that never produced an
+    attempt result, is CANCELLED or INCOMPLETE respectively; the execution decides whether that
+    cancellation was a user's (see :func:`decide`).
+
+    :param task: the task as ListTasks/GetTask returns it.
+    :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
+    :return: the classified task.
+    """
+    completed = _completed_condition(task.conditions)
+    terminal = (completed is not None and completed.state in _TERMINAL_STATES) or bool(
+        task.completion_time
+    )
+    has_result = "last_attempt_result" in task
+    result = task.last_attempt_result
+    exit_code, signal = _exit_and_signal(result) if has_result else (None, None)
+    started = has_result or bool(task.start_time) or task.retried > 0
+    if not terminal:
+        outcome = OutcomeClass.RUNNING
+    elif completed is not None and completed.execution_reason in _CANCEL_REASONS:
+        outcome = OutcomeClass.CANCELLED
+    elif not has_result:
+        outcome = OutcomeClass.INCOMPLETE
+    else:
+        outcome = classify_attempt_result(result, fatal_exit_codes)
+    return TaskOutcome(
+        index=task.index,
+        attempts=task.retried + 1 if started else 0,
+        outcome=outcome,
+        exit_code=exit_code,
+        term_signal=signal,
+        status_code=result.status.code if has_result else 0,
+        message=result.status.message if has_result else (completed.message if completed else ""),
+        log_uri=task.log_uri,
+    )
+
+
+def execution_state(execution: run_v2.Execution) -> ExecutionState:
+    """Coarse state of an execution from its ``Completed`` condition and task counters.
+
+    :param execution: the execution as GetExecution returns it.
+    :return: RUNNING until the execution is terminal; then SUCCEEDED, FAILED or CANCELLED.
+    """
+    completed = _completed_condition(execution.conditions)
+    counted = execution.succeeded_count + execution.failed_count + execution.cancelled_count
+    terminal = (completed is not None and completed.state in _TERMINAL_STATES) or (
+        bool(execution.completion_time) and counted >= execution.task_count
+    )
+    if not terminal:
+        return ExecutionState.RUNNING
+    if completed is not None and completed.execution_reason in _CANCEL_REASONS:
+        return ExecutionState.CANCELLED
+    if execution.succeeded_count >= execution.task_count and execution.failed_count == 0:
+        return ExecutionState.SUCCEEDED
+    if execution.failed_count == 0 and execution.cancelled_count > 0:
+        return ExecutionState.CANCELLED
+    return ExecutionState.FAILED
+
+
+def decide(
+    tasks: Sequence[TaskOutcome],
+    *,
+    state: ExecutionState,
+    reruns_used: int,
+    max_reruns: int,
+) -> Decision:
+    """Decide what to do with a finished execution.
+
+    Precedence: a user cancellation > any FATAL task > any FAILED task > any PREEMPTED/TIMED_OUT
+    task (re-run while ``reruns_used < max_reruns``) > success. Tasks CANCELLED while the
+    execution was not (the system stopping siblings of a failed task) count as INCOMPLETE.
+
+    :param tasks: every task of the execution, classified by :func:`classify_task`.
+    :param state: the execution's coarse state (:func:`execution_state`); must not be RUNNING.
+    :param reruns_used: re-runs (new executions) already started for this Airflow task.
+    :param max_reruns: the preemption budget: how many re-runs are allowed in total.
+    :return: the decision.
+    :raises ValueError: if ``state`` is RUNNING.
+    """
+    if state is ExecutionState.RUNNING:
+        raise ValueError("decide() needs a finished execution, got state RUNNING")
+    if state is ExecutionState.CANCELLED:
+        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.CANCELLED, "the execution was cancelled")
+    by_class = {c: [t for t in tasks if t.outcome is c] for c in OutcomeClass}
+    if by_class[OutcomeClass.FATAL]:
+        task = by_class[OutcomeClass.FATAL][0]
+        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.FATAL, f"{_describe(task)}: non-retryable exit code", task)
+    if by_class[OutcomeClass.FAILED]:
+        task = by_class[OutcomeClass.FAILED][0]
+        return Decision(Action.FAIL, OutcomeClass.FAILED, f"{_describe(task)}: failed after its retries", task)
+    resumable = by_class[OutcomeClass.PREEMPTED] + by_class[OutcomeClass.TIMED_OUT]
+    if resumable:
+        return _decide_resumable(resumable[0], reruns_used, max_reruns)
+    if state is ExecutionState.SUCCEEDED or (tasks and len(by_class[OutcomeClass.SUCCEEDED]) == len(tasks)):
+        return Decision(Action.SUCCEED, OutcomeClass.SUCCEEDED, "all tasks succeeded")
+    return Decision(
+        Action.FAIL,
+        OutcomeClass.FAILED,
+        f"the execution ended {state.value} without a task to blame "
+        f"({', '.join(f'task {t.index}: {t.outcome.value}' for t in tasks) or 'no tasks'})",
+    )
+
+
+def _decide_resumable(task: TaskOutcome, reruns_used: int, max_reruns: int) -> Decision:
+    what = "preempted" if task.outcome is OutcomeClass.PREEMPTED else "timed out"
+    if reruns_used < max_reruns:
+        return Decision(
+            Action.RERUN,
+            task.outcome,
+            f"{_describe(task)}: {what}; re-run {reruns_used + 1} of {max_reruns} resumes from the checkpoint",
+            task,
+        )
+    return Decision(
+        Action.FAIL_NO_RETRY,
+        task.outcome,
+        f"{_describe(task)}: {what}; preemption budget exhausted ({max_reruns} re-runs used)",
+        task,
+    )
+
+
+def _describe(task: TaskOutcome) -> str:
+    how = f"signal {task.term_signal}" if task.term_signal else f"exit code {task.exit_code}"
+    text = f"task {task.index} attempt {task.attempts} ({how}"
+    if task.message:
+        text += f", {task.message!r}"
+    return text + ")"

@@ -1,0 +1,205 @@
+"""Table tests: every row of DESIGN.md's outcome table, plus task and execution classification."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from google.cloud import run_v2
+from google.rpc import status_pb2
+
+from airflow_gpu_resilience.outcome import (
+    Action,
+    ExecutionState,
+    OutcomeClass,
+    TaskOutcome,
+    classify_attempt,
+    classify_attempt_result,
+    classify_task,
+    decide,
+    execution_state,
+)
+
+MAINTENANCE = "Container instance preemption initiated by the platform due to underlying hardware maintenance."
+ERROR = "The container exited with an error."
+C = OutcomeClass
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "signal", "code", "message", "expected"),
+    [
+        # SUCCEEDED
+        (0, None, 0, "", C.SUCCEEDED),
+        # PREEMPTED: exit 143 (worker trapped SIGTERM), 137 (SIGKILL via a shell)
+        (143, None, 2, ERROR, C.PREEMPTED),
+        (137, None, 2, ERROR, C.PREEMPTED),
+        (143, None, 14, MAINTENANCE, C.PREEMPTED),
+        # PREEMPTED: signal-only results (no exit code), killed by the system
+        (None, 15, 2, "", C.PREEMPTED),
+        (None, 9, 2, "", C.PREEMPTED),
+        (None, 15, 14, MAINTENANCE, C.PREEMPTED),
+        (None, 9, 14, MAINTENANCE, C.PREEMPTED),
+        # PREEMPTED: only the maintenance message (exit code unset)
+        (None, None, 14, MAINTENANCE, C.PREEMPTED),
+        (1, None, 14, MAINTENANCE, C.PREEMPTED),
+        # TIMED_OUT: task timeout, by status code or message
+        (None, 15, 4, "Task attempt exceeded its timeout of 600s.", C.TIMED_OUT),
+        (143, None, 4, "", C.TIMED_OUT),
+        (None, 9, 2, "The task timed out.", C.TIMED_OUT),
+        # FAILED: application error, out of memory (even with SIGKILL/137)
+        (1, None, 2, ERROR, C.FAILED),
+        (2, None, 2, ERROR, C.FAILED),
+        (255, None, 2, ERROR, C.FAILED),
+        (None, 9, 2, "Memory limit of 16384 MiB exceeded with 16500 MiB used.", C.FAILED),
+        (137, None, 2, "Container terminated: out of memory (OOMKilled)", C.FAILED),
+        (None, None, 13, "Internal error starting the container", C.FAILED),
+        (None, 6, 2, "", C.FAILED),  # SIGABRT: a crash, not the platform
+        # FATAL: sysexits 64-78
+        (64, None, 2, ERROR, C.FATAL),
+        (65, None, 2, ERROR, C.FATAL),
+        (78, None, 2, ERROR, C.FATAL),
+        (79, None, 2, ERROR, C.FAILED),
+        (63, None, 2, ERROR, C.FAILED),
+        # CANCELLED status without a preemption trace
+        (None, None, 1, "Cancelled by user", C.CANCELLED),
+    ],
+)
+def test_classify_attempt(exit_code, signal, code, message, expected):
+    assert classify_attempt(exit_code=exit_code, term_signal=signal, status_code=code, message=message) is expected
+
+
+def test_fatal_exit_codes_are_configurable():
+    kwargs = {"exit_code": 3, "term_signal": None, "status_code": 2, "message": ERROR}
+    assert classify_attempt(**kwargs) is C.FAILED
+    assert classify_attempt(**kwargs, fatal_exit_codes={3}) is C.FATAL
+    assert classify_attempt(**{**kwargs, "exit_code": 78}, fatal_exit_codes={3}) is C.FAILED
+
+
+def _result(exit_code=0, signal=0, code=0, message=""):
+    return run_v2.TaskAttemptResult(
+        status=status_pb2.Status(code=code, message=message), exit_code=exit_code, term_signal=signal
+    )
+
+
+def test_classify_attempt_result_signal_wins_over_default_exit_code():
+    assert classify_attempt_result(_result(signal=15, code=14, message=MAINTENANCE)) is C.PREEMPTED
+    assert classify_attempt_result(_result(exit_code=0, code=0)) is C.SUCCEEDED
+    assert classify_attempt_result(_result(exit_code=65, code=2)) is C.FATAL
+
+
+def _condition(state, reason=None):
+    cond = run_v2.Condition(type_="Completed", state=state)
+    if reason is not None:
+        cond.execution_reason = reason
+    return cond
+
+
+S = run_v2.Condition.State
+R = run_v2.Condition.ExecutionReason
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _task(index=0, retried=0, result=None, state=S.CONDITION_SUCCEEDED, reason=None, done=True):
+    task = run_v2.Task(index=index, retried=retried, log_uri="https://log/x", conditions=[_condition(state, reason)])
+    if result is not None:
+        task.last_attempt_result = result
+        task.start_time = NOW
+    if done:
+        task.completion_time = NOW
+    return task
+
+
+class TestClassifyTask:
+    def test_succeeded(self):
+        out = classify_task(_task(result=_result(0)))
+        assert out == TaskOutcome(0, 1, C.SUCCEEDED, 0, None, 0, "", "https://log/x")
+
+    def test_preempted_after_retries(self):
+        out = classify_task(_task(index=2, retried=3, result=_result(signal=9, code=14, message=MAINTENANCE), state=S.CONDITION_FAILED))
+        assert (out.index, out.attempts, out.outcome, out.exit_code, out.term_signal) == (2, 4, C.PREEMPTED, None, 9)
+
+    def test_running(self):
+        task = _task(result=_result(143, code=2), state=S.CONDITION_RECONCILING, done=False)
+        assert classify_task(task).outcome is C.RUNNING
+
+    def test_pending_without_conditions(self):
+        assert classify_task(run_v2.Task(index=1)).outcome is C.RUNNING
+
+    def test_cancelled_by_condition(self):
+        task = _task(result=_result(143, code=2), state=S.CONDITION_FAILED, reason=R.CANCELLED)
+        assert classify_task(task).outcome is C.CANCELLED
+
+    def test_never_ran_is_incomplete(self):
+        out = classify_task(_task(state=S.CONDITION_FAILED))
+        assert (out.outcome, out.attempts, out.exit_code) == (C.INCOMPLETE, 0, None)
+
+    def test_to_dict_is_json_able(self):
+        import json
+
+        assert json.loads(json.dumps(classify_task(_task(result=_result(0))).to_dict()))["outcome"] == "SUCCEEDED"
+
+
+def _execution(task_count=1, succeeded=0, failed=0, cancelled=0, state=S.CONDITION_SUCCEEDED, reason=None, done=True):
+    ex = run_v2.Execution(
+        task_count=task_count, succeeded_count=succeeded, failed_count=failed, cancelled_count=cancelled,
+        conditions=[_condition(state, reason)],
+    )
+    if done:
+        ex.completion_time = NOW
+    return ex
+
+
+@pytest.mark.parametrize(
+    ("execution", "expected"),
+    [
+        (_execution(succeeded=1), ExecutionState.SUCCEEDED),
+        (_execution(failed=1, state=S.CONDITION_FAILED, reason=R.NON_ZERO_EXIT_CODE), ExecutionState.FAILED),
+        (_execution(cancelled=1, state=S.CONDITION_FAILED, reason=R.CANCELLED), ExecutionState.CANCELLED),
+        (_execution(state=S.CONDITION_FAILED, reason=R.CANCELLING), ExecutionState.CANCELLED),
+        (_execution(state=S.CONDITION_RECONCILING, done=False), ExecutionState.RUNNING),
+        (_execution(state=S.CONDITION_PENDING, done=False), ExecutionState.RUNNING),
+        (run_v2.Execution(task_count=1), ExecutionState.RUNNING),
+        (_execution(task_count=2, failed=1, cancelled=1, state=S.CONDITION_FAILED, reason=R.NON_ZERO_EXIT_CODE), ExecutionState.FAILED),
+    ],
+)
+def test_execution_state(execution, expected):
+    assert execution_state(execution) is expected
+
+
+def t(index, outcome, exit_code=None, signal=None):
+    return TaskOutcome(index=index, attempts=1, outcome=outcome, exit_code=exit_code, term_signal=signal)
+
+
+@pytest.mark.parametrize(
+    ("tasks", "state", "used", "action", "outcome", "reason"),
+    [
+        ([t(0, C.SUCCEEDED, 0)], ExecutionState.SUCCEEDED, 0, Action.SUCCEED, C.SUCCEEDED, "all tasks succeeded"),
+        ([t(0, C.PREEMPTED, 143)], ExecutionState.FAILED, 0, Action.RERUN, C.PREEMPTED, "re-run 1 of 3"),
+        ([t(0, C.PREEMPTED, None, 15)], ExecutionState.FAILED, 2, Action.RERUN, C.PREEMPTED, "signal 15"),
+        ([t(0, C.PREEMPTED, 143)], ExecutionState.FAILED, 3, Action.FAIL_NO_RETRY, C.PREEMPTED, "preemption budget exhausted"),
+        ([t(0, C.TIMED_OUT, 143)], ExecutionState.FAILED, 0, Action.RERUN, C.TIMED_OUT, "timed out"),
+        ([t(0, C.FAILED, 1)], ExecutionState.FAILED, 0, Action.FAIL, C.FAILED, "exit code 1"),
+        ([t(0, C.FATAL, 78)], ExecutionState.FAILED, 0, Action.FAIL_NO_RETRY, C.FATAL, "non-retryable exit code"),
+        ([t(0, C.PREEMPTED, 143)], ExecutionState.CANCELLED, 0, Action.FAIL_NO_RETRY, C.CANCELLED, "cancelled"),
+        # Mixed: FATAL beats FAILED beats PREEMPTED; system-cancelled siblings do not count.
+        ([t(0, C.PREEMPTED, 143), t(1, C.FAILED, 1)], ExecutionState.FAILED, 0, Action.FAIL, C.FAILED, "task 1"),
+        ([t(0, C.FAILED, 1), t(1, C.FATAL, 65)], ExecutionState.FAILED, 0, Action.FAIL_NO_RETRY, C.FATAL, "task 1"),
+        ([t(0, C.SUCCEEDED, 0), t(1, C.PREEMPTED, 143), t(2, C.CANCELLED)], ExecutionState.FAILED, 0, Action.RERUN, C.PREEMPTED, "task 1"),
+        ([t(0, C.SUCCEEDED, 0), t(1, C.INCOMPLETE)], ExecutionState.FAILED, 0, Action.FAIL, C.FAILED, "without a task to blame"),
+        ([t(0, C.PREEMPTED, 143)], ExecutionState.FAILED, 0, Action.RERUN, C.PREEMPTED, "resumes from the checkpoint"),
+    ],
+)
+def test_decide(tasks, state, used, action, outcome, reason):
+    decision = decide(tasks, state=state, reruns_used=used, max_reruns=3)
+    assert (decision.action, decision.outcome) == (action, outcome)
+    assert reason in decision.reason
+
+
+def test_decide_zero_budget_fails_on_first_preemption():
+    decision = decide([t(0, C.PREEMPTED, 143)], state=ExecutionState.FAILED, reruns_used=0, max_reruns=0)
+    assert decision.action is Action.FAIL_NO_RETRY and "budget exhausted" in decision.reason
+
+
+def test_decide_refuses_running_execution():
+    with pytest.raises(ValueError, match="RUNNING"):
+        decide([], state=ExecutionState.RUNNING, reruns_used=0, max_reruns=3)
