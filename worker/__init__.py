@@ -1,0 +1,6 @@
+"""Bundled PyTorch worker: checkpointed, preemption-safe training for Cloud Run GPU jobs.
+
+Depends on torch and the standard library only. Run it as ``python -m worker train``.
+"""
+
+__version__ = "0.1.0"

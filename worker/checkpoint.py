@@ -1,0 +1,429 @@
+"""Checkpoints of the complete training state, committed so that a torn one is never used.
+
+Commit protocol (no atomic rename assumed, since GCS FUSE renames by copy and delete):
+
+1. Remove any stale commit record for the step (left by an earlier attempt).
+2. Write the data to ``ckpt-{step:08d}.pt``, flush and fsync.
+3. Write the commit record ``ckpt-{step:08d}.commit.json`` = ``{step, size, sha256, created_at}``
+   last, through a temporary name, fsync and rename.
+
+A checkpoint exists only when its commit record parses and matches the data's size and sha256.
+Anything else (a data file with no record, a truncated or corrupted file, a torn record) is
+ignored by discovery and skipped, with a warning, on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import re
+import time
+from typing import Any, Callable, Iterable, Mapping, Protocol
+
+from worker.logs import StructuredLogger, utc_now
+from worker.storage import LocalStorage, Storage
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATALOADER = "dataloader"
+TRAIN_STATE = "train_state"
+STATE_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
+
+DATA = "data"
+COMMIT = "commit"
+_SUFFIX = {DATA: ".pt", COMMIT: ".commit.json"}
+_NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
+
+
+class Stateful(Protocol):
+    """An object whose state is saved in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """:return: the state, as tensors, primitives, lists and dicts only."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state returned by :meth:`state_dict`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedName:
+    """A parsed checkpoint file name.
+
+    :param step: the optimizer step of the checkpoint.
+    :param kind: :data:`DATA` or :data:`COMMIT`.
+    :param temporary: whether the name carries the ``.tmp`` suffix of an unfinished write.
+    """
+
+    step: int
+    kind: str
+    temporary: bool = False
+
+
+class CheckpointName:
+    """Builds and parses checkpoint file names with one anchored regex."""
+
+    @staticmethod
+    def build(step: int, kind: str = DATA) -> str:
+        """:return: ``ckpt-{step:08d}.pt`` for data, ``ckpt-{step:08d}.commit.json`` for a record.
+
+        :param step: a non-negative step.
+        :param kind: :data:`DATA` or :data:`COMMIT`.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if kind not in _SUFFIX:
+            raise ValueError(f"kind must be {DATA!r} or {COMMIT!r}, got {kind!r}")
+        return f"ckpt-{step:08d}{_SUFFIX[kind]}"
+
+    @staticmethod
+    def parse(name: str) -> ParsedName | None:
+        """:return: the parsed name, or ``None`` when ``name`` is not a checkpoint file name."""
+        match = _NAME_RE.match(name)
+        if match is None:
+            return None
+        kind = DATA if match.group("suffix") == ".pt" else COMMIT
+        return ParsedName(int(match.group("step")), kind, match.group("tmp") is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """The record that commits one checkpoint.
+
+    :param step: the step of the checkpoint.
+    :param size: size of the data file, in bytes.
+    :param sha256: hex sha256 of the data file.
+    :param created_at: RFC 3339 UTC time of the commit.
+    """
+
+    step: int
+    size: int
+    sha256: str
+    created_at: str
+
+    def to_bytes(self) -> bytes:
+        """:return: the record as JSON bytes."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> CommitRecord:
+        """Parse and validate a record; raises ``ValueError`` when it is torn or malformed."""
+        try:
+            obj = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"commit record is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ValueError("commit record is not a JSON object")
+        step, size, digest = obj.get("step"), obj.get("size"), obj.get("sha256")
+        if not isinstance(step, int) or not isinstance(size, int) or size < 0:
+            raise ValueError("commit record has no valid step or size")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError("commit record has no valid sha256")
+        return cls(step, size, digest, str(obj.get("created_at", "")))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedIntervalPolicy:
+    """Save every ``interval`` steps.
+
+    :param interval: steps between checkpoints (> 0).
+    """
+
+    interval: int
+
+    def should_save(self, step: int) -> bool:
+        """:return: whether ``step`` is a multiple of the interval."""
+        return step > 0 and step % self.interval == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AnySavePolicy:
+    """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`save`)."""
+
+    policies: tuple[FixedIntervalPolicy, ...]
+
+    def should_save(self, step: int) -> bool:
+        """:return: whether any policy wants a checkpoint at ``step``."""
+        return any(policy.should_save(step) for policy in self.policies)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatestN:
+    """Keep the newest ``n`` valid checkpoints.
+
+    :param n: how many valid checkpoints to keep (>= 1 here; the manager requires >= 2).
+    """
+
+    n: int
+
+    def to_keep(self, valid_steps: Iterable[int]) -> list[int]:
+        """:return: the steps to keep, newest first."""
+        return sorted(set(valid_steps), reverse=True)[: self.n]
+
+    def to_delete(self, present_steps: Iterable[int], valid_steps: Iterable[int]) -> list[int]:
+        """:return: the steps to delete, oldest first.
+
+        Only steps older than the newest kept one are deleted, so a checkpoint newer than the
+        last valid one (possibly still being written) is never touched. With no valid checkpoint,
+        nothing is deleted.
+
+        :param present_steps: every step with any file (valid or not).
+        :param valid_steps: the steps whose checkpoint is committed and verified.
+        """
+        keep = self.to_keep(valid_steps)
+        if not keep:
+            return []
+        return sorted(s for s in set(present_steps) if s not in keep and s < keep[0])
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Configuration of a :class:`CheckpointManager`.
+
+    :param folder: the task's checkpoint namespace (a plain path string).
+    :param interval: save every this many optimizer steps; default 50.
+    :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
+        may be incomplete when the process is killed, and the previous one must still exist.
+    :param load_step: step to load, or -1 for the newest valid one.
+    :param pause_before_commit_s: testing only: sleep this long (seconds) between the data
+        write and the commit record, so tests can kill the process there; default 0.
+    :param pause_mid_write_s: testing only: write half the data, sleep this long (seconds),
+        then write all of it, so tests can leave a torn data file; default 0.
+    """
+
+    folder: str
+    interval: int = 50
+    keep_latest_k: int = 2
+    load_step: int = -1
+    pause_before_commit_s: float = 0.0
+    pause_mid_write_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.folder:
+            raise ValueError("checkpoint folder must not be empty")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"checkpoint interval must be an int >= 1, got {self.interval!r}")
+        if self.keep_latest_k == 1:
+            raise ValueError(
+                "keep_latest_k=1 is refused: the newest checkpoint may still be in flight "
+                "when the task is killed, so at least 2 must be kept"
+            )
+        if not isinstance(self.keep_latest_k, int) or self.keep_latest_k < 2:
+            raise ValueError(f"keep_latest_k must be an int >= 2, got {self.keep_latest_k!r}")
+        if not isinstance(self.load_step, int) or self.load_step < -1:
+            raise ValueError(f"load_step must be -1 or a step >= 0, got {self.load_step!r}")
+        if self.pause_before_commit_s < 0 or self.pause_mid_write_s < 0:
+            raise ValueError("test pauses must be >= 0 seconds")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointManager:
+    """Saves, discovers, verifies, loads and purges the checkpoints of one task.
+
+    Saves are synchronous. Use it as a context manager; :meth:`close` waits for pending work.
+
+    :param config: the checkpoint configuration.
+    :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
+    :param storage: the storage backend; default :class:`~worker.storage.LocalStorage`.
+    :param logger: structured logger; default one on stdout.
+    :param clock: monotonic clock in seconds, for save timings.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        states: Mapping[str, Stateful],
+        *,
+        storage: Storage | None = None,
+        logger: StructuredLogger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._states = dict(states)
+        self._storage = storage or LocalStorage()
+        self._log = logger or StructuredLogger()
+        self._clock = clock
+        self._save_policy = AnySavePolicy((FixedIntervalPolicy(config.interval),))
+        self._keep_policy = KeepLatestN(config.keep_latest_k)
+        self._save_seconds: list[float] = []
+        self.last_saved_step: int | None = None
+        self.loaded_step: int | None = None
+        self.checkpoints_written = 0
+        self._closed = False
+        self.cleanup_stale()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def path(self, step: int, kind: str = DATA) -> str:
+        """:return: the path of the data file or commit record of ``step``."""
+        return f"{self.config.folder.rstrip('/')}/{CheckpointName.build(step, kind)}"
+
+    @property
+    def estimated_save_seconds(self) -> float:
+        """The longest of the last five save durations, in seconds (1.0 before any save)."""
+        return max(self._save_seconds[-5:], default=1.0)
+
+    def present_steps(self) -> list[int]:
+        """:return: every step with a data file or commit record, newest first."""
+        steps = set()
+        for name in self._storage.list(self.config.folder):
+            parsed = CheckpointName.parse(name)
+            if parsed is not None and not parsed.temporary:
+                steps.add(parsed.step)
+        return sorted(steps, reverse=True)
+
+    def verify(self, step: int) -> tuple[bytes | None, str]:
+        """Check one checkpoint against its commit record.
+
+        :return: ``(data, "")`` when valid, else ``(None, reason)``.
+        """
+        try:
+            record = CommitRecord.from_bytes(self._storage.read(self.path(step, COMMIT)))
+        except FileNotFoundError:
+            return None, "no commit record (uncommitted)"
+        except (OSError, ValueError) as exc:
+            return None, f"unreadable commit record: {exc}"
+        if record.step != step:
+            return None, f"commit record is for step {record.step}"
+        try:
+            data = self._storage.read(self.path(step, DATA))
+        except OSError as exc:
+            return None, f"unreadable data file: {exc}"
+        if len(data) != record.size:
+            return None, f"size {len(data)} bytes, commit record says {record.size}"
+        if _sha256(data) != record.sha256:
+            return None, "sha256 does not match the commit record"
+        return data, ""
+
+    def valid_steps(self) -> list[int]:
+        """:return: the steps of committed, verified checkpoints, newest first."""
+        return [s for s in self.present_steps() if self.verify(s)[0] is not None]
+
+    def latest_step(self) -> int | None:
+        """:return: the newest valid step, or ``None`` when there is none."""
+        for step in self.present_steps():
+            if self.verify(step)[0] is not None:
+                return step
+        return None
+
+    def cleanup_stale(self) -> None:
+        """Remove leftovers of a killed attempt: temp files and uncommitted data files."""
+        names = set(self._storage.list(self.config.folder))
+        for name in sorted(names):
+            parsed = CheckpointName.parse(name)
+            if parsed is None:
+                continue
+            commit_name = CheckpointName.build(parsed.step, COMMIT)
+            if parsed.temporary or (parsed.kind == DATA and commit_name not in names):
+                self._storage.remove(f"{self.config.folder.rstrip('/')}/{name}")
+                self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
+
+    def save(self, step: int, *, force: bool = False) -> bool:
+        """Save and commit a checkpoint of all states at ``step`` when the policy says so.
+
+        :param step: the number of optimizer steps done.
+        :param force: save regardless of the interval (final step, preemption).
+        :return: whether a checkpoint was written.
+        """
+        if step == self.last_saved_step or not (force or self._save_policy.should_save(step)):
+            return False
+        started = self._clock()
+        payload = self._serialize()
+        data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
+        self._storage.remove(commit_path)
+        self._write_data(data_path, payload)
+        self._log.debug("checkpoint data written", step=step, file=data_path)
+        if self.config.pause_before_commit_s:
+            time.sleep(self.config.pause_before_commit_s)
+        record = CommitRecord(step, len(payload), _sha256(payload), utc_now())
+        self._storage.write(commit_path, record.to_bytes(), atomic=True)
+        seconds = self._clock() - started
+        self._save_seconds.append(seconds)
+        self.last_saved_step = step
+        self.checkpoints_written += 1
+        self._log.info(
+            "checkpoint saved", step=step, bytes=len(payload), seconds=round(seconds, 4), file=data_path
+        )
+        self._purge()
+        return True
+
+    def _serialize(self) -> bytes:
+        import torch  # imported lazily: FATAL and completion checks run without torch
+
+        buffer = io.BytesIO()
+        torch.save({key: obj.state_dict() for key, obj in self._states.items()}, buffer)
+        return buffer.getvalue()
+
+    def _write_data(self, path: str, payload: bytes) -> None:
+        if self.config.pause_mid_write_s:
+            self._storage.write(path, payload[: len(payload) // 2])
+            self._log.debug("checkpoint data half written", file=path)
+            time.sleep(self.config.pause_mid_write_s)
+        self._storage.write(path, payload)
+
+    def _purge(self) -> None:
+        doomed = self._keep_policy.to_delete(self.present_steps(), self.valid_steps())
+        for step in doomed:
+            for kind in (COMMIT, DATA):
+                try:
+                    self._storage.remove(self.path(step, kind))
+                except OSError as exc:
+                    self._log.warning("could not delete old checkpoint", step=step, error=str(exc))
+
+    def load(self, step: int | None = None) -> bool:
+        """Load the newest valid checkpoint (or ``step``) into the states.
+
+        An invalid candidate (torn, truncated, corrupt, unloadable) is skipped with a WARNING
+        naming its file, and the previous one is tried.
+
+        :param step: the step to load; default ``config.load_step`` (-1: newest valid).
+        :return: whether a checkpoint was loaded (its step is then in :attr:`loaded_step`).
+        """
+        wanted = self.config.load_step if step is None else step
+        candidates = self.present_steps() if wanted == -1 else [wanted]
+        for candidate in candidates:
+            state = self._read_state(candidate)
+            if state is None:
+                continue
+            for key, obj in self._states.items():
+                obj.load_state_dict(state[key])
+            self.loaded_step = self.last_saved_step = candidate
+            return True
+        return False
+
+    def _read_state(self, step: int) -> dict[str, Any] | None:
+        import torch
+
+        data, reason = self.verify(step)
+        if data is not None:
+            try:
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                missing = [key for key in self._states if key not in state]
+                if not missing:
+                    return state
+                reason = f"checkpoint lacks items {missing}"
+            except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
+                reason = f"torch.load failed: {exc}"
+        self._log.warning(
+            "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason
+        )
+        return None
+
+    def wait_until_finished(self) -> None:
+        """Wait for any save in flight. Saves are synchronous, so this returns at once."""
+
+    def close(self) -> None:
+        """Finish pending work; the manager must not be used afterwards."""
+        if not self._closed:
+            self.wait_until_finished()
+            self._closed = True
+

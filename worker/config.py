@@ -1,0 +1,242 @@
+"""Configuration from flags and the Cloud Run environment; validation maps to exit 78."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from typing import Mapping, Sequence
+
+from worker.checkpoint import CheckpointConfig
+from worker.errors import ConfigError
+from worker.preemption import DEFAULT_GRACE_SECONDS
+
+DEFAULT_ROOT = "/checkpoints"
+DEFAULT_DATA = "data/digits.npz"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ConfigError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+def _safe_name(value: str, what: str) -> str:
+    if not _SAFE_NAME.match(value) or value in (".", ".."):
+        raise ConfigError(f"{what} {value!r} is not a safe path component ([A-Za-z0-9._-], max 128)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskIdentity:
+    """Who this process is, from the ``CLOUD_RUN_*`` variables.
+
+    :param job: ``CLOUD_RUN_JOB``; default ``local``.
+    :param execution: ``CLOUD_RUN_EXECUTION``; default empty.
+    :param task_index: ``CLOUD_RUN_TASK_INDEX``, 0-based; default 0.
+    :param task_attempt: ``CLOUD_RUN_TASK_ATTEMPT``, 0-based; default 0.
+    :param task_count: ``CLOUD_RUN_TASK_COUNT``; default 1.
+    """
+
+    job: str = "local"
+    execution: str = ""
+    task_index: int = 0
+    task_attempt: int = 0
+    task_count: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TaskIdentity:
+        """:raises ConfigError: when a variable is malformed."""
+        identity = cls(
+            job=_safe_name(env.get("CLOUD_RUN_JOB") or "local", "CLOUD_RUN_JOB"),
+            execution=env.get("CLOUD_RUN_EXECUTION", ""),
+            task_index=_env_int(env, "CLOUD_RUN_TASK_INDEX", 0),
+            task_attempt=_env_int(env, "CLOUD_RUN_TASK_ATTEMPT", 0),
+            task_count=_env_int(env, "CLOUD_RUN_TASK_COUNT", 1, minimum=1),
+        )
+        if identity.task_index >= identity.task_count:
+            raise ConfigError(f"CLOUD_RUN_TASK_INDEX={identity.task_index} >= CLOUD_RUN_TASK_COUNT")
+        return identity
+
+    def namespace(self, root: str, run_id: str | None) -> str:
+        """:return: ``{root}/{job}[/{run_id}]/task-{index}``."""
+        parts = [root.rstrip("/") or "/", self.job] + ([run_id] if run_id else [])
+        return os.path.join(*parts, f"task-{self.task_index}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters and pacing of the training run.
+
+    :param steps: total optimizer steps; default 600.
+    :param batch_size: samples per batch; default 64.
+    :param lr: peak learning rate of Adam (cosine decay to 0); default 0.003.
+    :param hidden: hidden units in each of the two MLP layers; default 128.
+    :param dropout: dropout probability; default 0.1.
+    :param seed: seed of initialization, dropout and data order; default 0.
+    :param step_delay: seconds to sleep after each step (demos of preemption); default 0.
+    :param device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    :param threads: torch CPU threads; default unchanged.
+    """
+
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3
+    hidden: int = 128
+    dropout: float = 0.1
+    seed: int = 0
+    step_delay: float = 0.0
+    device: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if not self.step_delay >= 0:
+            raise ValueError(f"--step-delay must be >= 0, got {self.step_delay}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+
+    def fingerprint(self) -> dict[str, object]:
+        """:return: the settings that a checkpoint must have been written with to be resumed."""
+        keys = ("steps", "batch_size", "lr", "hidden", "dropout", "seed")
+        return {key: getattr(self, key) for key in keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one attempt needs.
+
+    :param train: hyperparameters.
+    :param checkpoint: checkpoint manager settings (``folder`` is the namespace).
+    :param identity: the Cloud Run task identity.
+    :param data_path: the ``.npz`` input file (absolute).
+    :param grace_seconds: ``PREEMPTION_GRACE_SECONDS``, SIGTERM to SIGKILL; default 10.
+    :param task_timeout_seconds: ``TASK_TIMEOUT_SECONDS``, the attempt deadline; default none.
+    :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
+    """
+
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    identity: TaskIdentity
+    data_path: str
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    task_timeout_seconds: float | None = None
+    progress_interval: float = 1.0
+
+    @property
+    def namespace(self) -> str:
+        """The task's checkpoint folder."""
+        return self.checkpoint.folder
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are configuration errors (exit 78)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"invalid arguments: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """:return: the ``python -m worker`` argument parser."""
+    parser = _Parser(prog="python -m worker", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser("train", help="train (or resume) the digits MLP")
+    defaults = TrainConfig()
+    add = train.add_argument
+    add("--data", default=DEFAULT_DATA, help="input .npz; relative paths resolve against the root")
+    add("--checkpoint-dir", default=None, help="checkpoint root; else $CHECKPOINT_DIR, else /checkpoints")
+    add("--run-id", default=None, help="extra namespace level; else $CHECKPOINT_RUN_ID")
+    add("--steps", type=int, default=defaults.steps, help="total optimizer steps")
+    add("--batch-size", type=int, default=defaults.batch_size)
+    add("--lr", type=float, default=defaults.lr, help="peak learning rate (cosine decay)")
+    add("--hidden", type=int, default=defaults.hidden, help="hidden units per layer")
+    add("--dropout", type=float, default=defaults.dropout)
+    add("--seed", type=int, default=defaults.seed)
+    add("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    add("--keep", type=int, default=2, help="valid checkpoints to keep (>= 2)")
+    add("--step-delay", type=float, default=0.0, help="seconds to sleep per step (demos)")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--threads", type=int, default=None, help="torch CPU threads; default unchanged")
+    add("--progress-interval", type=float, default=1.0, help="min seconds between progress.json writes")
+    return parser
+
+
+def guess_namespace(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """Best-effort namespace for a ``FATAL`` marker when the full configuration is invalid.
+
+    :return: the namespace, or ``None`` when even that cannot be worked out.
+    """
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--checkpoint-dir")
+    probe.add_argument("--run-id")
+    try:
+        known, _ = probe.parse_known_args(list(argv))
+        root = known.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
+        run_id = known.run_id or env.get("CHECKPOINT_RUN_ID") or None
+        return TaskIdentity.from_env(env).namespace(root, _safe_name(run_id, "run id") if run_id else None)
+    except (ConfigError, SystemExit):
+        return None
+
+
+def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
+    """Parse flags and environment into a validated :class:`WorkerConfig`.
+
+    :raises ConfigError: on any invalid flag or variable.
+    """
+    args = build_parser().parse_args(list(argv))
+    identity = TaskIdentity.from_env(env)
+    root = args.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
+    run_id = args.run_id or env.get("CHECKPOINT_RUN_ID") or None
+    namespace = identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
+    try:
+        train = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, hidden=args.hidden,
+            dropout=args.dropout, seed=args.seed, step_delay=args.step_delay,
+            device=args.device, threads=args.threads,
+        )
+        checkpoint = CheckpointConfig(
+            folder=namespace, interval=args.checkpoint_every, keep_latest_k=args.keep,
+            pause_before_commit_s=_env_float(env, "WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", 0.0) or 0.0,
+            pause_mid_write_s=_env_float(env, "WORKER_TEST_PAUSE_MID_WRITE_SECONDS", 0.0) or 0.0,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not args.progress_interval >= 0:
+        raise ConfigError(f"--progress-interval must be >= 0, got {args.progress_interval}")
+    return WorkerConfig(
+        train=train, checkpoint=checkpoint, identity=identity,
+        data_path=os.path.join(root, args.data),
+        grace_seconds=_env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS),
+        task_timeout_seconds=_env_float(env, "TASK_TIMEOUT_SECONDS", None),
+        progress_interval=args.progress_interval,
+    )

@@ -1,0 +1,82 @@
+"""The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``FATAL``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+from worker.logs import StructuredLogger, utc_now
+from worker.storage import Storage
+
+PROGRESS = "progress.json"
+METRICS = "metrics.json"
+FATAL = "FATAL"
+
+
+def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
+    """Write ``obj`` as JSON through a temp file, fsync and rename."""
+    storage.write(path, (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode(), atomic=True)
+
+
+def read_json(storage: Storage, path: str) -> dict[str, Any] | None:
+    """:return: the JSON object in ``path``, or ``None`` when missing, torn or not an object."""
+    try:
+        obj = json.loads(storage.read(path).decode())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class ProgressReporter:
+    """Writes ``progress.json`` at most every ``min_interval`` seconds, and logs progress.
+
+    :param storage: the storage backend.
+    :param namespace: the task folder.
+    :param total_steps: steps of the whole run.
+    :param start_step: the step this attempt started from (for steps per second).
+    :param logger: structured logger.
+    :param min_interval: minimum seconds between writes, unless forced; default 1.
+    :param log_interval: minimum seconds between progress log lines, unless forced; default 5.
+    :param clock: monotonic clock in seconds.
+    """
+
+    def __init__(
+        self, storage: Storage, namespace: str, total_steps: int, start_step: int,
+        logger: StructuredLogger, *, min_interval: float = 1.0, log_interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._storage, self._path = storage, os.path.join(namespace, PROGRESS)
+        self.total_steps, self.start_step = total_steps, start_step
+        self._log, self._clock = logger, clock
+        self._min_interval, self._log_interval = min_interval, log_interval
+        self._started = clock()
+        self._last_write = self._last_log = float("-inf")
+
+    def update(self, step: int, loss: float | None, *, status: str = "running", force: bool = False) -> None:
+        """Write progress now if forced or due.
+
+        :param step: steps done.
+        :param loss: the running loss, or ``None`` before any step.
+        :param status: ``running``, ``preempted`` or ``completed``.
+        :param force: write regardless of the interval.
+        """
+        now = self._clock()
+        if not force and now - self._last_write < self._min_interval:
+            return
+        elapsed = now - self._started
+        rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_steps - step) / rate if rate > 0 else None
+        record = {
+            "step": step, "total_steps": self.total_steps, "status": status, "updated_at": utc_now(),
+            "loss": loss, "steps_per_second": round(rate, 3),
+        }
+        write_json(self._storage, self._path, record)
+        self._last_write = now
+        if force or now - self._last_log >= self._log_interval:
+            self._last_log = now
+            eta_s = None if eta is None else round(eta, 1)
+            self._log.info(f"progress: step {step}/{self.total_steps}", step=step,
+                           total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
+                           eta_seconds=eta_s, status=status)

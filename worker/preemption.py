@@ -1,0 +1,93 @@
+"""Preemption notice: SIGTERM/SIGINT handling and the attempt deadline.
+
+The signal handler only records the time and sets a :class:`threading.Event`; the training loop
+checks :attr:`PreemptionWatcher.requested` at every step boundary and does the rest.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Callable
+
+DEFAULT_GRACE_SECONDS = 10.0
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM/SIGINT (and an optional deadline) into a stop request.
+
+    :param grace_seconds: time between SIGTERM and SIGKILL, in seconds; default 10.
+    :param deadline: monotonic time (seconds) at which to stop as if preempted; default none.
+    :param signals: the signals to handle; default SIGTERM and SIGINT.
+    :param clock: monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        *,
+        deadline: float | None = None,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace_seconds = grace_seconds
+        self.deadline = deadline
+        self._signals = signals
+        self._clock = clock
+        self._event = threading.Event()
+        self._previous: dict[signal.Signals, object] = {}
+        self.started_at = clock()
+        self.received_at: float | None = None
+        self.signal_name: str | None = None
+
+    def __enter__(self) -> PreemptionWatcher:
+        self.install()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.uninstall()
+
+    def install(self) -> None:
+        """Install the handlers (main thread only), remembering the previous ones."""
+        for signum in self._signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before :meth:`install`."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is None:
+            self.received_at = self._clock()
+            self.signal_name = signal.Signals(signum).name
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        """Whether a signal arrived or the deadline passed."""
+        if not self._event.is_set() and self.deadline is not None and self._clock() >= self.deadline:
+            self.received_at = self._clock()
+            self.signal_name = "DEADLINE"
+            self._event.set()
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, waking early on a stop request.
+
+        :return: whether a stop was requested.
+        """
+        return self._event.wait(seconds) if seconds > 0 else self._event.is_set()
+
+    def remaining_grace(self) -> float:
+        """:return: seconds left before the expected SIGKILL (the full grace before a notice)."""
+        if self.received_at is None:
+            return self.grace_seconds
+        return self.grace_seconds - (self._clock() - self.received_at)
+
+    def final_save_fits(self, estimated_save_seconds: float, margin: float = 0.5) -> bool:
+        """:return: whether a save taking ``estimated_save_seconds`` (x1.5 + ``margin`` s) fits."""
+        return estimated_save_seconds * 1.5 + margin < self.remaining_grace()

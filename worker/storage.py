@@ -1,0 +1,83 @@
+"""Storage behind a four-method protocol on ``str`` paths.
+
+Only a local (or FUSE-mounted) file system is implemented. Nothing here assumes that rename is
+atomic: on a GCS FUSE mount it is a copy followed by a delete, so readers must validate what they
+read (see :mod:`worker.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+
+class Storage(Protocol):
+    """What the checkpoint manager needs from a storage backend."""
+
+    def write(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+        """Write ``data`` durably to ``path``, creating parent folders."""
+
+    def read(self, path: str) -> bytes:
+        """:return: the whole content of ``path``; raises ``OSError`` when unreadable."""
+
+    def list(self, folder: str) -> list[str]:
+        """:return: the names (not paths) directly in ``folder``; empty when it is missing."""
+
+    def remove(self, path: str) -> None:
+        """Delete ``path``; a missing file is not an error."""
+
+
+def _fsync_dir(folder: str) -> None:
+    """Best-effort fsync of a directory, so a new entry survives a crash."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """:class:`Storage` on a local or FUSE-mounted POSIX file system."""
+
+    def write(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+        """Write, flush and fsync ``data`` to ``path``.
+
+        :param path: destination file.
+        :param data: the bytes to write.
+        :param atomic: write to ``path + ".tmp"`` first, then rename it over ``path``. The rename
+            is only atomic on local disks; readers still validate the content.
+        """
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        target = path + ".tmp" if atomic else path
+        with open(target, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if atomic:
+            os.replace(target, path)
+        _fsync_dir(folder)
+
+    def read(self, path: str) -> bytes:
+        """:return: the bytes of ``path``."""
+        with open(path, "rb") as handle:
+            return handle.read()
+
+    def list(self, folder: str) -> list[str]:
+        """:return: sorted entry names in ``folder`` (empty if it does not exist)."""
+        try:
+            return sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, path: str) -> None:
+        """Delete ``path`` if it exists."""
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,244 @@
+"""The training run: build, resume, train with checkpoints, stop on preemption, finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker import checkpoint as ckpt
+from worker.config import WorkerConfig
+from worker.data import Dataset, EpochSampler, load_dataset
+from worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError
+from worker.files import METRICS, PROGRESS, ProgressReporter, read_json, write_json
+from worker.logs import StructuredLogger
+from worker.preemption import PreemptionWatcher
+from worker.state import TrainState, state_digest
+from worker.storage import LocalStorage, Storage
+
+
+class MLP(nn.Module):
+    """Two hidden ReLU layers with dropout.
+
+    :param inputs: input features.
+    :param hidden: hidden units per layer.
+    :param classes: output classes.
+    :param dropout: dropout probability.
+    """
+
+    def __init__(self, inputs: int, hidden: int, classes: int, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(inputs, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:return: class logits."""
+        return self.net(x)
+
+
+def select_device(name: str) -> torch.device:
+    """:return: the device for ``auto``/``cpu``/``cuda``; raises ConfigError if CUDA is missing."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but CUDA is not available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def configure_torch(threads: int | None) -> None:
+    """Deterministic algorithms (warn-only) and, when given, the CPU thread count."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+@dataclasses.dataclass
+class Components:
+    """The checkpointed objects of one run."""
+
+    model: MLP
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: EpochSampler
+    state: TrainState
+
+    def stateful(self) -> dict[str, ckpt.Stateful]:
+        """:return: the checkpoint items; ``train_state`` first, so settings are checked first."""
+        return {
+            ckpt.TRAIN_STATE: self.state, ckpt.MODEL: self.model, ckpt.OPTIMIZER: self.optimizer,
+            ckpt.LR_SCHEDULER: self.lr_scheduler, ckpt.DATALOADER: self.sampler,
+        }
+
+
+def build_components(config: WorkerConfig, data: Dataset, device: torch.device) -> Components:
+    """Build model, optimizer, scheduler, sampler and train state from the seed."""
+    train = config.train
+    torch.manual_seed(train.seed)
+    model = MLP(data.num_features, train.hidden, data.num_classes, train.dropout).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=train.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=train.steps)
+    sampler = EpochSampler(int(data.x_train.shape[0]), train.batch_size, train.seed)
+    return Components(model, optimizer, scheduler, sampler, TrainState(train.fingerprint()))
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """:return: accuracy of ``model`` on ``(x, y)``, in [0, 1]."""
+    model.eval()
+    with torch.no_grad():
+        predicted = model(x).argmax(dim=1)
+    model.train()
+    return float((predicted == y).float().mean().item())
+
+
+class Trainer:
+    """Runs one attempt of the task.
+
+    :param config: the validated configuration.
+    :param logger: structured logger.
+    :param watcher: the installed preemption watcher.
+    :param storage: storage backend; default local files.
+    """
+
+    def __init__(
+        self, config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
+        storage: Storage | None = None,
+    ) -> None:
+        self.config = config
+        self._log = logger
+        self._watcher = watcher
+        self._storage = storage or LocalStorage()
+        self._started = time.monotonic()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.config.namespace, name)
+
+    def run(self) -> int:
+        """Train to the end or until preempted.
+
+        :return: the exit code: 0 when done, 143 when interrupted.
+        :raises ConfigError: bad settings. :raises DataError: bad data.
+        """
+        configure_torch(self.config.train.threads)
+        device = select_device(self.config.train.device)
+        data = load_dataset(self.config.data_path)
+        data = Dataset(*(t.to(device) for t in dataclasses.astuple(data)))
+        parts = build_components(self.config, data, device)
+        with ckpt.CheckpointManager(self.config.checkpoint, parts.stateful(), storage=self._storage,
+                                    logger=self._log) as manager:
+            self._resume(manager, parts)
+            progress = ProgressReporter(
+                self._storage, self.config.namespace, self.config.train.steps, parts.state.step,
+                self._log, min_interval=self.config.progress_interval,
+            )
+            code = self._train_loop(manager, parts, data, progress)
+            if code != EXIT_OK:
+                return code
+            self._finish(manager, parts, data, progress)
+        return EXIT_OK
+
+    def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
+        previous = read_json(self._storage, self._path(PROGRESS)) or {}
+        reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        if manager.load():
+            step = parts.state.step
+            parts.state.checkpoints += 1  # the loaded checkpoint itself
+            self._log.info(f"resuming from step {step}", resumed_from_step=step,
+                           file=manager.path(step), epoch=parts.sampler.epoch,
+                           position=parts.sampler.position)
+        else:
+            step = 0
+            self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
+        lost = max(0, reported - step) if reported is not None else 0
+        identity = self.config.identity
+        parts.state.history.append({
+            "execution": identity.execution, "attempt": identity.task_attempt,
+            "task_index": identity.task_index, "resumed_from_step": step, "lost_steps": lost,
+        })
+        if lost:
+            self._log.warning(f"lost {lost} steps of work since the last checkpoint",
+                              lost_steps=lost, last_reported_step=reported, resumed_from_step=step)
+
+    def _train_step(self, parts: Components, data: Dataset) -> float:
+        indices = parts.sampler.next_indices().to(data.x_train.device)
+        parts.optimizer.zero_grad(set_to_none=True)
+        logits = parts.model(data.x_train[indices])
+        loss = nn.functional.cross_entropy(logits, data.y_train[indices])
+        loss.backward()
+        parts.optimizer.step()
+        parts.lr_scheduler.step()
+        return float(loss.item())
+
+    def _train_loop(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
+                    progress: ProgressReporter) -> int:
+        state, delay = parts.state, self.config.train.step_delay
+        parts.model.train()
+        while state.step < self.config.train.steps:
+            if self._watcher.requested:
+                return self._on_stop(manager, parts, progress)
+            state.observe(self._train_step(parts, data))
+            state.step += 1
+            saved = self._save(manager, parts, state.step)
+            progress.update(state.step, state.loss_ema, force=saved)
+            if delay:
+                self._watcher.wait(delay)
+        return EXIT_OK
+
+    def _save(self, manager: ckpt.CheckpointManager, parts: Components, step: int,
+              force: bool = False) -> bool:
+        saved = manager.save(step, force=force)
+        if saved:
+            parts.state.checkpoints += 1
+        return saved
+
+    def _on_stop(self, manager: ckpt.CheckpointManager, parts: Components,
+                 progress: ProgressReporter) -> int:
+        step, watcher = parts.state.step, self._watcher
+        self._log.warning(f"{watcher.signal_name} received; stopping at step {step}",
+                          signal=watcher.signal_name, step=step,
+                          remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        if manager.last_saved_step == step:
+            self._log.info("step already checkpointed", step=step)
+        elif watcher.final_save_fits(manager.estimated_save_seconds):
+            self._save(manager, parts, step, force=True)
+        else:
+            self._log.warning("final checkpoint skipped: it would not fit in the grace period",
+                              step=step, estimated_save_seconds=manager.estimated_save_seconds,
+                              remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        progress.update(step, parts.state.loss_ema, status="preempted", force=True)
+        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
+                          last_checkpoint_step=manager.last_saved_step)
+        return EXIT_PREEMPTED
+
+    def _finish(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
+                progress: ProgressReporter) -> None:
+        total = self.config.train.steps
+        self._save(manager, parts, total, force=True)
+        manager.wait_until_finished()
+        metrics = self.final_metrics(parts, data)
+        write_json(self._storage, self._path(METRICS), metrics)
+        progress.update(total, parts.state.loss_ema, status="completed", force=True)
+        self._log.info("training complete", **{k: v for k, v in metrics.items() if k != "history"})
+
+    def final_metrics(self, parts: Components, data: Dataset) -> dict[str, Any]:
+        """:return: the ``metrics.json`` content."""
+        return {
+            "accuracy": evaluate(parts.model, data.x_test, data.y_test),
+            "test_samples": int(data.y_test.shape[0]),
+            "steps": parts.state.step,
+            "total_steps": self.config.train.steps,
+            "final_loss": parts.state.loss_ema,
+            "wall_seconds": round(parts.state.elapsed_seconds, 3),
+            "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
+            "checkpoints_written": parts.state.checkpoints,
+            "history": parts.state.history,
+            "model_sha256": state_digest(parts.model.state_dict()),
+            "optimizer_sha256": state_digest(parts.optimizer.state_dict()),
+        }
