@@ -1,0 +1,56 @@
+"""Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
+
+``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]``
+starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
+which). ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]``
+asks a running emulator for a maintenance preemption and prints its JSON answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .process import post_json
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m airflow_gpu_resilience.emulator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the Cloud Run Admin API v2 emulator")
+    serve.add_argument("--port", type=int, default=8123, help="API port on 127.0.0.1 (0: any free)")
+    serve.add_argument("--gcs-port", type=int, default=9023, help="GCS emulator port (0: any free)")
+    serve.add_argument("--data-dir", type=Path, required=True, help="GCS objects and attempt logs")
+    serve.add_argument("--images", type=Path, default=None, help="image table JSON file")
+    serve.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
+    serve.add_argument("--failed-execution-code", type=int, default=9,
+                       help="gRPC code of a failed execution's operation error (default 9)")
+    preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
+    preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
+    preempt.add_argument("--execution", required=True, help="full execution name")
+    preempt.add_argument("--task-index", type=int, default=0)
+    preempt.add_argument("--grace-seconds", type=float, default=None)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from .server import ServeConfig, serve
+
+        serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
+                          images_file=args.images, grace_seconds=args.grace_seconds,
+                          failed_execution_code=args.failed_execution_code))
+        return 0
+    payload = {"execution": args.execution, "taskIndex": args.task_index}
+    if args.grace_seconds is not None:
+        payload["graceSeconds"] = args.grace_seconds
+    answer = post_json(args.endpoint.rstrip("/") + "/_emulator/preempt", payload)
+    print(json.dumps(answer))
+    return 1 if "error" in answer else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The FastAPI application: one catch-all ``/v2`` dispatcher over :mod:`urls` plus the admin
+namespace ``/_emulator``.
+
+Admin endpoints:
+- ``GET /_emulator/health`` -> ``{"status": "ok", ...}``
+- ``POST /_emulator/reset`` -> stop all executions and forget all resources; body
+  ``{"gcs": true}`` also wipes the GCS emulator.
+- ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
+  "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
+- ``POST /_emulator/faults`` -> see :mod:`faults`.
+- ``GET /_emulator/logs/{execution or task name}`` -> the attempts' combined logs (text).
+
+Errors from the backend are serialized here, once, into Google's JSON error shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from starlette.concurrency import run_in_threadpool
+
+from . import responses, urls
+from .backend import Registry
+from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
+from .faults import ApiFaults, FaultConfig
+
+_TASK_NAME = "/tasks/"
+
+
+@dataclasses.dataclass
+class AppState:
+    """Everything the handlers need, passed explicitly.
+
+    :param registry: the backends.
+    :param faults: API fault injector.
+    :param grace_seconds: default preemption grace (s).
+    :param gcs: the :class:`~.gcs.GcsService`.
+    :param data_dir: emulator data directory.
+    """
+
+    registry: Registry
+    faults: ApiFaults
+    grace_seconds: float
+    gcs: object
+    data_dir: Path
+
+
+def error_response(err: EmulatorError) -> JSONResponse:
+    """The single place errors become HTTP responses."""
+    return JSONResponse(status_code=err.http_code, content=err.to_dict())
+
+
+def serialize(message, int_enums: bool) -> Response:
+    """A protobuf or proto-plus message as camelCase JSON."""
+    pb = message if isinstance(message, Message) else type(message).pb(message)
+    text = json_format.MessageToJson(pb, use_integers_for_enums=int_enums)
+    return Response(content=text, media_type="application/json")
+
+
+def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) -> Response:
+    """Route one ``/v2`` request, apply injected faults, run the handler, map errors."""
+    try:
+        delay, fault = state.faults.next_fault()
+        if delay:
+            time.sleep(delay)
+        if fault:
+            raise fault
+        found = urls.match(method, path)
+        if found is None:
+            if urls.path_exists(path):
+                raise Unimplemented(f"Method {method} is not supported on /v2/{path}.")
+            raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
+        handler, params = found
+        result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
+        return serialize(result, "enum-encoding=int" in query.get("$alt", ""))
+    except EmulatorError as err:
+        return error_response(err)
+
+
+def create_app(state: AppState) -> FastAPI:
+    """Build the application around ``state``."""
+    app = FastAPI(title="Cloud Run Admin API v2 emulator", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_admin_routes(app, state)
+
+    @app.api_route("/v2/{path:path}", methods=["GET", "POST", "PATCH", "DELETE"])
+    async def v2(path: str, request: HttpRequest) -> Response:
+        body = await request.body()
+        query = dict(request.query_params)
+        return await run_in_threadpool(dispatch, state, request.method, path, query, body)
+
+    return app
+
+
+async def _json_body(request: HttpRequest) -> dict:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:
+        raise InvalidArgument("Invalid JSON body.") from None
+
+
+def _add_admin_routes(app: FastAPI, state: AppState) -> None:
+    @app.exception_handler(EmulatorError)
+    async def _on_error(_request, err: EmulatorError):
+        return error_response(err)
+
+    @app.get("/_emulator/health")
+    def health():
+        return {"status": "ok", "gcsEndpoint": state.gcs.endpoint}
+
+    @app.post("/_emulator/reset")
+    async def reset(request: HttpRequest):
+        body = await _json_body(request)
+        await run_in_threadpool(state.registry.reset)
+        if body.get("gcs"):
+            state.gcs.wipe()
+        return {"reset": True}
+
+    @app.post("/_emulator/faults")
+    async def faults(request: HttpRequest):
+        config = FaultConfig.from_json(await _json_body(request))
+        state.faults.configure(config)
+        return dataclasses.asdict(config)
+
+    @app.post("/_emulator/preempt")
+    async def preempt(request: HttpRequest):
+        return await run_in_threadpool(_preempt, state, await _json_body(request))
+
+    @app.get("/_emulator/logs/{name:path}")
+    def logs(name: str):
+        return PlainTextResponse(read_logs(state.data_dir, name))
+
+
+def _preempt(state: AppState, body: dict) -> dict:
+    if "task" in body:
+        execution, _, task = body["task"].partition(_TASK_NAME)
+        index = int(task.rsplit("-task", 1)[-1]) if "-task" in task else -1
+    elif "execution" in body:
+        execution, index = body["execution"], int(body.get("taskIndex", 0))
+    else:
+        raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
+    grace = float(body.get("graceSeconds", state.grace_seconds))
+    backend = state.registry.for_name(execution)
+    return backend.preempt(execution, index, grace, float(body.get("waitSeconds", 10.0)))
+
+
+def read_logs(data_dir: Path, name: str) -> str:
+    """Concatenated attempt logs of an execution, or of one task when ``name`` is a task."""
+    execution, _, task = name.partition(_TASK_NAME)
+    short = execution.rstrip("/").rsplit("/", 1)[-1]
+    log_dir = Path(data_dir, "logs", short)
+    prefix = f"task{task.rsplit('-task', 1)[-1]}-" if task else "task"
+    files = sorted(log_dir.glob(f"{prefix}*.log"), key=lambda p: p.name) if log_dir.is_dir() else []
+    if not files:
+        raise NotFound(f"No logs for '{name}'.")
+    return "".join(f"==> {p.name} <==\n{p.read_text(errors='replace')}\n" for p in files)

@@ -1,0 +1,94 @@
+"""The image table: how a container image maps to a local command (there is no Docker here).
+
+File format (JSON), given to ``serve --images FILE``::
+
+    {"images": {
+        "local/exit:latest": {"entrypoint": ["{python}", "-c", "import os,sys; sys.exit(int(os.environ.get('CODE','0')))"]},
+        "us-docker.pkg.dev/*/trainer:*": {
+            "entrypoint": ["{python}", "-m", "worker"], "cmd": ["train"],
+            "cwd": ".", "env": {"PYTHONPATH": "."}
+        }
+    }}
+
+- Keys are an exact image reference or an ``fnmatch`` pattern; an exact match wins, then the
+  first matching pattern in file order.
+- ``entrypoint`` and ``cmd`` play Docker's ENTRYPOINT and CMD. Kubernetes/Cloud Run semantics
+  apply: the container's ``command`` replaces the entrypoint, its ``args`` replace ``cmd``, and a
+  ``command`` given without ``args`` drops ``cmd``.
+- ``{python}`` in any string becomes the emulator's ``sys.executable``; ``{table_dir}`` becomes
+  the table file's directory. (Plain substitution, so other braces in ``-c`` scripts are safe.)
+- ``cwd`` (default ``"."``) and each relative ``PYTHONPATH`` entry resolve against the table
+  file's directory. ``env`` is applied under the container's own env.
+- An image with no entry is accepted at CreateJob (deploy-only tests keep working); at run time
+  its task fails at once, without retries, with a message naming the image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageEntry:
+    """One resolved image: argv parts, working directory and environment."""
+
+    entrypoint: tuple
+    cmd: tuple
+    cwd: Path
+    env: dict
+
+    def argv(self, command: list, args: list) -> list:
+        """The process argv for a container ``command``/``args`` (Kubernetes override rules)."""
+        if command:
+            return list(command) + list(args)
+        return list(self.entrypoint) + (list(args) if args else list(self.cmd))
+
+
+class ImageTable:
+    """Image reference -> :class:`ImageEntry`.
+
+    :param entries: the ``images`` mapping of the table file.
+    :param base_dir: directory that relative paths resolve against.
+    """
+
+    def __init__(self, entries: dict, base_dir: Path) -> None:
+        self._base = Path(base_dir).resolve()
+        self._entries = {key: self._entry(spec) for key, spec in entries.items()}
+
+    @classmethod
+    def load(cls, path: Optional[os.PathLike]) -> "ImageTable":
+        """Read a table file; ``None`` gives an empty table."""
+        if path is None:
+            return cls({}, Path.cwd())
+        path = Path(path)
+        return cls(json.loads(path.read_text())["images"], path.parent)
+
+    def _sub(self, value: str) -> str:
+        return value.replace("{python}", sys.executable).replace("{table_dir}", str(self._base))
+
+    def _entry(self, spec: dict) -> ImageEntry:
+        env = {k: self._sub(str(v)) for k, v in spec.get("env", {}).items()}
+        if "PYTHONPATH" in env:
+            env["PYTHONPATH"] = os.pathsep.join(
+                str((self._base / p).resolve()) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        return ImageEntry(
+            entrypoint=tuple(self._sub(s) for s in spec.get("entrypoint", [])),
+            cmd=tuple(self._sub(s) for s in spec.get("cmd", [])),
+            cwd=(self._base / self._sub(spec.get("cwd", "."))).resolve(),
+            env=env,
+        )
+
+    def resolve(self, image: str) -> Optional[ImageEntry]:
+        """The entry for ``image``, or ``None`` when nothing matches."""
+        if image in self._entries:
+            return self._entries[image]
+        for pattern, entry in self._entries.items():
+            if fnmatch.fnmatchcase(image, pattern):
+                return entry
+        return None

@@ -1,0 +1,134 @@
+"""Run the emulator as a subprocess: for tests, the demo and local development.
+
+Example::
+
+    with EmulatorProcess(tmp_path, images_file="images.json") as emu:
+        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                                 client_options={"api_endpoint": emu.endpoint})
+        os.environ["STORAGE_EMULATOR_HOST"] = emu.gcs_endpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from .gcs import bucket_path
+
+
+def post_json(url: str, payload: dict, timeout: float = 30.0) -> dict:
+    """POST ``payload`` as JSON; return the decoded answer (errors as Google error JSON)."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"{}")
+
+
+class EmulatorProcess:
+    """``serve --port 0 --gcs-port 0`` in a child process, as a context manager.
+
+    :param data_dir: the emulator's data directory (created if missing).
+    :param images_file: image table JSON (see :mod:`.images`), or ``None``.
+    :param grace_seconds: preemption/timeout/cancel grace in seconds (default 10).
+    :param extra_args: more ``serve`` arguments.
+    :param start_timeout: seconds to wait for the ready line (default 30).
+    """
+
+    def __init__(self, data_dir, images_file=None, grace_seconds: float = 10.0, extra_args=(),
+                 start_timeout: float = 30.0) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
+                      "--gcs-port", "0", "--data-dir", str(self.data_dir), "--grace-seconds", str(grace_seconds)]
+        if images_file is not None:
+            self._argv += ["--images", str(images_file)]
+        self._argv += list(extra_args)
+        self._start_timeout = start_timeout
+        self._popen: Optional[subprocess.Popen] = None
+        self.endpoint = self.gcs_endpoint = ""
+        self.children: list = []
+
+    def __enter__(self) -> "EmulatorProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.data_dir / "emulator.log", "ab")
+        self._popen = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+        line = self._popen.stdout.readline()  # the ready line, or EOF if serve died
+        if not line:
+            self._popen.wait(timeout=self._start_timeout)
+            raise RuntimeError(f"emulator exited with {self._popen.returncode}; see {self.data_dir / 'emulator.log'}")
+        ready = json.loads(line)
+        self.endpoint, self.gcs_endpoint = ready["endpoint"], ready["gcsEndpoint"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def bucket_dir(self, bucket: str) -> Path:
+        """Local directory backing ``bucket`` (what a GCS volume mount of it sees)."""
+        return bucket_path(self.data_dir, bucket)
+
+    def preempt(self, execution: str, task_index: int = 0, grace_seconds: Optional[float] = None) -> dict:
+        """Maintenance-preempt a running task; returns ``{"task", "attempt", "pid"}``.
+
+        :raises RuntimeError: with the emulator's error when the task is not running.
+        """
+        payload = {"execution": execution, "taskIndex": task_index}
+        if grace_seconds is not None:
+            payload["graceSeconds"] = grace_seconds
+        answer = post_json(self.endpoint + "/_emulator/preempt", payload)
+        if "error" in answer:
+            raise RuntimeError(answer["error"]["message"])
+        return answer
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server, wait, and check that no process it started is left.
+
+        :raises RuntimeError: if a descendant process survived the server.
+        """
+        import psutil  # an Airflow dependency; only needed to check for leftovers
+
+        if self._popen is None or self._popen.poll() is not None:
+            return
+        try:
+            self.children = psutil.Process(self._popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            self.children = []
+        self._popen.send_signal(signal.SIGTERM)
+        try:
+            self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._popen.kill()
+            self._popen.wait()
+        self._popen.stdout.close()
+        survivors = [c for c in self.children if _alive(c)]
+        if survivors:
+            raise RuntimeError(f"emulator left processes running: {[c.pid for c in survivors]}")
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,157 @@
+"""Task attempts as local child processes, one supervisor thread per execution.
+
+Each attempt runs in its own process group (``start_new_session=True``) with the container's
+argv from the :mod:`images` table, its env plus ``CLOUD_RUN_JOB``, ``CLOUD_RUN_EXECUTION``,
+``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and ``CLOUD_RUN_TASK_COUNT``.
+stdout and stderr go to ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``.
+
+The supervisor is the only writer of execution and task state after creation: it starts up to
+``parallelism`` tasks, reaps attempts, enforces the per-attempt timeout (SIGTERM, grace,
+SIGKILL), applies retries (``maxRetries`` per task), and finishes the execution.
+
+Known differences from Cloud Run:
+- No container isolation: the process inherits the emulator's environment (PATH, HOME, ...)
+  under the image table's and the container's env.
+- GCS volumes: processes cannot see ``/checkpoints``, so every env value, arg and command
+  element equal to a mount path or starting with ``mountPath + "/"`` (also after ``--flag=``)
+  is rewritten to the bucket's local directory (honouring ``subPath``).
+- Only the first container runs; sidecars, probes, secrets (``valueSource``) are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from google.cloud import run_v2
+
+from .images import ImageEntry, ImageTable
+from .models import PREEMPTION_MESSAGE, AttemptResult, Task
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    """Runtime settings shared by all supervisors.
+
+    :param data_dir: emulator data directory (logs under ``logs/``).
+    :param images: image table.
+    :param gcs: the :class:`~.gcs.GcsService` backing GCS volumes.
+    :param grace_seconds: SIGTERM-to-SIGKILL grace for timeouts, preemption and cancel (s).
+    :param poll_seconds: supervisor loop period (s).
+    :param failed_execution_code: gRPC code on the RunJob LRO error of a failed execution.
+    """
+
+    data_dir: Path
+    images: ImageTable
+    gcs: object
+    grace_seconds: float = 10.0
+    poll_seconds: float = 0.05
+    failed_execution_code: int = 9
+
+
+def mount_map(template: run_v2.TaskTemplate, gcs) -> list:
+    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts."""
+    buckets = {v.name: v.gcs.bucket for v in template.volumes if v.gcs.bucket}
+    pairs = []
+    for mount in template.containers[0].volume_mounts if template.containers else []:
+        if mount.name in buckets:
+            local = gcs.bucket_dir(buckets[mount.name])
+            pairs.append((mount.mount_path.rstrip("/") or "/", local / mount.sub_path if mount.sub_path else local))
+    return pairs
+
+
+def rewrite(value: str, mounts: list) -> str:
+    """Map a container path under a mount path to its local directory; other values unchanged."""
+    prefix, sep, rest = value.partition("=") if value.startswith("-") else ("", "", value)
+    for mount_path, local in mounts:
+        if rest == mount_path or rest.startswith(mount_path + "/"):
+            return prefix + sep + str(local) + rest[len(mount_path):]
+    return value
+
+
+def gcs_buckets(template: run_v2.TaskTemplate) -> list:
+    """Names of the buckets the template mounts."""
+    return [v.gcs.bucket for v in template.volumes if v.gcs.bucket]
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One running attempt of a task."""
+
+    task: Task
+    number: int
+    popen: subprocess.Popen
+    log_path: Path
+    deadline: float  # monotonic time the task timeout expires
+    stop_reason: Optional[str] = None  # "preempted" | "timeout" | "cancelled"
+    kill_at: Optional[float] = None  # monotonic time SIGKILL is due
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the attempt's process group, ignoring a group already gone."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, reason: str, grace: float) -> None:
+        """SIGTERM now, SIGKILL after ``grace`` seconds (enforced by the supervisor loop)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.kill_at = time.monotonic() + grace
+            self.signal_group(signal.SIGTERM)
+
+    def result(self, returncode: int) -> AttemptResult:
+        """Translate the return code (and why it was stopped) into a ``TaskAttemptResult``."""
+        code = {"exit_code": returncode} if returncode >= 0 else {"term_signal": -returncode}
+        if returncode == 0:
+            return AttemptResult(0, "", **code)
+        if self.stop_reason == "preempted":
+            return AttemptResult(14, PREEMPTION_MESSAGE, **code)
+        if self.stop_reason == "timeout":
+            return AttemptResult(4, f"Task {self.task.name} exceeded its timeout of {self.task.timeout_s:g}s.", **code)
+        if self.stop_reason == "cancelled":
+            return AttemptResult(1, "The task was cancelled.", **code)
+        if returncode < 0:
+            return AttemptResult(2, f"The container was terminated by signal {-returncode}.", **code)
+        return AttemptResult(2, "The container exited with an error.", **code)
+
+
+def task_env(task: Task, attempt: int, task_count: int, entry: ImageEntry, mounts: list) -> dict:
+    """Environment of one attempt: emulator env < image env < container env < CLOUD_RUN_*."""
+    env = dict(os.environ)
+    env.update(entry.env)
+    for var in task.template.containers[0].env:
+        if "value" in var:
+            env[var.name] = rewrite(var.value, mounts)
+    env.update({
+        "CLOUD_RUN_JOB": task.job,
+        "CLOUD_RUN_EXECUTION": task.execution,
+        "CLOUD_RUN_TASK_INDEX": str(task.index),
+        "CLOUD_RUN_TASK_ATTEMPT": str(attempt),
+        "CLOUD_RUN_TASK_COUNT": str(task_count),
+    })
+    return env
+
+
+def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> Attempt:
+    """Start one attempt; raises ``LookupError`` for an image not in the table, ``OSError``
+    when the command cannot be started."""
+    container = task.template.containers[0]
+    entry = config.images.resolve(container.image)
+    if entry is None:
+        raise LookupError(f"Image '{container.image}' is not in the emulator's image table.")
+    mounts = mount_map(task.template, config.gcs)
+    argv = [rewrite(a, mounts) for a in entry.argv(list(container.command), list(container.args))]
+    log_dir = Path(config.data_dir, "logs", task.execution)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"task{task.index}-attempt{attempt}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            argv, cwd=entry.cwd, env=task_env(task, attempt, task_count, entry, mounts),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Attempt(task, attempt, popen, log_path, time.monotonic() + task.timeout_s)

@@ -1,0 +1,84 @@
+"""Assemble and run the emulator: GCS emulator, backends, FastAPI app, uvicorn.
+
+Everything binds to 127.0.0.1. Once both servers accept connections one JSON line is printed
+to stdout: ``{"ready": true, "endpoint", "gcsEndpoint", "dataDir", "pid"}``. On SIGTERM or
+SIGINT uvicorn stops, then every task attempt's process group gets SIGTERM, and SIGKILL after
+a short grace, before the process exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import uvicorn
+
+from .app import AppState, create_app
+from .backend import Registry
+from .faults import ApiFaults
+from .gcs import GcsService
+from .images import ImageTable
+from .runtime import RuntimeConfig
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Settings of ``serve``.
+
+    :param data_dir: directory for GCS objects (``gcs/``) and attempt logs (``logs/``).
+    :param port: API port on 127.0.0.1; 0 picks a free one.
+    :param gcs_port: GCS emulator port; 0 picks a free one.
+    :param images_file: image table JSON (see :mod:`.images`), or ``None`` for an empty one.
+    :param grace_seconds: SIGTERM-to-SIGKILL grace for preemption, timeout, cancel (s, default 10).
+    :param failed_execution_code: gRPC code of a failed execution's LRO error (default 9).
+    :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
+    """
+
+    data_dir: Path
+    port: int = 8123
+    gcs_port: int = 9023
+    images_file: Optional[Path] = None
+    grace_seconds: float = 10.0
+    failed_execution_code: int = 9
+    shutdown_grace_seconds: float = 2.0
+
+
+def _announce(server: uvicorn.Server, ready: dict) -> None:
+    while not server.started and not server.should_exit:
+        time.sleep(0.01)
+    if server.started:
+        print(json.dumps(ready), flush=True)
+
+
+def serve(config: ServeConfig) -> None:
+    """Run until SIGTERM/SIGINT; then stop every child process this emulator started."""
+    data_dir = Path(config.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", config.port))
+    endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    gcs = GcsService(data_dir, config.gcs_port)
+    runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
+                            grace_seconds=config.grace_seconds,
+                            failed_execution_code=config.failed_execution_code)
+    registry = Registry(runtime, endpoint)
+    state = AppState(registry, ApiFaults(), config.grace_seconds, gcs, data_dir)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
+    ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
+             "dataDir": str(data_dir), "pid": os.getpid()}
+    gcs.start()
+    threading.Thread(target=_announce, args=(server, ready), daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        registry.shutdown(config.shutdown_grace_seconds)
+        gcs.stop()
+        sys.stdout.flush()

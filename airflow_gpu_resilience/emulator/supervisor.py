@@ -1,0 +1,193 @@
+"""The per-execution supervisor thread: the only writer of an execution's state once created.
+
+Loop (every ``poll_seconds``, under the backend's lock): reap finished attempts, enforce
+timeouts and SIGKILL deadlines, stop work when cancelling or failing, start pending tasks up to
+``parallelism``, and finish the execution when nothing runs any more. HTTP handlers only read,
+or post requests (cancel, preempt) that this loop carries out.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable
+
+from .models import (
+    Execution, ExecutionState, TaskState, EXECUTION_TRANSITIONS, TASK_TRANSITIONS, TERMINAL_TASK, AttemptResult,
+    transition, utcnow,
+)
+from .runtime import Attempt, RuntimeConfig, gcs_buckets, launch
+
+
+class ExecutionSupervisor(threading.Thread):
+    """Runs one execution's tasks to completion.
+
+    :param execution: the execution to run (its tasks are PENDING).
+    :param config: runtime settings.
+    :param cond: the backend's ``threading.Condition``; held for every state change and
+        notified after each, so ``WaitOperation`` can block on it.
+    :param on_finish: called under ``cond`` once the execution is terminal (more callbacks
+        can be appended to :attr:`finish_callbacks`).
+    """
+
+    def __init__(self, execution: Execution, config: RuntimeConfig, cond: threading.Condition,
+                 on_finish: Callable[[Execution], None]) -> None:
+        super().__init__(name=f"supervisor-{execution.name.rsplit('/', 1)[-1]}", daemon=True)
+        self.execution = execution
+        self.config = config
+        self.cond = cond
+        self.finish_callbacks = [on_finish]
+        self.running: dict = {}  # task index -> Attempt
+        self._shutdown = False
+
+    # --- requests from other threads (caller holds cond) -------------------------------
+    def request_cancel(self) -> None:
+        """Ask for cancellation; the loop stops running attempts and cancels the rest."""
+        if not self.execution.done and self.execution.state is not ExecutionState.CANCELLING:
+            transition(self.execution, ExecutionState.CANCELLING, EXECUTION_TRANSITIONS)
+
+    def preempt(self, index: int, grace: float) -> Attempt:
+        """Start a maintenance preemption of task ``index``'s running attempt."""
+        attempt = self.running[index]
+        attempt.stop("preempted", grace)
+        return attempt
+
+    def shutdown(self, grace: float) -> None:
+        """End the loop; SIGTERM every attempt's process group, SIGKILL what is left after
+        ``grace`` seconds, and reap the processes (emulator shutdown or reset)."""
+        self._shutdown = True
+        for attempt in self.running.values():
+            attempt.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for attempt in self.running.values():
+            try:
+                attempt.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            attempt.signal_group(signal.SIGKILL)
+            attempt.popen.wait()
+        self.running.clear()
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                if self._shutdown:
+                    return
+                changed = self._step()
+                if changed:
+                    self.cond.notify_all()
+                if self.execution.done:
+                    return
+            time.sleep(self.config.poll_seconds)
+
+    def _step(self) -> bool:
+        changed = self._reap()
+        self._enforce_deadlines()
+        if self.execution.state in (ExecutionState.CANCELLING, ExecutionState.FAILING):
+            changed |= self._wind_down()
+        else:
+            changed |= self._start_pending()
+        if not self.running and all(t.state in TERMINAL_TASK for t in self.execution.tasks):
+            self._finish()
+            changed = True
+        return changed
+
+    def _reap(self) -> bool:
+        finished = [(i, a, a.popen.poll()) for i, a in self.running.items()]
+        finished = [f for f in finished if f[2] is not None]
+        for index, attempt, returncode in finished:
+            del self.running[index]
+            attempt.signal_group(signal.SIGKILL)  # stragglers in the group, like a container stop
+            self._record(attempt, attempt.result(returncode))
+        if finished:
+            self.config.gcs.reconcile(gcs_buckets(self.execution.template))
+        return bool(finished)
+
+    def _record(self, attempt: Attempt, result: AttemptResult) -> None:
+        task = attempt.task
+        task.last_result = result
+        if result.status_code == 0:
+            self._end_task(task, TaskState.SUCCEEDED)
+        elif attempt.stop_reason == "cancelled":
+            self._end_task(task, TaskState.CANCELLED)
+        else:
+            self._fail_attempt(task, result)
+
+    def _fail_attempt(self, task, result: AttemptResult) -> None:
+        if task.retried < task.max_retries and self.execution.state is ExecutionState.RUNNING:
+            task.retried += 1
+            transition(task, TaskState.PENDING, TASK_TRANSITIONS)
+            return
+        self._end_task(task, TaskState.FAILED)
+        if self.execution.state is ExecutionState.RUNNING:
+            short = task.name.rsplit("/", 1)[-1]
+            self.execution.failure_message = f"Task {short} failed with message: {result.message}"
+            transition(self.execution, ExecutionState.FAILING, EXECUTION_TRANSITIONS)
+
+    def _end_task(self, task, state: TaskState) -> None:
+        transition(task, state, TASK_TRANSITIONS)
+        task.completion_time = utcnow()
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for attempt in self.running.values():
+            if attempt.stop_reason is None and now >= attempt.deadline:
+                attempt.stop("timeout", self.config.grace_seconds)
+            elif attempt.kill_at is not None and now >= attempt.kill_at:
+                attempt.signal_group(signal.SIGKILL)
+                attempt.kill_at = None
+
+    def _wind_down(self) -> bool:
+        """Cancel pending tasks and stop running attempts (cancel, or after a final failure)."""
+        changed = False
+        for task in self.execution.tasks:
+            if task.state is TaskState.PENDING:
+                self._end_task(task, TaskState.CANCELLED)
+                changed = True
+        for attempt in self.running.values():
+            if attempt.stop_reason is None:
+                attempt.stop("cancelled", self.config.grace_seconds)
+            else:
+                attempt.stop_reason = "cancelled"  # a stop already under way now ends as cancel
+        return changed
+
+    def _start_pending(self) -> bool:
+        limit = self.execution.parallelism or self.execution.task_count
+        changed = False
+        for task in self.execution.tasks:
+            if len(self.running) >= limit:
+                break
+            if task.state is TaskState.PENDING:
+                self._start(task)
+                changed = True
+        return changed
+
+    def _start(self, task) -> None:
+        number = task.retried
+        transition(task, TaskState.RUNNING, TASK_TRANSITIONS)
+        task.start_time = utcnow()
+        try:
+            self.running[task.index] = launch(task, number, self.execution.task_count, self.config)
+        except LookupError as exc:  # image not in the table: not retryable
+            task.last_result = AttemptResult(5, str(exc))
+            task.max_retries = task.retried
+            self._fail_attempt(task, task.last_result)
+        except OSError as exc:
+            task.last_result = AttemptResult(2, f"The container failed to start: {exc}", exit_code=127)
+            self._fail_attempt(task, task.last_result)
+
+    def _finish(self) -> None:
+        ex = self.execution
+        final = {
+            ExecutionState.RUNNING: ExecutionState.SUCCEEDED,
+            ExecutionState.FAILING: ExecutionState.FAILED,
+            ExecutionState.CANCELLING: ExecutionState.CANCELLED,
+        }[ex.state]
+        transition(ex, final, EXECUTION_TRANSITIONS)
+        ex.completion_time = utcnow()
+        self.config.gcs.reconcile(gcs_buckets(ex.template))
+        for callback in self.finish_callbacks:
+            callback(ex)

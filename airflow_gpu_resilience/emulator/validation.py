@@ -1,0 +1,168 @@
+"""Job validation as Cloud Run does it, raising ``InvalidArgument`` that names the field.
+
+Rules (see ``reference/cloud-run-admin-api-v2.md``; the preview rules are inferred):
+- job id: lowercase letters, digits and hyphens, starts with a letter, no trailing hyphen,
+  at most 63 characters;
+- at least one container, each with an image; ``taskCount`` >= 1 (0 means the default 1);
+  ``parallelism`` >= 0; ``maxRetries`` 0-10; task timeout > 0 and <= 168 h;
+- ``resources.limits`` keys only ``cpu``, ``memory``, ``nvidia.com/gpu``; a GPU is exactly
+  ``"1"`` on one container, needs ``nodeSelector.accelerator`` of a known type and that type's
+  minimum CPU and memory (nvidia-l4: 4 vCPU, 16 GiB; nvidia-rtx-pro-6000: 20 vCPU, 80 GiB);
+- launch stage ALPHA or BETA is required for the nvidia-rtx-pro-6000 GPU, for a GPU task
+  timeout over 1 h, and for a non-GPU timeout over 24 h;
+- every GCS volume's bucket exists; every volume mount names a declared volume;
+- labels/annotations in reserved namespaces (``run.googleapis.com`` etc.) are rejected.
+
+Not validated: CPU/memory values beyond the GPU minimums, ports, probes, service accounts.
+"""
+
+from __future__ import annotations
+
+import re
+
+from google.api import launch_stage_pb2
+from google.cloud import run_v2
+
+from .exceptions import InvalidArgument
+
+JOB_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+GPU_KEY = "nvidia.com/gpu"
+GPU_TYPES = {"nvidia-l4": (4.0, 16.0, False), "nvidia-rtx-pro-6000": (20.0, 80.0, True)}
+PREVIEW = {launch_stage_pb2.ALPHA, launch_stage_pb2.BETA}
+GA = launch_stage_pb2.GA
+MAX_TIMEOUT_S = 168 * 3600
+RESERVED = ("run.googleapis.com", "cloud.googleapis.com", "serving.knative.dev", "autoscaling.knative.dev")
+_MEM_UNITS = {"": 1 / 2**30, "K": 1e3 / 2**30, "M": 1e6 / 2**30, "G": 1e9 / 2**30,
+              "Ki": 1 / 2**20, "Mi": 1 / 2**10, "Gi": 1.0, "Ti": 2.0**10}
+
+TT = "job.template.template"
+
+
+def validate_job_id(job_id: str) -> None:
+    """Reject a job id that Cloud Run would reject."""
+    if not JOB_ID.match(job_id or ""):
+        raise InvalidArgument(
+            f"job_id: '{job_id}' must use only lowercase letters, digits and hyphens, start with a "
+            "letter, not end with a hyphen, and be at most 63 characters.")
+
+
+def parse_cpu(value: str, field: str) -> float:
+    try:
+        return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+    except ValueError:
+        raise InvalidArgument(f"{field}: invalid CPU quantity '{value}'.") from None
+
+
+def parse_memory_gib(value: str, field: str) -> float:
+    """A Kubernetes memory quantity in GiB."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", value)
+    if not match or (match.group(2) or "") not in _MEM_UNITS:
+        raise InvalidArgument(f"{field}: invalid memory quantity '{value}'.")
+    return float(match.group(1)) * _MEM_UNITS[match.group(2) or ""]
+
+
+def timeout_seconds(template: run_v2.TaskTemplate) -> float:
+    """The per-attempt timeout in seconds (600 when unset)."""
+    return template.timeout.total_seconds() if "timeout" in template else 600.0
+
+
+def validate_job(job: run_v2.Job, bucket_exists) -> int:
+    """Validate a job spec; return the launch stage to report (BETA when preview features are
+    used, else GA).
+
+    :param job: the job as sent (defaults not yet filled).
+    :param bucket_exists: ``callable(bucket) -> bool``.
+    """
+    _validate_meta(job.labels, job.annotations, "job")
+    _validate_meta(job.template.labels, job.template.annotations, "job.template")
+    if job.template.task_count < 0:
+        raise InvalidArgument("job.template.task_count: must be >= 1.")
+    if job.template.parallelism < 0:
+        raise InvalidArgument("job.template.parallelism: must be >= 0.")
+    preview = validate_task_template(job.template.template, bucket_exists)
+    if preview and job.launch_stage not in PREVIEW:
+        raise InvalidArgument(
+            f"job.launch_stage: {preview} is a Preview feature; set launch_stage to ALPHA or BETA.")
+    return launch_stage_pb2.BETA if preview else GA
+
+
+def _validate_meta(labels, annotations, field: str) -> None:
+    for kind, mapping in (("labels", labels), ("annotations", annotations)):
+        for key in mapping:
+            if key.split("/", 1)[0] in RESERVED:
+                raise InvalidArgument(f"{field}.{kind}: the key '{key}' uses a reserved namespace.")
+
+
+def validate_task_template(template: run_v2.TaskTemplate, bucket_exists) -> str:
+    """Validate a TaskTemplate; return the name of a preview feature it uses, or ``""``."""
+    if not template.containers:
+        raise InvalidArgument(f"{TT}.containers: at least one container is required.")
+    if "max_retries" in template and not 0 <= template.max_retries <= 10:
+        raise InvalidArgument(f"{TT}.max_retries: must be between 0 and 10, got {template.max_retries}.")
+    timeout = timeout_seconds(template)
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise InvalidArgument(f"{TT}.timeout: must be greater than 0 and at most 168 hours, got {timeout:g}s.")
+    _validate_volumes(template, bucket_exists)
+    gpu_type = _validate_containers(template)
+    if gpu_type and GPU_TYPES[gpu_type][2]:
+        return f"The GPU type {gpu_type}"
+    if gpu_type and timeout > 3600:
+        return "A GPU task timeout over 1 hour"
+    if not gpu_type and timeout > 24 * 3600:
+        return "A task timeout over 24 hours"
+    return ""
+
+
+def _validate_volumes(template: run_v2.TaskTemplate, bucket_exists) -> None:
+    names = set()
+    for i, volume in enumerate(template.volumes):
+        names.add(volume.name)
+        if "gcs" in volume and not bucket_exists(volume.gcs.bucket):
+            raise InvalidArgument(
+                f"{TT}.volumes[{i}].gcs.bucket: bucket '{volume.gcs.bucket}' does not exist.")
+    for c, container in enumerate(template.containers):
+        for m, mount in enumerate(container.volume_mounts):
+            if mount.name not in names:
+                raise InvalidArgument(
+                    f"{TT}.containers[{c}].volume_mounts[{m}].name: no volume named '{mount.name}'.")
+
+
+def _validate_containers(template: run_v2.TaskTemplate) -> str:
+    """Check images and limits; return the GPU type in use, or ``""``."""
+    gpu_containers = []
+    for c, container in enumerate(template.containers):
+        field = f"{TT}.containers[{c}]"
+        if not container.image:
+            raise InvalidArgument(f"{field}.image: an image is required.")
+        limits = dict(container.resources.limits)
+        for key in limits:
+            if key not in ("cpu", "memory", GPU_KEY):
+                raise InvalidArgument(f"{field}.resources.limits: unsupported resource '{key}'.")
+        if GPU_KEY in limits:
+            if limits[GPU_KEY] != "1":
+                raise InvalidArgument(f"{field}.resources.limits: '{GPU_KEY}' must be \"1\", got '{limits[GPU_KEY]}'.")
+            gpu_containers.append((field, limits))
+    if len(gpu_containers) > 1:
+        raise InvalidArgument(f"{TT}.containers: a GPU can be attached to only one container.")
+    accelerator = template.node_selector.accelerator
+    if not gpu_containers:
+        if accelerator:
+            raise InvalidArgument(f"{TT}.node_selector.accelerator: set, but no container requests '{GPU_KEY}'.")
+        return ""
+    if accelerator not in GPU_TYPES:
+        raise InvalidArgument(
+            f"{TT}.node_selector.accelerator: unknown GPU type '{accelerator}'; "
+            f"supported: {', '.join(sorted(GPU_TYPES))}.")
+    _validate_gpu_minimums(*gpu_containers[0], accelerator)
+    return accelerator
+
+
+def _validate_gpu_minimums(field: str, limits: dict, accelerator: str) -> None:
+    min_cpu, min_mem, _ = GPU_TYPES[accelerator]
+    cpu = parse_cpu(limits.get("cpu", "1"), f"{field}.resources.limits.cpu")
+    if cpu < min_cpu:
+        raise InvalidArgument(f"{field}.resources.limits.cpu: {accelerator} needs at least {min_cpu:g} CPU, got {cpu:g}.")
+    mem = parse_memory_gib(limits.get("memory", "512Mi"), f"{field}.resources.limits.memory")
+    if mem + 1e-9 < min_mem:
+        raise InvalidArgument(
+            f"{field}.resources.limits.memory: {accelerator} needs at least {min_mem:g}Gi, got {mem:g}Gi.")
