@@ -1,0 +1,475 @@
+"""Hook for Cloud Run GPU jobs: every Cloud Run Admin API v2 call the provider makes.
+
+The endpoint comes from the Airflow connection: a ``google_cloud_platform`` connection whose
+extra holds ``api_endpoint`` (for example ``http://127.0.0.1:8080``, the local emulator) sends
+every call there; without it the clients use Google's endpoint. An ``http://`` endpoint implies
+anonymous credentials and the REST transport (the emulator serves REST).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from google.api_core import exceptions as gexc
+from google.api_core.client_options import ClientOptions
+from google.api_core.retry import Retry, if_exception_type
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import run_v2
+from google.longrunning import operations_pb2
+
+from airflow.providers.google.common.consts import CLIENT_INFO
+from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
+
+from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
+from airflow_gpu_resilience.outcome import ExecutionState, execution_state
+
+if TYPE_CHECKING:
+    from google.api_core.operation import Operation
+
+#: Errors that mean "the service did not handle the request; try again".
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    gexc.ServiceUnavailable,
+    gexc.TooManyRequests,
+    gexc.ResourceExhausted,
+    gexc.DeadlineExceeded,
+)
+#: For non-idempotent calls (RunJob) only errors where the request surely was not applied.
+REJECTED_ERRORS: tuple[type[Exception], ...] = (gexc.ServiceUnavailable, gexc.TooManyRequests)
+
+_Client = TypeVar("_Client")
+
+
+def default_retry(errors: tuple[type[Exception], ...] = TRANSIENT_ERRORS, deadline: float = 120.0) -> Retry:
+    """Exponential backoff retry (1 s, x2, capped at 20 s) on the given transient errors.
+
+    :param errors: exception types to retry.
+    :param deadline: give up after this many seconds in total (default 120).
+    :return: a ``google.api_core.retry.Retry``.
+    """
+    return Retry(predicate=if_exception_type(*errors), initial=1.0, multiplier=2.0, maximum=20.0, timeout=deadline)
+
+
+def location_of(resource_name: str) -> str:
+    """The ``{location}`` of a ``projects/{p}/locations/{location}/...`` resource name.
+
+    :param resource_name: a full Cloud Run resource name.
+    :return: the location (region).
+    :raises ValueError: if the name has no ``locations/`` segment.
+    """
+    parts = resource_name.split("/")
+    if len(parts) < 4 or parts[0] != "projects" or parts[2] != "locations":
+        raise ValueError(f"{resource_name!r} is not a projects/{{p}}/locations/{{l}}/... resource name")
+    return parts[3]
+
+
+class CloudRunGpuHook(GoogleBaseHook):
+    """Cloud Run Admin API v2 hook for GPU jobs, executions, tasks and operations.
+
+    Clients are built per location and cached per (kind, location), so calls in different
+    regions never share a client pinned to the wrong one.
+
+    :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
+    :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
+    :param transport: ``"rest"`` or ``"grpc"``; default ``None`` picks ``"rest"`` for an
+        ``http://`` endpoint and the client default (gRPC) otherwise.
+    :param api_endpoint: endpoint override; default ``None`` reads the connection extra
+        ``api_endpoint``. Use an explicit scheme (``http://host:port``) for a local server.
+    :param request_timeout: seconds per API request (default 60).
+    :param operation_timeout: seconds to wait for a create/update/delete operation (default 600).
+    """
+
+    conn_name_attr = "gcp_conn_id"
+    default_conn_name = "google_cloud_default"
+    conn_type = "google_cloud_platform"
+    hook_name = "Google Cloud Run GPU jobs"
+
+    def __init__(
+        self,
+        gcp_conn_id: str = default_conn_name,
+        impersonation_chain: str | Sequence[str] | None = None,
+        transport: Literal["rest", "grpc"] | None = None,
+        api_endpoint: str | None = None,
+        request_timeout: float = 60.0,
+        operation_timeout: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(gcp_conn_id=gcp_conn_id, impersonation_chain=impersonation_chain, **kwargs)
+        self._api_endpoint = api_endpoint
+        self._transport = transport
+        self.request_timeout = request_timeout
+        self.operation_timeout = operation_timeout
+        self._clients: dict[tuple[type, str], Any] = {}
+
+    # --- clients -------------------------------------------------------------------------
+    @property
+    def api_endpoint(self) -> str | None:
+        """The endpoint override: the constructor argument, else the connection extra, else ``None``."""
+        return self._api_endpoint or self._get_field("api_endpoint") or None
+
+    @property
+    def transport(self) -> str | None:
+        """The transport in use: explicit, else ``"rest"`` for an ``http://`` endpoint, else ``None``."""
+        if self._transport:
+            return self._transport
+        endpoint = self.api_endpoint or ""
+        return "rest" if endpoint.startswith("http://") else None
+
+    def _client(self, kind: type[_Client], location: str) -> _Client:
+        key = (kind, location)
+        if key not in self._clients:
+            endpoint = self.api_endpoint
+            credentials = AnonymousCredentials() if (endpoint or "").startswith("http://") else self.get_credentials()
+            kwargs: dict[str, Any] = {
+                "credentials": credentials,
+                "client_info": CLIENT_INFO,
+                "client_options": ClientOptions(api_endpoint=endpoint) if endpoint else self.get_client_options(),
+            }
+            if self.transport:
+                kwargs["transport"] = self.transport
+            self._clients[key] = kind(**kwargs)
+        return self._clients[key]
+
+    def jobs_client(self, location: str) -> run_v2.JobsClient:
+        """The Jobs client for ``location`` (cached per location).
+
+        :param location: Cloud Run region, e.g. ``us-central1``.
+        """
+        return self._client(run_v2.JobsClient, location)
+
+    def executions_client(self, location: str) -> run_v2.ExecutionsClient:
+        """The Executions client for ``location`` (cached per location).
+
+        :param location: Cloud Run region.
+        """
+        return self._client(run_v2.ExecutionsClient, location)
+
+    def tasks_client(self, location: str) -> run_v2.TasksClient:
+        """The Tasks client for ``location`` (cached per location).
+
+        :param location: Cloud Run region.
+        """
+        return self._client(run_v2.TasksClient, location)
+
+    # --- names ---------------------------------------------------------------------------
+    @staticmethod
+    def job_path(project_id: str, region: str, job_name: str) -> str:
+        """``projects/{project_id}/locations/{region}/jobs/{job_name}``."""
+        return f"projects/{project_id}/locations/{region}/jobs/{job_name}"
+
+    @staticmethod
+    def execution_path(project_id: str, region: str, job_name: str, execution: str) -> str:
+        """Full execution name; ``execution`` may already be a full name (returned unchanged)."""
+        if execution.startswith("projects/"):
+            return execution
+        return f"projects/{project_id}/locations/{region}/jobs/{job_name}/executions/{execution}"
+
+    def _resolve_execution(self, execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
+        if execution.startswith("projects/"):
+            return execution
+        if not (job_name and region):
+            raise ValueError(f"execution={execution!r} is a short name: pass job_name and region too")
+        return self.execution_path(project_id, region, job_name, execution)
+
+    @staticmethod
+    def _as_job(job: run_v2.Job | GpuJobSpec | dict) -> run_v2.Job:
+        if isinstance(job, GpuJobSpec):
+            return job.to_job()
+        return run_v2.Job(job) if isinstance(job, dict) else run_v2.Job(job)
+
+    # --- jobs ----------------------------------------------------------------------------
+    @GoogleBaseHook.fallback_to_default_project_id
+    def create_job(
+        self, job_name: str, job: run_v2.Job | GpuJobSpec | dict, region: str, project_id: str = PROVIDE_PROJECT_ID
+    ) -> run_v2.Job:
+        """Create a job and wait for the operation.
+
+        :param job_name: job id.
+        :param job: the job (a ``GpuJobSpec`` is converted with ``to_job()``).
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the created job.
+        :raises google.api_core.exceptions.Conflict: (409 ALREADY_EXISTS) if the job exists.
+        """
+        request = run_v2.CreateJobRequest(
+            parent=f"projects/{project_id}/locations/{region}", job_id=job_name, job=self._as_job(job)
+        )
+        operation = self.jobs_client(region).create_job(
+            request=request, retry=default_retry(), timeout=self.request_timeout
+        )
+        return operation.result(timeout=self.operation_timeout)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def get_job(self, job_name: str, region: str, project_id: str = PROVIDE_PROJECT_ID) -> run_v2.Job:
+        """Get a job.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the job.
+        :raises google.api_core.exceptions.NotFound: if there is no such job.
+        """
+        return self.jobs_client(region).get_job(
+            name=self.job_path(project_id, region, job_name), retry=default_retry(), timeout=self.request_timeout
+        )
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def update_job(
+        self, job_name: str, job: run_v2.Job | GpuJobSpec | dict, region: str, project_id: str = PROVIDE_PROJECT_ID
+    ) -> run_v2.Job:
+        """Replace a job's configuration (UpdateJob has no field mask) and wait for the operation.
+
+        :param job_name: job id.
+        :param job: the new job configuration.
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the updated job (its ``generation`` is bumped).
+        :raises google.api_core.exceptions.NotFound: if there is no such job.
+        """
+        desired = self._as_job(job)
+        desired.name = self.job_path(project_id, region, job_name)
+        operation = self.jobs_client(region).update_job(
+            request=run_v2.UpdateJobRequest(job=desired), retry=default_retry(), timeout=self.request_timeout
+        )
+        return operation.result(timeout=self.operation_timeout)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def delete_job(self, job_name: str, region: str, project_id: str = PROVIDE_PROJECT_ID) -> run_v2.Job | None:
+        """Delete a job and wait for the operation; a missing job is not an error.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the deleted job, or ``None`` if it did not exist.
+        """
+        try:
+            operation = self.jobs_client(region).delete_job(
+                name=self.job_path(project_id, region, job_name), retry=default_retry(), timeout=self.request_timeout
+            )
+        except gexc.NotFound:
+            self.log.info("Job %s does not exist; nothing to delete", job_name)
+            return None
+        return operation.result(timeout=self.operation_timeout)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def create_or_update_job(
+        self, job_name: str, job: run_v2.Job | GpuJobSpec | dict, region: str, project_id: str = PROVIDE_PROJECT_ID
+    ) -> tuple[run_v2.Job, Literal["created", "updated", "unchanged"]]:
+        """Make the deployed job match ``job``; idempotent.
+
+        Creates the job if missing; updates it only when its template or labels differ
+        (:func:`~airflow_gpu_resilience.job_spec.template_matches`); otherwise changes nothing.
+
+        :param job_name: job id.
+        :param job: the desired configuration.
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: ``(job, action)`` where action is ``"created"``, ``"updated"`` or ``"unchanged"``.
+        """
+        desired = self._as_job(job)
+        try:
+            existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
+        except gexc.NotFound:
+            try:
+                return self.create_job(job_name=job_name, job=desired, region=region, project_id=project_id), "created"
+            except gexc.Conflict:  # 409 ALREADY_EXISTS: created concurrently, or a retried create went through
+                existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
+        if template_matches(existing, desired):
+            self.log.info("Job %s (generation %s) already matches; not updating", job_name, existing.generation)
+            return existing, "unchanged"
+        return self.update_job(job_name=job_name, job=desired, region=region, project_id=project_id), "updated"
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def run_job(
+        self,
+        job_name: str,
+        region: str,
+        overrides: run_v2.RunJobRequest.Overrides | dict | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+    ) -> tuple[str, str]:
+        """Start an execution without waiting for it.
+
+        RunJob is not idempotent, so it is retried only on errors that prove the request was
+        rejected (503, 429), never on a deadline.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param overrides: ``RunJobRequest.Overrides`` (or its dict form): container args/env,
+            ``task_count``, ``timeout``.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: ``(operation name, execution name)``, both full resource names.
+        """
+        request = run_v2.RunJobRequest(name=self.job_path(project_id, region, job_name))
+        if overrides:
+            request.overrides = overrides
+        operation: Operation = self.jobs_client(region).run_job(
+            request=request, retry=default_retry(REJECTED_ERRORS), timeout=self.request_timeout
+        )
+        execution = operation.metadata
+        return operation.operation.name, execution.name
+
+    # --- executions and tasks ------------------------------------------------------------
+    @GoogleBaseHook.fallback_to_default_project_id
+    def get_execution(
+        self,
+        execution: str,
+        job_name: str | None = None,
+        region: str | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+    ) -> run_v2.Execution:
+        """Get an execution.
+
+        :param execution: full execution name, or its short id together with job_name and region.
+        :param job_name: job id (only for a short ``execution``).
+        :param region: Cloud Run region (only for a short ``execution``).
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the execution.
+        :raises google.api_core.exceptions.NotFound: if there is no such execution.
+        """
+        name = self._resolve_execution(execution, job_name, region, project_id)
+        return self.executions_client(location_of(name)).get_execution(
+            name=name, retry=default_retry(), timeout=self.request_timeout
+        )
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def list_executions(
+        self, job_name: str, region: str, project_id: str = PROVIDE_PROJECT_ID
+    ) -> list[run_v2.Execution]:
+        """List a job's executions, newest first (all pages).
+
+        :param job_name: job id (``-`` for every job in the region).
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the executions.
+        """
+        pager = self.executions_client(region).list_executions(
+            parent=self.job_path(project_id, region, job_name), retry=default_retry(), timeout=self.request_timeout
+        )
+        return list(pager)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def list_tasks(
+        self,
+        execution: str,
+        job_name: str | None = None,
+        region: str | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+    ) -> list[run_v2.Task]:
+        """List an execution's tasks, sorted by index (all pages).
+
+        :param execution: full execution name, or its short id together with job_name and region.
+        :param job_name: job id (only for a short ``execution``).
+        :param region: Cloud Run region (only for a short ``execution``).
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the tasks.
+        """
+        name = self._resolve_execution(execution, job_name, region, project_id)
+        pager = self.tasks_client(location_of(name)).list_tasks(
+            parent=name, retry=default_retry(), timeout=self.request_timeout
+        )
+        return sorted(pager, key=lambda task: task.index)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def cancel_execution(
+        self,
+        execution: str,
+        job_name: str | None = None,
+        region: str | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+        wait: bool = False,
+    ) -> run_v2.Execution:
+        """Cancel an execution (SIGTERM, grace period, SIGKILL to its running tasks).
+
+        :param execution: full execution name, or its short id together with job_name and region.
+        :param job_name: job id (only for a short ``execution``).
+        :param region: Cloud Run region (only for a short ``execution``).
+        :param project_id: Google Cloud project; default from the connection.
+        :param wait: wait for the cancellation to finish (default ``False``).
+        :return: the execution (final when ``wait``, else as the operation's metadata shows it).
+        """
+        name = self._resolve_execution(execution, job_name, region, project_id)
+        operation = self.executions_client(location_of(name)).cancel_execution(
+            name=name, retry=default_retry(), timeout=self.request_timeout
+        )
+        return operation.result(timeout=self.operation_timeout) if wait else operation.metadata
+
+    def get_operation(self, operation_name: str) -> operations_pb2.Operation:
+        """Get a long-running operation by its full name.
+
+        :param operation_name: ``projects/{p}/locations/{l}/operations/{id}``.
+        :return: the raw ``google.longrunning`` operation.
+        """
+        return self.jobs_client(location_of(operation_name)).get_operation(
+            request={"name": operation_name}, retry=default_retry(), timeout=self.request_timeout
+        )
+
+    def wait_for_execution(
+        self,
+        execution: str,
+        poll_interval: float = 10.0,
+        timeout: float | None = None,
+        on_poll: Callable[[run_v2.Execution, list[run_v2.Task]], None] | None = None,
+    ) -> run_v2.Execution:
+        """Poll an execution (and its tasks) until it is finished; blocking.
+
+        :param execution: full execution name.
+        :param poll_interval: seconds between polls (default 10).
+        :param timeout: give up after this many seconds (default ``None``: wait forever).
+        :param on_poll: called with the execution and its tasks after every poll.
+        :return: the finished execution.
+        :raises TimeoutError: if ``timeout`` passes first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            current = self.get_execution(execution=execution)
+            if on_poll is not None:
+                on_poll(current, self.list_tasks(execution=execution))
+            if execution_state(current) is not ExecutionState.RUNNING:
+                return current
+            if deadline is not None and time.monotonic() + poll_interval > deadline:
+                raise TimeoutError(f"execution {execution} still running after {timeout} s")
+            time.sleep(poll_interval)
+
+
+class CloudRunGpuAsyncHook:
+    """Async twin of :class:`CloudRunGpuHook` for triggers.
+
+    The Cloud Run async clients have no REST transport, so every call runs the sync hook in a
+    worker thread (``asyncio.to_thread``); the sync hook (and its connection lookup) is built
+    there too, never on the event loop.
+
+    :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
+    :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
+    :param transport: ``"rest"``, ``"grpc"`` or ``None`` (see :class:`CloudRunGpuHook`).
+    """
+
+    def __init__(
+        self,
+        gcp_conn_id: str = CloudRunGpuHook.default_conn_name,
+        impersonation_chain: str | Sequence[str] | None = None,
+        transport: Literal["rest", "grpc"] | None = None,
+    ) -> None:
+        self._kwargs = {"gcp_conn_id": gcp_conn_id, "impersonation_chain": impersonation_chain, "transport": transport}
+        self._hook: CloudRunGpuHook | None = None
+
+    def _sync(self) -> CloudRunGpuHook:
+        if self._hook is None:
+            self._hook = CloudRunGpuHook(**self._kwargs)
+        return self._hook
+
+    async def _call(self, method: str, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(lambda: getattr(self._sync(), method)(**kwargs))
+
+    async def get_execution(self, execution: str) -> run_v2.Execution:
+        """Async :meth:`CloudRunGpuHook.get_execution` for a full execution name."""
+        return await self._call("get_execution", execution=execution)
+
+    async def list_tasks(self, execution: str) -> list[run_v2.Task]:
+        """Async :meth:`CloudRunGpuHook.list_tasks` for a full execution name."""
+        return await self._call("list_tasks", execution=execution)
+
+    async def cancel_execution(self, execution: str) -> run_v2.Execution:
+        """Async :meth:`CloudRunGpuHook.cancel_execution` for a full execution name."""
+        return await self._call("cancel_execution", execution=execution)

@@ -1,0 +1,87 @@
+"""Shared fixtures for the provider's unit tests: the Airflow DB, the Cloud Run emulator, a connection.
+
+Provider tests run against the local Cloud Run emulator (``airflow_gpu_resilience.emulator``),
+never against mocks of the Cloud Run client. Task "images" are small ``python -c`` stand-ins
+from the image table below; their behaviour is chosen with container args.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+PROJECT = "test-project"
+REGION = "us-central1"
+BUCKET = "test-checkpoints"
+STUB_IMAGE = "test.local/stub:latest"
+
+#: The stand-in task: ``ok`` | ``exit N`` | ``preempt-once`` (exit 143 until a marker exists in
+#: the checkpoint dir, then 0) | ``sleep SECONDS``.
+STUB_SCRIPT = r"""
+import os, pathlib, sys, time
+mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+root = pathlib.Path(os.environ.get("CHECKPOINT_DIR", "."))
+print("stub", mode, "attempt", os.environ.get("CLOUD_RUN_TASK_ATTEMPT"), flush=True)
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "preempt-once":
+    marker = root / (os.environ["CLOUD_RUN_JOB"] + "-task" + os.environ["CLOUD_RUN_TASK_INDEX"] + ".marker")
+    if marker.exists():
+        sys.exit(0)
+    marker.write_text(os.environ["CLOUD_RUN_EXECUTION"])
+    sys.exit(143)
+if mode == "sleep":
+    time.sleep(float(sys.argv[2]))
+sys.exit(0)
+"""
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> None:
+    """Migrate the (temporary, SQLite) Airflow metadata DB once per session."""
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    """A Cloud Run emulator (with its GCS emulator) for the whole session, with ``BUCKET`` created."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+    data_dir = tmp_path_factory.mktemp("emulator")
+    table = data_dir / "images.json"
+    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]}}}))
+    with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0) as emu:
+        client = storage.Client(
+            project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emu.gcs_endpoint}
+        )
+        client.create_bucket(BUCKET)
+        yield emu
+
+
+@pytest.fixture
+def gcp_conn(emulator, monkeypatch) -> str:
+    """Point ``google_cloud_default`` at the emulator (anonymous, project ``test-project``)."""
+    extra = {"is_anonymous": True, "project": PROJECT, "api_endpoint": emulator.endpoint}
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
+    )
+    return "google_cloud_default"
+
+
+@pytest.fixture
+def job_name() -> str:
+    """A fresh job id per test, so that tests never share emulator state."""
+    return f"job-{uuid.uuid4().hex[:10]}"
+
+
+def bucket_dir(emulator) -> Path:
+    """Local directory backing the test checkpoint bucket."""
+    return Path(emulator.bucket_dir(BUCKET))

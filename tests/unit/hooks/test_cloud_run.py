@@ -1,0 +1,115 @@
+"""CloudRunGpuHook against the local Cloud Run emulator (no client mocks)."""
+
+from __future__ import annotations
+
+import pytest
+from google.api_core import exceptions as gexc
+from google.cloud import run_v2
+
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, location_of
+from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.outcome import ExecutionState, OutcomeClass, classify_task, execution_state
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
+
+
+def spec(job_name: str, **kw) -> GpuJobSpec:
+    return GpuJobSpec(name=job_name, image=STUB_IMAGE, checkpoint_bucket=BUCKET, **kw)
+
+
+@pytest.fixture
+def hook(gcp_conn) -> CloudRunGpuHook:
+    return CloudRunGpuHook(gcp_conn_id=gcp_conn)
+
+
+def test_endpoint_and_transport_come_from_the_connection(hook, emulator):
+    assert hook.api_endpoint == emulator.endpoint
+    assert hook.transport == "rest"
+    assert hook.project_id == PROJECT
+
+
+def test_clients_are_cached_per_location(hook):
+    assert hook.jobs_client("us-central1") is hook.jobs_client("us-central1")
+    assert hook.jobs_client("us-central1") is not hook.jobs_client("europe-west4")
+    assert hook.tasks_client("us-central1") is not hook.jobs_client("us-central1")
+
+
+def test_location_of():
+    assert location_of("projects/p/locations/europe-west4/jobs/j/executions/e") == "europe-west4"
+    with pytest.raises(ValueError, match="not a projects/"):
+        location_of("jobs/j")
+
+
+def test_create_get_update_delete(hook, job_name):
+    created = hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
+    assert created.name == f"projects/{PROJECT}/locations/{REGION}/jobs/{job_name}"
+    assert created.template.template.node_selector.accelerator == "nvidia-l4"
+    fetched = hook.get_job(job_name=job_name, region=REGION)
+    assert fetched.generation == created.generation
+    updated = hook.update_job(job_name=job_name, job=spec(job_name, args=["exit", "0"]), region=REGION)
+    assert updated.generation > created.generation
+    assert list(updated.template.template.containers[0].args) == ["exit", "0"]
+    assert hook.delete_job(job_name=job_name, region=REGION) is not None
+    with pytest.raises(gexc.NotFound):
+        hook.get_job(job_name=job_name, region=REGION)
+    assert hook.delete_job(job_name=job_name, region=REGION) is None
+
+
+def test_create_existing_job_raises_conflict(hook, job_name):
+    hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
+    with pytest.raises(gexc.Conflict, match="already exists"):
+        hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
+
+
+def test_create_or_update_is_idempotent(hook, job_name):
+    job, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name), region=REGION)
+    assert action == "created"
+    again, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name), region=REGION)
+    assert (action, again.generation) == ("unchanged", job.generation)
+    changed, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name, max_retries=1), region=REGION)
+    assert action == "updated" and changed.generation > job.generation
+    assert changed.template.template.max_retries == 1
+
+
+def test_run_poll_and_list(hook, job_name):
+    hook.create_job(job_name=job_name, job=spec(job_name, task_count=2, max_retries=0), region=REGION)
+    operation, execution = hook.run_job(
+        job_name=job_name, region=REGION, overrides={"container_overrides": [{"args": ["exit", "1"]}]}
+    )
+    assert "/operations/" in operation
+    assert execution.startswith(f"projects/{PROJECT}/locations/{REGION}/jobs/{job_name}/executions/{job_name}-")
+    polled = []
+    final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=60, on_poll=lambda e, t: polled.append(len(t)))
+    assert execution_state(final) is ExecutionState.FAILED
+    assert polled and polled[-1] == 2
+    tasks = hook.list_tasks(execution=execution)
+    assert [t.index for t in tasks] == [0, 1]
+    outcomes = {classify_task(t).outcome for t in tasks}
+    assert OutcomeClass.FAILED in outcomes
+    assert [e.name for e in hook.list_executions(job_name=job_name, region=REGION)] == [execution]
+    short = execution.rsplit("/", 1)[-1]
+    assert hook.get_execution(execution=short, job_name=job_name, region=REGION).name == execution
+    assert hook.get_operation(operation).done is True
+
+
+def test_short_execution_name_needs_job_and_region(hook):
+    with pytest.raises(ValueError, match="short name"):
+        hook.get_execution(execution="abc")
+
+
+def test_cancel_execution(hook, job_name):
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"]), region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    cancelled = hook.cancel_execution(execution=execution, wait=True)
+    assert isinstance(cancelled, run_v2.Execution)
+    final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
+    assert execution_state(final) is ExecutionState.CANCELLED
+
+
+def test_wait_for_execution_times_out(hook, job_name):
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "30"]), region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    try:
+        with pytest.raises(TimeoutError, match="still running"):
+            hook.wait_for_execution(execution, poll_interval=0.2, timeout=0.5)
+    finally:
+        hook.cancel_execution(execution=execution, wait=True)
