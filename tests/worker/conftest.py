@@ -1,0 +1,174 @@
+"""Fixtures for the worker tests: a digits .npz, and real worker processes with real signals."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Training flags shared by every run whose final hashes are compared with the baseline.
+TRAIN_FLAGS = ("--steps", "200", "--batch-size", "64", "--seed", "0", "--threads", "1")
+
+
+def write_digits(path: Path) -> None:
+    """Write the digits .npz the DAG's setup step writes (stratified 80/20 split, seed 0)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+
+
+@pytest.fixture(scope="session")
+def digits_npz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:return: path of a digits .npz shared by all tests."""
+    path = tmp_path_factory.mktemp("data") / "digits.npz"
+    write_digits(path)
+    return path
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """:return: an environment for a worker process (no CLOUD_RUN_* / CHECKPOINT_* leaking in)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUD_RUN_", "CHECKPOINT_", "WORKER_TEST_"))}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A ``python -m worker train`` child whose JSON log lines are collected as they arrive."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", *args], cwd=REPO_ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.records: list[dict] = []
+        self.raw: list[str] = []
+        self._queue: queue.Queue[dict | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.raw.append(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            self.records.append(record)
+            self._queue.put(record)
+        self._queue.put(None)
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> dict:
+        """Block until a log record satisfies ``predicate``; fail on exit or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                record = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"timed out waiting for a log record; output:\n{self.output}")
+            if record is None:
+                pytest.fail(f"worker exited before the awaited log record; output:\n{self.output}")
+            if predicate(record):
+                return record
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the child."""
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """:return: the exit code (negative for a signal), after the log reader drained."""
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.raw)
+
+    def messages(self, severity: str | None = None) -> list[dict]:
+        return [r for r in self.records if severity is None or r.get("severity") == severity]
+
+
+@dataclasses.dataclass
+class Task:
+    """One task namespace under a temporary checkpoint root, and how to start attempts in it."""
+
+    root: Path
+    data: Path
+    job: str = "job"
+    attempt: int = 0
+
+    @property
+    def namespace(self) -> Path:
+        return self.root / self.job / "task-0"
+
+    def start(self, *extra: str, env: dict[str, str] | None = None, flags=TRAIN_FLAGS) -> WorkerProcess:
+        """Start the next attempt (``CLOUD_RUN_TASK_ATTEMPT`` increments like a Cloud Run retry)."""
+        identity = {
+            "CLOUD_RUN_JOB": self.job, "CLOUD_RUN_EXECUTION": f"{self.job}-exec",
+            "CLOUD_RUN_TASK_INDEX": "0", "CLOUD_RUN_TASK_COUNT": "1",
+            "CLOUD_RUN_TASK_ATTEMPT": str(self.attempt),
+        }
+        environment = worker_env(**{**identity, **(env or {})})
+        self.attempt += 1
+        args = ["train", "--checkpoint-dir", str(self.root), "--data", str(self.data), *flags, *extra]
+        return WorkerProcess(args, environment)
+
+    def run(self, *extra: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> WorkerProcess:
+        """Run one attempt to its end."""
+        process = self.start(*extra, env=env)
+        process.wait(timeout=timeout)
+        return process
+
+    def metrics(self) -> dict:
+        return json.loads((self.namespace / "metrics.json").read_text())
+
+    def valid_steps(self) -> list[int]:
+        """Steps whose commit record matches the data file (checked independently of the worker)."""
+        steps = []
+        for record_path in sorted(self.namespace.glob("ckpt-*.commit.json")):
+            try:
+                record = json.loads(record_path.read_text())
+                data = (self.namespace / record_path.name.replace(".commit.json", ".pt")).read_bytes()
+            except (OSError, ValueError):
+                continue
+            if len(data) == record["size"] and hashlib.sha256(data).hexdigest() == record["sha256"]:
+                steps.append(record["step"])
+        return sorted(steps)
+
+
+@pytest.fixture
+def task(tmp_path: Path, digits_npz: Path) -> Task:
+    """:return: a fresh task namespace."""
+    return Task(root=tmp_path / "checkpoints", data=digits_npz)
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory: pytest.TempPathFactory, digits_npz: Path) -> tuple[Task, WorkerProcess]:
+    """An uninterrupted run with :data:`TRAIN_FLAGS`; its hashes are the reference."""
+    run_task = Task(root=tmp_path_factory.mktemp("baseline"), data=digits_npz)
+    process = run_task.run("--checkpoint-every", "20")
+    assert process.proc.returncode == 0, process.output
+    return run_task, process
+
+
+SIGTERM, SIGKILL = signal.SIGTERM, signal.SIGKILL

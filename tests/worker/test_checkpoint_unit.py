@@ -1,0 +1,198 @@
+"""Unit tests: checkpoint names, keep/save policies, config validation, manager in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.checkpoint import (
+    COMMIT,
+    DATA,
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointName,
+    CommitRecord,
+    FixedIntervalPolicy,
+    KeepLatestN,
+    ParsedName,
+)
+from worker.logs import StructuredLogger
+
+
+@pytest.mark.parametrize(
+    ("step", "kind", "name"),
+    [
+        (0, DATA, "ckpt-00000000.pt"),
+        (50, DATA, "ckpt-00000050.pt"),
+        (50, COMMIT, "ckpt-00000050.commit.json"),
+        (123456789, DATA, "ckpt-123456789.pt"),
+    ],
+)
+def test_name_build_and_parse_round_trip(step: int, kind: str, name: str) -> None:
+    assert CheckpointName.build(step, kind) == name
+    assert CheckpointName.parse(name) == ParsedName(step, kind, False)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("ckpt-00000050.commit.json.tmp", ParsedName(50, COMMIT, True)),
+        ("ckpt-00000050.pt.tmp", ParsedName(50, DATA, True)),
+        ("ckpt-0000050.pt", None),  # too few digits
+        ("xckpt-00000050.pt", None),  # not anchored at the start
+        ("ckpt-00000050.pt.bak", None),  # not anchored at the end
+        ("ckpt-00000050.json", None),
+        ("old-ckpt-00000050.pt", None),
+        ("ckpt-step-50.pt", None),
+        ("progress.json", None),
+        ("ckpt-00000050.commit.json.tmp.tmp", None),
+    ],
+)
+def test_name_parse_rejects_lookalikes(name: str, expected: ParsedName | None) -> None:
+    assert CheckpointName.parse(name) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
+def test_name_build_rejects_bad_steps(bad: object) -> None:
+    with pytest.raises(ValueError):
+        CheckpointName.build(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n", "present", "valid", "deleted"),
+    [
+        (2, [], [], []),
+        (2, [10], [10], []),
+        (2, [10, 20], [10, 20], []),
+        (2, [10, 20, 30], [10, 20, 30], [10]),
+        (3, [10, 20, 30, 40, 50], [10, 20, 30, 40, 50], [10, 20]),
+        # an invalid checkpoint between valid ones is purged, the valid ones are kept
+        (2, [10, 20, 30, 40], [10, 20, 40], [10, 30]),
+        # a newer, invalid (possibly in-flight) checkpoint is never deleted
+        (2, [10, 20, 30], [10, 20], []),
+        # with no valid checkpoint nothing is deleted
+        (2, [10, 20], [], []),
+        # the last valid one survives whatever else is present
+        (2, [5, 10, 20, 30], [10], [5]),
+    ],
+)
+def test_keep_latest_n(n: int, present: list[int], valid: list[int], deleted: list[int]) -> None:
+    assert KeepLatestN(n).to_delete(present, valid) == deleted
+
+
+@pytest.mark.parametrize(("interval", "step", "expected"), [(50, 0, False), (50, 49, False), (50, 50, True), (50, 100, True), (1, 1, True)])
+def test_fixed_interval_policy(interval: int, step: int, expected: bool) -> None:
+    assert FixedIntervalPolicy(interval).should_save(step) is expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keep_latest_k": 1}, "in flight"),
+        ({"keep_latest_k": 0}, ">= 2"),
+        ({"interval": 0}, "interval"),
+        ({"load_step": -2}, "load_step"),
+        ({"folder": ""}, "folder"),
+        ({"pause_before_commit_s": -1.0}, "pauses"),
+    ],
+)
+def test_checkpoint_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CheckpointConfig(**{"folder": "/tmp/x", **kwargs})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[]", b'{"step": 1}', b'{"step": 1, "size": 2, "sha256": "xyz"}', b"\xff\xfe"],
+)
+def test_commit_record_rejects_torn_or_malformed(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        CommitRecord.from_bytes(raw)
+
+
+class Box:
+    """A minimal stateful object."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.tensor = torch.tensor([value])
+
+    def state_dict(self) -> dict:
+        return {"t": self.tensor.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor = state["t"].clone()
+
+
+class ListLog:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, line: str) -> None:
+        if line.strip():
+            self.records.append(json.loads(line))
+
+    def flush(self) -> None:
+        pass
+
+
+def _manager(folder: Path, box: Box, stream: ListLog | None = None, keep: int = 2) -> CheckpointManager:
+    config = CheckpointConfig(folder=str(folder), interval=10, keep_latest_k=keep)
+    return CheckpointManager(config, {"box": box}, logger=StructuredLogger(stream or ListLog()))
+
+
+def test_manager_save_load_keep_and_fallback(tmp_path: Path) -> None:
+    box = Box()
+    with _manager(tmp_path, box) as manager:
+        assert manager.save(5) is False  # not on the interval
+        for step in (10, 20, 30):
+            box.tensor += 1
+            assert manager.save(step) is True
+        assert manager.save(30, force=True) is False  # already saved
+        assert manager.valid_steps() == [30, 20]
+        assert not (tmp_path / "ckpt-00000010.pt").exists()
+    (tmp_path / "ckpt-00000030.pt").write_bytes(b"torn")
+    log = ListLog()
+    restored = Box()
+    with _manager(tmp_path, restored, log) as manager:
+        assert manager.latest_step() == 20
+        assert manager.load() is True and manager.loaded_step == 20
+    assert restored.tensor.item() == 2.0
+    warnings = [r for r in log.records if r["severity"] == "WARNING"]
+    assert warnings and warnings[0]["file"].endswith("ckpt-00000030.pt")
+
+
+def test_manager_cleans_uncommitted_and_temp_files_at_startup(tmp_path: Path) -> None:
+    box = Box()
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+    (tmp_path / "ckpt-00000020.pt").write_bytes(b"uncommitted")
+    (tmp_path / "ckpt-00000020.commit.json.tmp").write_bytes(b"{")
+    (tmp_path / "unrelated.txt").write_text("keep me")
+    with _manager(tmp_path, Box()) as manager:
+        assert manager.present_steps() == [10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000010.commit.json", "ckpt-00000010.pt", "unrelated.txt",
+    ]
+
+
+def test_manager_refuses_unsafe_pickles(tmp_path: Path) -> None:
+    """weights_only loading: a checkpoint holding an arbitrary object is skipped, not executed."""
+    box = Box()
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"box": {"t": torch.zeros(1)}, "evil": Path("/")}, buffer)
+    payload = buffer.getvalue()
+    (tmp_path / "ckpt-00000020.pt").write_bytes(payload)
+    record = CommitRecord(20, len(payload), hashlib.sha256(payload).hexdigest(), "now")
+    (tmp_path / "ckpt-00000020.commit.json").write_bytes(record.to_bytes())
+    log = ListLog()
+    with _manager(tmp_path, Box(), log) as manager:
+        assert manager.load() is True and manager.loaded_step == 10
+    assert any("torch.load failed" in r.get("reason", "") for r in log.records)

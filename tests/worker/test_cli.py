@@ -1,0 +1,86 @@
+"""Real worker processes: a clean run, the completed-run shortcut, and non-retryable errors."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.worker.conftest import Task, WorkerProcess
+
+
+def test_uninterrupted_run_succeeds(baseline: tuple[Task, WorkerProcess]) -> None:
+    task, process = baseline
+    assert process.proc.returncode == 0, process.output
+    metrics = task.metrics()
+    assert metrics["accuracy"] > 0.9
+    assert metrics["steps"] == metrics["total_steps"] == 200
+    assert metrics["checkpoints_written"] == 10
+    assert metrics["history"] == [
+        {"execution": "job-exec", "attempt": 0, "task_index": 0, "resumed_from_step": 0, "lost_steps": 0}
+    ]
+    assert len(metrics["model_sha256"]) == len(metrics["optimizer_sha256"]) == 64
+    assert task.valid_steps() == [180, 200]  # keep 2
+    progress = json.loads((task.namespace / "progress.json").read_text())
+    assert progress["status"] == "completed" and progress["step"] == 200
+    assert set(progress) >= {"step", "total_steps", "status", "updated_at", "loss", "steps_per_second"}
+    messages = [r["message"] for r in process.records]
+    assert all("severity" in r for r in process.records)
+    assert any(m.startswith("no checkpoint found") for m in messages)
+    assert "checkpoint saved" in messages and "training complete" in messages
+    saved = next(r for r in process.records if r["message"] == "checkpoint saved")
+    assert {"step", "bytes", "seconds"} <= set(saved)
+    assert any("eta_seconds" in r for r in process.records)
+
+
+def test_completed_run_exits_at_once(baseline: tuple[Task, WorkerProcess]) -> None:
+    task, _ = baseline
+    before = task.metrics()
+    started = time.monotonic()
+    process = task.run("--checkpoint-every", "20")
+    assert process.proc.returncode == 0, process.output
+    assert time.monotonic() - started < 2.0  # no torch import, no training
+    assert any("already complete" in r["message"] for r in process.records)
+    assert task.metrics() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "reason"),
+    [
+        (["--keep", "1"], {}, "in flight"),
+        (["--steps", "0"], {}, "--steps"),
+        (["--lr", "-1"], {}, "--lr"),
+        (["--bogus-flag"], {}, "unrecognized"),
+        (["--steps", "many"], {}, "invalid int"),
+        ([], {"PREEMPTION_GRACE_SECONDS": "soon"}, "PREEMPTION_GRACE_SECONDS"),
+    ],
+)
+def test_bad_config_exits_78_and_later_attempts_exit_at_once(task: Task, args, env, reason: str) -> None:
+    first = task.run(*args, env=env)
+    assert first.proc.returncode == 78, first.output
+    fatal = json.loads((task.namespace / "FATAL").read_text())
+    assert fatal["exit_code"] == 78 and reason in fatal["reason"]
+    started = time.monotonic()
+    second = task.run()  # a Cloud Run retry, even with good flags, stops at once
+    assert second.proc.returncode == 78, second.output
+    assert time.monotonic() - started < 2.0
+    assert not list(task.namespace.glob("ckpt-*"))
+
+
+def test_bad_task_index_exits_78(task: Task) -> None:
+    process = task.run(env={"CLOUD_RUN_TASK_INDEX": "abc"})
+    assert process.proc.returncode == 78
+    assert any("CLOUD_RUN_TASK_INDEX" in r["message"] for r in process.records)
+
+
+def test_unreadable_data_exits_65(task: Task, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"this is not an npz file")
+    task.data = bad
+    process = task.run()
+    assert process.proc.returncode == 65, process.output
+    assert json.loads((task.namespace / "FATAL").read_text())["exit_code"] == 65
+    again = task.run()
+    assert again.proc.returncode == 65
