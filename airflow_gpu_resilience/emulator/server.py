@@ -8,9 +8,11 @@ a short grace, before the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -50,7 +52,21 @@ class ServeConfig:
     shutdown_grace_seconds: float = 2.0
 
 
-def _announce(server: uvicorn.Server, ready: dict) -> None:
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after shutting down, which would end the process before
+    the task processes are stopped; this server only asks to exit and lets :func:`serve` clean up."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _announce(server: _Server, ready: dict) -> None:
     while not server.started and not server.should_exit:
         time.sleep(0.01)
     if server.started:
@@ -71,7 +87,7 @@ def serve(config: ServeConfig) -> None:
                             failed_execution_code=config.failed_execution_code)
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), config.grace_seconds, gcs, data_dir)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
+    server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}
     gcs.start()

@@ -1,0 +1,137 @@
+"""Fixtures for emulator tests: stand-in images, one emulator subprocess per session, the real
+``run_v2`` REST clients pointed at it, and a GCS client on its storage emulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import run_v2
+
+from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+PARENT = "projects/test-project/locations/us-central1"
+
+# Each stand-in image is a small python -c script. OUT (if set) is a directory to which the
+# attempt writes "task-{index}/attempt-{attempt}.json" with its CLOUD_RUN_* env and times.
+_RECORD = (
+    "import json,os,sys,time,signal\n"
+    "E=os.environ\n"
+    "def record(**kw):\n"
+    "    out=E.get('OUT')\n"
+    "    if not out: return\n"
+    "    d=os.path.join(out,'task-'+E['CLOUD_RUN_TASK_INDEX']); os.makedirs(d,exist_ok=True)\n"
+    "    info={k:v for k,v in E.items() if k.startswith('CLOUD_RUN_')}; info.update(kw)\n"
+    "    open(os.path.join(d,'attempt-'+E['CLOUD_RUN_TASK_ATTEMPT']+'.json'),'w').write(json.dumps(info))\n"
+)
+EXIT_SCRIPT = _RECORD + (
+    "t0=time.time(); time.sleep(float(E.get('SLEEP','0')))\n"
+    "record(start=t0,end=time.time(),argv=sys.argv[1:])\n"
+    "print('attempt',E['CLOUD_RUN_TASK_ATTEMPT'],'exiting',E.get('CODE','0'),flush=True)\n"
+    "sys.exit(int(E.get('CODE','0')))\n"
+)
+# Sleeps SLEEP seconds on attempts below FAST_FROM (default 1), traps SIGTERM -> exit 143.
+SLEEP_SCRIPT = _RECORD + (
+    "def term(*_):\n"
+    "    print('SIGTERM received, exiting 143',flush=True); record(interrupted=True); sys.exit(143)\n"
+    "signal.signal(signal.SIGTERM,term)\n"
+    "print('started',flush=True)\n"
+    "if int(E['CLOUD_RUN_TASK_ATTEMPT'])<int(E.get('FAST_FROM','1')): time.sleep(float(E.get('SLEEP','60')))\n"
+    "record(interrupted=False); print('done',flush=True)\n"
+)
+STUBBORN_SCRIPT = (
+    "import signal,time\nsignal.signal(signal.SIGTERM,signal.SIG_IGN)\nprint('started',flush=True)\ntime.sleep(60)\n"
+)
+
+
+@pytest.fixture(scope="session")
+def images_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("images") / "images.json"
+    images = {
+        "local/exit:latest": {"entrypoint": ["{python}", "-c", EXIT_SCRIPT], "cmd": ["default-cmd"]},
+        "local/sleep:*": {"entrypoint": ["{python}", "-c", SLEEP_SCRIPT]},
+        "local/stubborn": {"entrypoint": ["{python}", "-c", STUBBORN_SCRIPT]},
+    }
+    path.write_text(json.dumps({"images": images}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory, images_file):
+    with EmulatorProcess(tmp_path_factory.mktemp("emulator"), images_file=images_file, grace_seconds=2.0) as emu:
+        yield emu
+
+
+def _opts(emu):
+    return {"credentials": AnonymousCredentials(), "transport": "rest",
+            "client_options": {"api_endpoint": emu.endpoint}}
+
+
+@pytest.fixture(scope="session")
+def jobs(emulator):
+    return run_v2.JobsClient(**_opts(emulator))
+
+
+@pytest.fixture(scope="session")
+def executions(emulator):
+    return run_v2.ExecutionsClient(**_opts(emulator))
+
+
+@pytest.fixture(scope="session")
+def tasks(emulator):
+    return run_v2.TasksClient(**_opts(emulator))
+
+
+@pytest.fixture(scope="session")
+def storage_client(emulator):
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator.gcs_endpoint
+    from google.cloud import storage
+
+    yield storage.Client(project="test-project", credentials=AnonymousCredentials())
+    if previous is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
+@pytest.fixture
+def bucket(storage_client):
+    return storage_client.create_bucket(f"ckpt-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def job_id():
+    return f"job-{uuid.uuid4().hex[:8]}"
+
+
+def make_job(image, env=None, task_count=1, parallelism=0, max_retries=None, timeout_s=None,
+             bucket=None, gpu=False, args=None, launch_stage=None) -> run_v2.Job:
+    """A job with one container; a GCS volume 'ckpt' at /checkpoints when ``bucket`` is given."""
+    container = run_v2.Container(image=image, env=[run_v2.EnvVar(name=k, value=v) for k, v in (env or {}).items()],
+                                 args=args or [])
+    template = run_v2.TaskTemplate(containers=[container])
+    if max_retries is not None:
+        template.max_retries = max_retries
+    if timeout_s is not None:
+        template.timeout = {"seconds": timeout_s}
+    if bucket is not None:
+        template.volumes = [run_v2.Volume(name="ckpt", gcs=run_v2.GCSVolumeSource(bucket=bucket))]
+        container.volume_mounts = [run_v2.VolumeMount(name="ckpt", mount_path="/checkpoints")]
+    if gpu:
+        container.resources = run_v2.ResourceRequirements(limits={"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"})
+        template.node_selector = run_v2.NodeSelector(accelerator="nvidia-l4")
+        template.gpu_zonal_redundancy_disabled = True
+    template.containers = [container]
+    job = run_v2.Job(template=run_v2.ExecutionTemplate(task_count=task_count, parallelism=parallelism, template=template))
+    if launch_stage is not None:
+        job.launch_stage = launch_stage
+    return job
+
+
+def task_name(execution_name: str, index: int) -> str:
+    short = execution_name.rsplit("/", 1)[-1]
+    return f"{execution_name}/tasks/{short}-task{index}"

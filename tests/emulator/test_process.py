@@ -1,0 +1,62 @@
+"""The emulator process lifecycle: ready line, CLI preempt, and no children left after stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import run_v2
+
+from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+from .conftest import PARENT, make_job, task_name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_kills_running_task_processes(tmp_path, images_file):
+    with EmulatorProcess(tmp_path / "emu", images_file=images_file, grace_seconds=1.0) as emu:
+        opts = {"api_endpoint": emu.endpoint}
+        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest", client_options=opts)
+        tasks = run_v2.TasksClient(credentials=AnonymousCredentials(), transport="rest", client_options=opts)
+        jobs.create_job(parent=PARENT, job=make_job("local/stubborn", task_count=2), job_id="stop").result()
+        op = jobs.run_job(name=f"{PARENT}/jobs/stop")
+        answer = subprocess.run(
+            [sys.executable, "-m", "airflow_gpu_resilience.emulator", "preempt", "--endpoint", emu.endpoint,
+             "--execution", op.metadata.name, "--task-index", "1", "--grace-seconds", "30"],
+            capture_output=True, text=True, timeout=30, check=True)
+        pid = json.loads(answer.stdout)["pid"]
+        assert _pid_alive(pid)  # SIGTERM is ignored; SIGKILL is 30 s away
+        deadline = time.monotonic() + 10
+        while tasks.get_task(name=task_name(op.metadata.name, 0)).start_time is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert len(emu.children) >= 2
+    assert not any(_pid_alive(c.pid) for c in emu.children)
+    assert not _pid_alive(pid)
+    assert not _pid_alive(emu.pid)
+
+
+def test_serve_prints_one_ready_line_fast(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0", "--gcs-port", "0",
+         "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert time.monotonic() - started < 5  # < 2 s on an idle machine; CI is busier
+        assert ready["ready"] and ready["endpoint"].startswith("http://127.0.0.1:")
+        assert ready["gcsEndpoint"].startswith("http://127.0.0.1:")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
