@@ -77,8 +77,11 @@ class WorkerProcess:
             self._queue.put(record)
         self._queue.put(None)
 
-    def wait_for(self, predicate, timeout: float = 30.0) -> dict:
-        """Block until a log record satisfies ``predicate``; fail on exit or timeout."""
+    def wait_for(self, predicate, timeout: float = 30.0, allow_exit: bool = False) -> dict | None:
+        """Block until a log record satisfies ``predicate``; fail on timeout.
+
+        :param allow_exit: return ``None`` when the worker exits first, instead of failing.
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -86,6 +89,8 @@ class WorkerProcess:
             except queue.Empty:
                 pytest.fail(f"timed out waiting for a log record; output:\n{self.output}")
             if record is None:
+                if allow_exit:
+                    return None
                 pytest.fail(f"worker exited before the awaited log record; output:\n{self.output}")
             if predicate(record):
                 return record
@@ -166,7 +171,7 @@ def task(tmp_path: Path, digits_npz: Path) -> Task:
 def baseline(tmp_path_factory: pytest.TempPathFactory, digits_npz: Path) -> tuple[Task, WorkerProcess]:
     """An uninterrupted run with :data:`TRAIN_FLAGS`; its hashes are the reference."""
     run_task = Task(root=tmp_path_factory.mktemp("baseline"), data=digits_npz)
-    process = run_task.run("--checkpoint-every", "20")
+    process = run_task.run("--checkpoint-every", "20", "--keep", "3")
     assert process.proc.returncode == 0, process.output
     return run_task, process
 

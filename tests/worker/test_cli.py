@@ -22,7 +22,7 @@ def test_uninterrupted_run_succeeds(baseline: tuple[Task, WorkerProcess]) -> Non
         {"execution": "job-exec", "attempt": 0, "task_index": 0, "resumed_from_step": 0, "lost_steps": 0}
     ]
     assert len(metrics["model_sha256"]) == len(metrics["optimizer_sha256"]) == 64
-    assert task.valid_steps() == [180, 200]  # keep 2
+    assert task.valid_steps() == [160, 180, 200]  # keep 3
     progress = json.loads((task.namespace / "progress.json").read_text())
     assert progress["status"] == "completed" and progress["step"] == 200
     assert set(progress) >= {"step", "total_steps", "status", "updated_at", "loss", "steps_per_second"}
@@ -39,7 +39,7 @@ def test_completed_run_exits_at_once(baseline: tuple[Task, WorkerProcess]) -> No
     task, _ = baseline
     before = task.metrics()
     started = time.monotonic()
-    process = task.run("--checkpoint-every", "20")
+    process = task.run("--checkpoint-every", "20", "--keep", "3")
     assert process.proc.returncode == 0, process.output
     assert time.monotonic() - started < 2.0  # no torch import, no training
     assert any("already complete" in r["message"] for r in process.records)

@@ -1,0 +1,134 @@
+"""Real processes, real signals: SIGTERM and SIGKILL at chosen and random points, then resume.
+
+Every interrupted lineage must end with model and optimizer tensors bit-identical (same sha256)
+to the uninterrupted baseline run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+
+from tests.worker.conftest import SIGKILL, SIGTERM, Task, WorkerProcess
+
+
+def _hashes(metrics: dict) -> tuple[str, str]:
+    return metrics["model_sha256"], metrics["optimizer_sha256"]
+
+
+def _is(message: str):
+    return lambda record: record.get("message") == message
+
+
+def _started(record: dict) -> bool:
+    return "resumed_from_step" in record
+
+
+def test_sigkill_between_data_and_commit_resumes_from_previous(task: Task, baseline) -> None:
+    pause = {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "1.5"}
+    first = task.start("--checkpoint-every", "20", env=pause)
+    first.wait_for(lambda r: r.get("message") == "checkpoint data written" and r["step"] == 40)
+    first.signal(SIGKILL)
+    assert first.wait() == -SIGKILL
+    assert (task.namespace / "ckpt-00000040.pt").exists()
+    assert not (task.namespace / "ckpt-00000040.commit.json").exists()
+    assert task.valid_steps() == [20]
+
+    second = task.run("--checkpoint-every", "20")
+    assert second.proc.returncode == 0, second.output
+    assert any(r["message"] == "removed stale checkpoint file" and r["step"] == 40 for r in second.records)
+    resumed = next(r for r in second.records if _started(r))
+    assert resumed["message"] == "resuming from step 20" and resumed["resumed_from_step"] == 20
+    metrics = task.metrics()
+    assert metrics["history"][-1]["resumed_from_step"] == 20
+    assert _hashes(metrics) == _hashes(baseline[0].metrics())
+
+
+def test_sigterm_checkpoints_exits_143_and_resumes_bit_identical(task: Task, baseline) -> None:
+    first = task.start("--checkpoint-every", "50", "--step-delay", "0.01")
+    first.wait_for(lambda r: r.get("message") == "checkpoint saved" and r["step"] == 50)
+    first.signal(SIGTERM)
+    assert first.wait() == 143, first.output
+    stop = next(r for r in first.records if r["message"].startswith("SIGTERM received"))
+    step = stop["step"]
+    assert 50 <= step < 200
+    assert step in task.valid_steps()
+    assert first.records[-1]["exit_code"] == 143
+
+    second = task.run("--checkpoint-every", "50")
+    assert second.proc.returncode == 0, second.output
+    assert any(r["message"] == f"resuming from step {step}" for r in second.records)
+    metrics = task.metrics()
+    assert [h["resumed_from_step"] for h in metrics["history"]] == [0, step]
+    assert metrics["history"][-1]["lost_steps"] == 0
+    assert _hashes(metrics) == _hashes(baseline[0].metrics())
+
+
+def test_corrupt_newest_checkpoints_fall_back_with_warnings(baseline, task: Task) -> None:
+    shutil.copytree(baseline[0].namespace, task.namespace)  # a finished run, keep 3
+    assert task.valid_steps() == [160, 180, 200]
+    (task.namespace / "metrics.json").unlink()
+    newest = task.namespace / "ckpt-00000200.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    second = task.namespace / "ckpt-00000180.pt"
+    data = bytearray(second.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    second.write_bytes(bytes(data))
+
+    resumed = task.run("--checkpoint-every", "20", "--keep", "3")
+    assert resumed.proc.returncode == 0, resumed.output
+    warned = [r["file"] for r in resumed.messages("WARNING") if r["message"] == "skipping invalid checkpoint"]
+    assert [os.path.basename(f) for f in warned] == ["ckpt-00000200.pt", "ckpt-00000180.pt"]
+    assert any(r["message"] == "resuming from step 160" for r in resumed.records)
+    metrics = task.metrics()
+    assert metrics["history"][-1]["lost_steps"] == 40
+    assert _hashes(metrics) == _hashes(baseline[0].metrics())
+    assert task.valid_steps() == [160, 180, 200]
+
+
+def _interrupt(process: WorkerProcess, kind: str, rng: random.Random) -> bool:
+    """Deliver one interruption of ``kind`` at a random point of the attempt.
+
+    :return: whether it was delivered (``False`` when the attempt finished first).
+    """
+    awaited = {
+        "kill-before-commit": _is("checkpoint data written"),
+        "kill-mid-write": _is("checkpoint data half written"),
+    }.get(kind, _started)
+    if process.wait_for(awaited, allow_exit=True) is None:
+        return False
+    if kind in ("term", "kill"):
+        time.sleep(rng.uniform(0.05, 0.4))
+    process.signal(SIGTERM if kind == "term" else SIGKILL)
+    return True
+
+
+def test_random_sigterm_and_sigkill_end_bit_identical(task: Task, baseline) -> None:
+    rng = random.Random(1234)
+    kinds = ["term", "kill-before-commit", "kill", "kill-mid-write", "term", "kill"]
+    flags = ("--checkpoint-every", "15", "--step-delay", "0.01")
+    pauses = {
+        "kill-before-commit": {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "1"},
+        "kill-mid-write": {"WORKER_TEST_PAUSE_MID_WRITE_SECONDS": "1"},
+    }
+    newest_valid, interrupted = 0, 0
+    for kind in kinds:
+        process = task.start(*flags, env=pauses.get(kind))
+        interrupted += _interrupt(process, kind, rng)
+        code = process.wait()
+        assert code in (0, 143 if kind == "term" else -SIGKILL), process.output
+        valid = task.valid_steps()
+        assert not valid or valid[-1] >= newest_valid  # the last good checkpoint never goes away
+        newest_valid = valid[-1] if valid else 0
+        if code == 0:
+            break
+    assert interrupted >= 4
+    final = task.run(*flags)
+    assert final.proc.returncode == 0, final.output
+    metrics = task.metrics()
+    resumed = [h["resumed_from_step"] for h in metrics["history"]]
+    assert resumed == sorted(resumed) and len(resumed) >= 3
+    assert _hashes(metrics) == _hashes(baseline[0].metrics())
+    assert metrics["accuracy"] > 0.9
