@@ -79,10 +79,15 @@ class Registry:
             return list(self._backends.values())
 
     def shutdown(self, grace: float = 2.0) -> None:
-        """Stop every supervisor: SIGTERM its attempts, SIGKILL them after ``grace`` seconds."""
+        """Stop every supervisor: SIGTERM all attempts, SIGKILL what is left after ``grace``
+        seconds, reap them."""
         with self.cond:
-            for backend in self._backends.values():
-                backend.shutdown(grace)
+            supervisors = [s for b in self._backends.values() for s in b.supervisors.values()]
+            for supervisor in supervisors:
+                supervisor.terminate()
+            deadline = time.monotonic() + grace
+            for supervisor in supervisors:
+                supervisor.reap(deadline)
 
     def reset(self) -> None:
         """Stop everything and forget all resources."""
@@ -336,7 +341,8 @@ class CloudRunBackend:
 
     def list_tasks(self, parent: str, page_size: int = 0, page_token: str = "") -> tuple:
         """Tasks of an execution by index; ``jobs/-`` and ``executions/-`` are wildcards."""
-        pattern = re.compile("^" + re.escape(parent).replace(r"/\-", "/[^/]+").replace("/-", "/[^/]+") + "$")
+        pattern = re.compile("^" + "/".join(
+            "[^/]+" if seg == "-" else re.escape(seg) for seg in parent.split("/")) + "$")
         with self.cond:
             matched = [e for n, e in self.executions.items() if pattern.match(n)]
             if not matched and "/-" not in parent:
@@ -386,9 +392,3 @@ class CloudRunBackend:
                 self.cond.wait(timeout=0.1)
             attempt = supervisor.preempt(index, grace_s)
             return {"task": attempt.task.name, "attempt": attempt.number, "pid": attempt.popen.pid}
-
-    def shutdown(self, grace: float) -> None:
-        """Stop every supervisor and its processes (SIGTERM, ``grace`` s, SIGKILL)."""
-        with self.cond:
-            for supervisor in self.supervisors.values():
-                supervisor.shutdown(grace)

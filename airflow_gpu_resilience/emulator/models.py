@@ -69,7 +69,7 @@ EXECUTION_TRANSITIONS = {
         ExecutionState.FAILED, ExecutionState.CANCELLED,
     },
     ExecutionState.CANCELLING: {ExecutionState.CANCELLED},
-    ExecutionState.FAILING: {ExecutionState.FAILED, ExecutionState.CANCELLING},
+    ExecutionState.FAILING: {ExecutionState.FAILED},
     ExecutionState.SUCCEEDED: set(),
     ExecutionState.FAILED: set(),
     ExecutionState.CANCELLED: set(),

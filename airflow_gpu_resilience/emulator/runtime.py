@@ -44,6 +44,7 @@ class RuntimeConfig:
     :param grace_seconds: SIGTERM-to-SIGKILL grace for timeouts, preemption and cancel (s).
     :param poll_seconds: supervisor loop period (s).
     :param failed_execution_code: gRPC code on the RunJob LRO error of a failed execution.
+    :param reconcile_seconds: how often mounted buckets are re-indexed while attempts run (s).
     """
 
     data_dir: Path
@@ -52,6 +53,7 @@ class RuntimeConfig:
     grace_seconds: float = 10.0
     poll_seconds: float = 0.05
     failed_execution_code: int = 9
+    reconcile_seconds: float = 2.0
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs) -> list:

@@ -41,11 +41,13 @@ class ExecutionSupervisor(threading.Thread):
         self.finish_callbacks = [on_finish]
         self.running: dict = {}  # task index -> Attempt
         self._shutdown = False
+        self._last_sync = time.monotonic()
 
     # --- requests from other threads (caller holds cond) -------------------------------
     def request_cancel(self) -> None:
-        """Ask for cancellation; the loop stops running attempts and cancels the rest."""
-        if not self.execution.done and self.execution.state is not ExecutionState.CANCELLING:
+        """Ask for cancellation; the loop stops running attempts and cancels the rest. An
+        execution already failing (a task failed for good) stays on course to FAILED."""
+        if self.execution.state is ExecutionState.RUNNING:
             transition(self.execution, ExecutionState.CANCELLING, EXECUTION_TRANSITIONS)
 
     def preempt(self, index: int, grace: float) -> Attempt:
@@ -54,13 +56,14 @@ class ExecutionSupervisor(threading.Thread):
         attempt.stop("preempted", grace)
         return attempt
 
-    def shutdown(self, grace: float) -> None:
-        """End the loop; SIGTERM every attempt's process group, SIGKILL what is left after
-        ``grace`` seconds, and reap the processes (emulator shutdown or reset)."""
+    def terminate(self) -> None:
+        """End the loop and SIGTERM every running attempt's process group (shutdown, reset)."""
         self._shutdown = True
         for attempt in self.running.values():
             attempt.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+
+    def reap(self, deadline: float) -> None:
+        """After :meth:`terminate`: wait until ``deadline`` (monotonic), SIGKILL the rest, reap."""
         for attempt in self.running.values():
             try:
                 attempt.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -102,9 +105,17 @@ class ExecutionSupervisor(threading.Thread):
             del self.running[index]
             attempt.signal_group(signal.SIGKILL)  # stragglers in the group, like a container stop
             self._record(attempt, attempt.result(returncode))
-        if finished:
-            self.config.gcs.reconcile(gcs_buckets(self.execution.template))
+        self._sync_gcs(force=bool(finished))
         return bool(finished)
+
+    def _sync_gcs(self, force: bool) -> None:
+        """Index files written through the mounts: after each attempt, and every
+        ``reconcile_seconds`` while attempts run (so progress files show up in the Storage API)."""
+        now = time.monotonic()
+        buckets = gcs_buckets(self.execution.template)
+        if buckets and (force or (self.running and now - self._last_sync >= self.config.reconcile_seconds)):
+            self.config.gcs.reconcile(buckets)
+            self._last_sync = now
 
     def _record(self, attempt: Attempt, result: AttemptResult) -> None:
         task = attempt.task
@@ -188,6 +199,6 @@ class ExecutionSupervisor(threading.Thread):
         }[ex.state]
         transition(ex, final, EXECUTION_TRANSITIONS)
         ex.completion_time = utcnow()
-        self.config.gcs.reconcile(gcs_buckets(ex.template))
+        self._sync_gcs(force=True)
         for callback in self.finish_callbacks:
             callback(ex)

@@ -1,0 +1,235 @@
+"""Backend, validation, image table and model tests without HTTP."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from google.api import launch_stage_pb2
+from google.cloud import run_v2
+from google.longrunning import operations_pb2
+from google.protobuf import json_format
+
+from airflow_gpu_resilience.emulator import validation
+from airflow_gpu_resilience.emulator.backend import CloudRunBackend, Registry, paginate
+from airflow_gpu_resilience.emulator.exceptions import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+)
+from airflow_gpu_resilience.emulator.faults import ApiFaults, FaultConfig
+from airflow_gpu_resilience.emulator.images import ImageTable
+from airflow_gpu_resilience.emulator.models import (
+    TASK_TRANSITIONS, ExecutionState, TaskState, transition,
+)
+from airflow_gpu_resilience.emulator.runtime import RuntimeConfig, rewrite
+
+from .conftest import PARENT, make_job
+
+
+class FakeGcs:
+    """Buckets are plain directories; reconcile calls are recorded."""
+
+    def __init__(self, root, buckets=("ckpt",)):
+        self.root, self.buckets, self.reconciled = root, set(buckets), []
+
+    def bucket_exists(self, bucket):
+        return bucket in self.buckets
+
+    def bucket_dir(self, bucket):
+        return self.root / bucket
+
+    def reconcile(self, buckets):
+        self.reconciled.append(list(buckets))
+
+
+@pytest.fixture
+def registry(tmp_path):
+    images = ImageTable({"ok": {"entrypoint": ["{python}", "-c", "import sys; sys.exit(0)"]},
+                         "fail": {"entrypoint": ["{python}", "-c", "import sys; sys.exit(3)"]}}, tmp_path)
+    config = RuntimeConfig(data_dir=tmp_path, images=images, gcs=FakeGcs(tmp_path), poll_seconds=0.01)
+    reg = Registry(config, "http://127.0.0.1:1")
+    yield reg
+    reg.shutdown(0.5)
+
+
+@pytest.fixture
+def backend(registry) -> CloudRunBackend:
+    return registry.for_name(PARENT)
+
+
+def test_create_fills_defaults_and_rejects_duplicates(backend):
+    op = backend.create_job("j1", make_job("ok"))
+    assert op.done and op.target.name == f"{PARENT}/jobs/j1"
+    job = backend.get_job(f"{PARENT}/jobs/j1").to_proto()
+    assert job.template.task_count == 1 and job.template.template.max_retries == 3
+    assert job.template.template.timeout.total_seconds() == 600 and job.launch_stage == launch_stage_pb2.GA
+    with pytest.raises(AlreadyExists):
+        backend.create_job("j1", make_job("ok"))
+    with pytest.raises(NotFound):
+        backend.get_job(f"{PARENT}/jobs/nope")
+
+
+def test_run_to_success_and_failure_without_http(backend, registry):
+    backend.create_job("good", make_job("ok", task_count=2, bucket="ckpt"))
+    backend.create_job("bad", make_job("fail", max_retries=2))
+    good = backend.wait_operation(backend.run_job(f"{PARENT}/jobs/good").name, 20)
+    bad = backend.wait_operation(backend.run_job(f"{PARENT}/jobs/bad").name, 20)
+    assert good.done and good.error is None and good.target.state is ExecutionState.SUCCEEDED
+    assert good.target.to_proto().succeeded_count == 2
+    assert registry.config.gcs.reconciled and all(b == ["ckpt"] for b in registry.config.gcs.reconciled)
+    assert bad.done and bad.error[0] == 9 and "bad-" in bad.error[1]
+    task = bad.target.tasks[0]
+    assert task.retried == 2 and task.last_result.exit_code == 3 and task.state is TaskState.FAILED
+
+
+def test_operation_json_parses_strictly_as_the_client_does(backend):
+    backend.create_job("j", make_job("ok"))
+    op = backend.wait_operation(backend.run_job(f"{PARENT}/jobs/j").name, 20)
+    text = json_format.MessageToJson(op.to_pb(), use_integers_for_enums=False)
+    parsed = json_format.Parse(text, operations_pb2.Operation())  # strict: unknown fields raise
+    execution = run_v2.Execution.pb(run_v2.Execution())
+    assert parsed.response.Unpack(execution) and execution.succeeded_count == 1
+    assert parsed.metadata.type_url == "type.googleapis.com/google.cloud.run.v2.Execution"
+
+
+def test_overrides_replace_args_merge_env_and_clear():
+    template = make_job("ok", env={"A": "1", "B": "2"}, args=["x"], task_count=1).template
+    overrides = run_v2.RunJobRequest.Overrides(
+        container_overrides=[{"args": ["y"], "env": [{"name": "B", "value": "3"}]}], task_count=4,
+        timeout={"seconds": 30})
+    task_template, count = CloudRunBackend._apply_overrides(template, overrides)
+    container = task_template.containers[0]
+    assert list(container.args) == ["y"] and {e.name: e.value for e in container.env} == {"A": "1", "B": "3"}
+    assert count == 4 and task_template.timeout.total_seconds() == 30
+    cleared, _ = CloudRunBackend._apply_overrides(
+        template, run_v2.RunJobRequest.Overrides(container_overrides=[{"clear_args": True}]))
+    assert list(cleared.containers[0].args) == [] and list(template.template.containers[0].args) == ["x"]
+    with pytest.raises(InvalidArgument, match="container_overrides"):
+        CloudRunBackend._apply_overrides(
+            template, run_v2.RunJobRequest.Overrides(container_overrides=[{"name": "other"}]))
+
+
+def _slow(backend, tmp_path, job_id, **kw):
+    backend.registry.config.images = ImageTable(
+        {"slow": {"entrypoint": ["{python}", "-c", "import time; time.sleep(30)"]}}, tmp_path)
+    backend.create_job(job_id, make_job("slow", **kw))
+    return backend.run_job(f"{PARENT}/jobs/{job_id}")
+
+
+def test_preempt_records_maintenance_status(backend, tmp_path):
+    op = _slow(backend, tmp_path, "slow", max_retries=0)
+    answer = backend.preempt(op.target.name, 0, grace_s=5.0, wait_s=5.0)
+    assert answer["attempt"] == 0 and answer["task"].endswith("-task0")
+    with pytest.raises(FailedPrecondition, match="not running"):  # stopping or stopped already
+        backend.preempt(op.target.name, 0, grace_s=5.0, wait_s=0.0)
+    assert backend.wait_operation(op.name, 20).error[0] == 9
+    result = op.target.tasks[0].last_result
+    assert result.status_code == 14 and result.term_signal == 15 and result.exit_code is None
+
+
+def test_cancel_execution_without_http(backend, tmp_path):
+    op = _slow(backend, tmp_path, "slow", task_count=3, parallelism=1)
+    cancel = backend.cancel_execution(op.target.name)
+    assert backend.wait_operation(cancel.name, 20).done
+    assert op.done and op.error is None and op.target.state is ExecutionState.CANCELLED
+    assert all(t.state is TaskState.CANCELLED for t in op.target.tasks)
+    assert op.target.to_proto().cancelled_count == 3
+
+
+def test_delete_job_refuses_running_and_checks_etag(backend):
+    backend.create_job("j", make_job("ok"))
+    with pytest.raises(FailedPrecondition, match="etag"):
+        backend.delete_job(f"{PARENT}/jobs/j", etag='"other"')
+    etag = backend.get_job(f"{PARENT}/jobs/j").etag
+    assert backend.delete_job(f"{PARENT}/jobs/j", etag=etag).done
+    with pytest.raises(NotFound):
+        backend.get_job(f"{PARENT}/jobs/j")
+
+
+def test_illegal_transition_is_refused(backend):
+    backend.create_job("j", make_job("ok"))
+    op = backend.wait_operation(backend.run_job(f"{PARENT}/jobs/j").name, 20)
+    task = op.target.tasks[0]
+    with pytest.raises(RuntimeError, match="SUCCEEDED -> RUNNING"):
+        transition(task, TaskState.RUNNING, TASK_TRANSITIONS)
+
+
+def test_paginate():
+    assert paginate(list(range(5)), 2, "") == ([0, 1], "2")
+    assert paginate(list(range(5)), 2, "4") == ([4], "")
+    with pytest.raises(InvalidArgument):
+        paginate([], 1, "x")
+
+
+def _gpu_job(accelerator="nvidia-l4", cpu="4", memory="16Gi", gpus="1", timeout_s=600, stage=None):
+    job = make_job("ok", gpu=True, timeout_s=timeout_s, launch_stage=stage)
+    container = job.template.template.containers[0]
+    container.resources.limits.update({"cpu": cpu, "memory": memory, "nvidia.com/gpu": gpus})
+    job.template.template.node_selector.accelerator = accelerator
+    return job
+
+
+@pytest.mark.parametrize("job, field", [
+    (_gpu_job(gpus="2"), "resources.limits"),
+    (_gpu_job(accelerator="nvidia-a100"), "node_selector.accelerator"),
+    (_gpu_job(cpu="2"), "resources.limits.cpu"),
+    (_gpu_job(memory="8Gi"), "resources.limits.memory"),
+    (_gpu_job(accelerator="nvidia-rtx-pro-6000", cpu="20", memory="80Gi"), "launch_stage"),
+    (_gpu_job(timeout_s=4000), "launch_stage"),
+    (make_job("ok", timeout_s=169 * 3600, launch_stage=3), "timeout"),
+    (make_job("ok", max_retries=-1), "max_retries"),
+    (make_job("ok", bucket="missing"), "gcs.bucket"),
+    (make_job("", ), "image"),
+])
+def test_validation_names_the_field(job, field):
+    with pytest.raises(InvalidArgument, match=field):
+        validation.validate_job(job, lambda b: b == "ckpt")
+
+
+def test_validation_preview_features_report_beta():
+    beta = launch_stage_pb2.BETA
+    job = _gpu_job(accelerator="nvidia-rtx-pro-6000", cpu="20", memory="80Gi", stage=beta)
+    assert validation.validate_job(job, lambda b: True) == beta
+    assert validation.validate_job(_gpu_job(timeout_s=4000, stage=launch_stage_pb2.ALPHA), lambda b: True) == beta
+    assert validation.validate_job(_gpu_job(stage=beta), lambda b: True) == launch_stage_pb2.GA
+    assert validation.parse_memory_gib("16384Mi", "f") == 16 and validation.parse_cpu("4000m", "f") == 4
+
+
+def test_rewrite_maps_mount_paths_only():
+    mounts = [("/checkpoints", "/data/b")]
+    assert rewrite("/checkpoints", mounts) == "/data/b"
+    assert rewrite("/checkpoints/run/1", mounts) == "/data/b/run/1"
+    assert rewrite("--dir=/checkpoints/x", mounts) == "--dir=/data/b/x"
+    assert rewrite("/checkpointsX", mounts) == "/checkpointsX"
+    assert rewrite("a=/checkpoints", mounts) == "a=/checkpoints"
+
+
+def test_image_table_resolution_and_docker_semantics(tmp_path):
+    table = ImageTable({
+        "repo/app:*": {"entrypoint": ["{python}", "-m", "app"], "cmd": ["serve"], "cwd": "src",
+                       "env": {"PYTHONPATH": "lib:/abs"}},
+        "repo/app:1": {"entrypoint": ["exact"]},
+    }, tmp_path)
+    assert table.resolve("repo/app:1").entrypoint == ("exact",)
+    entry = table.resolve("repo/app:2")
+    assert entry.argv([], []) == [sys.executable, "-m", "app", "serve"]
+    assert entry.argv([], ["train"]) == [sys.executable, "-m", "app", "train"]
+    assert entry.argv(["bash"], []) == ["bash"]
+    assert entry.cwd == (tmp_path / "src").resolve()
+    assert entry.env["PYTHONPATH"] == f"{(tmp_path / 'lib').resolve()}:/abs"
+    assert table.resolve("other") is None
+
+
+def test_api_faults_fail_next_then_rate():
+    faults = ApiFaults()
+    faults.configure(FaultConfig.from_json({"failNext": 2, "codes": [429]}))
+    results = [faults.next_fault()[1] for _ in range(3)]
+    assert [type(r).__name__ if r else None for r in results] == ["ResourceExhausted"] * 2 + [None]
+    faults.configure(FaultConfig.from_json({"errorRate": 1.0}))
+    assert faults.next_fault()[1].http_code == 503
+    with pytest.raises(InvalidArgument):
+        FaultConfig.from_json({"codes": [500]})
+
+
+def test_wait_operation_times_out(backend, tmp_path):
+    op = _slow(backend, tmp_path, "slow")
+    assert not backend.wait_operation(op.name, 0.2).done

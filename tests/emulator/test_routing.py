@@ -1,0 +1,49 @@
+"""Thin HTTP routing test: the route table, colon verbs, and Google's error shape."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from airflow_gpu_resilience.emulator import urls
+from airflow_gpu_resilience.emulator.app import AppState, create_app
+from airflow_gpu_resilience.emulator.backend import Registry
+from airflow_gpu_resilience.emulator.faults import ApiFaults
+from airflow_gpu_resilience.emulator.images import ImageTable
+from airflow_gpu_resilience.emulator.runtime import RuntimeConfig
+
+from .test_backend import FakeGcs
+
+P = "projects/p/locations/us-central1"
+
+
+@pytest.mark.parametrize("method, path, handler", [
+    ("POST", f"{P}/jobs", "create_job"),
+    ("GET", f"{P}/jobs/j", "get_job"),
+    ("POST", f"{P}/jobs/j:run", "run_job"),
+    ("GET", f"{P}/jobs/-/executions", "list_executions"),
+    ("POST", f"{P}/jobs/j/executions/e:cancel", "cancel_execution"),
+    ("GET", f"{P}/jobs/j/executions/e/tasks", "list_tasks"),
+    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", "get_task"),
+    ("POST", f"{P}/operations/abc:wait", "wait_operation"),
+    ("DELETE", f"{P}/operations/abc", "delete_operation"),
+])
+def test_route_table(method, path, handler):
+    assert urls.match(method, path)[0] == handler
+
+
+def test_http_errors_use_google_shape(tmp_path):
+    config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
+    registry = Registry(config, "http://testserver")
+    client = TestClient(create_app(AppState(registry, ApiFaults(), 1.0, config.gcs, tmp_path)))
+    missing = client.post(f"/v2/{P}/jobs/nope:run", json={})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["status"] == "NOT_FOUND" and "nope" in missing.json()["error"]["message"]
+    assert client.get(f"/v2/{P}/jobs/j:run").json()["error"]["status"] == "UNIMPLEMENTED"
+    assert client.get("/v2/nothing/here").status_code == 404
+    bad = client.post(f"/v2/{P}/jobs?jobId=j", content=b'{"notAField": 1}')
+    assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
+    created = client.post(f"/v2/{P}/jobs?jobId=j&$alt=json;enum-encoding=int",
+                          json={"template": {"template": {"containers": [{"image": "x"}]}}})
+    assert created.json()["done"] is True and created.json()["response"]["launchStage"] == 4
+    assert client.get(f"/v2/{P}/jobs/j").json()["launchStage"] == "GA"
