@@ -75,6 +75,23 @@ def upload_dataset(params: dict | None = None) -> str:
 
 
 @task
+def grant_bucket_access(params: dict | None = None) -> None:
+    """Grant the job's service account ``roles/storage.objectAdmin`` on the checkpoint bucket only.
+
+    The binding is added to the bucket's IAM policy (not the project's), so the job can read and
+    write its checkpoints and nothing else. Adding an existing binding changes nothing.
+    """
+    bucket = GCSHook(gcp_conn_id=params["gcp_conn_id"]).get_conn().bucket(params["bucket"])
+    policy = bucket.get_iam_policy(requested_policy_version=3)
+    member = f"serviceAccount:{params['service_account']}"
+    for binding in policy.bindings:
+        if binding["role"] == "roles/storage.objectAdmin" and member in binding["members"]:
+            return
+    policy.bindings.append({"role": "roles/storage.objectAdmin", "members": {member}})
+    bucket.set_iam_policy(policy)
+
+
+@task
 def report(summary: dict, params: dict | None = None) -> dict:
     """Read each task's ``metrics.json`` from the bucket and log the held-out accuracy.
 
@@ -148,6 +165,6 @@ with DAG(
         max_preemption_reruns="{{ params.max_preemption_reruns }}",
     )
     done = cleanup()
-    create_bucket >> upload_dataset() >> deploy >> execute
+    create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
     report(execute.output) >> done
     done.as_teardown(setups=create_bucket)
