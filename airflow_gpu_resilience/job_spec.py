@@ -189,8 +189,10 @@ class GpuJobSpec:
     :param args: container arguments; empty keeps the image's CMD.
     :param env: environment variables; ``CLOUD_RUN_*`` names are reserved. ``CHECKPOINT_DIR``
         is set to ``checkpoint_mount_path`` when a checkpoint bucket is given.
-    :param cpu: vCPU limit (default ``"4"``); at least the GPU type's minimum.
-    :param memory: memory limit (default ``"16Gi"``); at least the GPU type's minimum (GiB).
+    :param cpu: vCPU limit (default ``"4"``); at least the GPU type's minimum. A number is
+        turned into its string form.
+    :param memory: memory limit (default ``"16Gi"``); at least the GPU type's minimum (GiB). A
+        number means bytes.
     :param gpu_type: one of :data:`GPU_TYPES` (default ``"nvidia-l4"``).
     :param gpu_count: GPUs per instance; Cloud Run supports exactly 1 (default).
     :param gpu_zonal_redundancy: reserve failover capacity across zones (default ``False``, which
@@ -234,6 +236,11 @@ class GpuJobSpec:
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
+        for name in ("cpu", "memory"):  # rendered templates may give numbers: 4 -> "4"
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                text = str(int(value)) if float(value).is_integer() else f"{value:g}"
+                object.__setattr__(self, name, text)
         self.validate()
 
     @classmethod

@@ -347,3 +347,79 @@ def _describe(task: TaskOutcome) -> str:
     if task.message:
         text += f", {task.message!r}"
     return text + ")"
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """Raw facts of one finished task attempt, as seen while polling (JSON-able).
+
+    :param task_index: task index within the execution.
+    :param attempt: 0-based attempt number (``CLOUD_RUN_TASK_ATTEMPT`` of that attempt).
+    :param exit_code: exit code, or ``None`` when the attempt died by signal.
+    :param term_signal: terminating signal, or ``None``.
+    :param status_code: ``google.rpc.Code`` of the attempt's status (0 = OK).
+    :param message: the attempt's status message.
+    """
+
+    task_index: int
+    attempt: int
+    exit_code: int | None
+    term_signal: int | None
+    status_code: int
+    message: str
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(task_index, attempt)``: identifies the attempt within its execution."""
+        return (self.task_index, self.attempt)
+
+    def classify(self, fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES) -> OutcomeClass:
+        """The attempt's class (see :func:`classify_attempt`)."""
+        return classify_attempt(
+            exit_code=self.exit_code,
+            term_signal=self.term_signal,
+            status_code=self.status_code,
+            message=self.message,
+            fatal_exit_codes=fatal_exit_codes,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form (for trigger events)."""
+        return {
+            "task_index": self.task_index,
+            "attempt": self.attempt,
+            "exit_code": self.exit_code,
+            "term_signal": self.term_signal,
+            "status_code": self.status_code,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AttemptRecord:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+
+def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, int]] = ()) -> list[AttemptRecord]:
+    """Finished attempts visible in ``tasks`` that are not in ``seen``.
+
+    ``last_attempt_result`` belongs to attempt ``retried`` once the task is finished, and to
+    attempt ``retried - 1`` while a retry is pending or running. Polling less often than attempts
+    end can miss intermediate attempts; the final one is always visible.
+
+    :param tasks: the execution's tasks, as ListTasks returns them.
+    :param seen: ``(task_index, attempt)`` keys already recorded.
+    :return: new records, in task-index order.
+    """
+    records = []
+    for task in tasks:
+        if "last_attempt_result" not in task:
+            continue
+        finished = classify_task(task).outcome is not OutcomeClass.RUNNING
+        attempt = task.retried if finished else task.retried - 1
+        if attempt < 0 or (task.index, attempt) in seen:
+            continue
+        exit_code, signal = _exit_and_signal(task.last_attempt_result)
+        status = task.last_attempt_result.status
+        records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message))
+    return sorted(records, key=lambda r: r.key)

@@ -98,6 +98,12 @@ def test_valid_spec(overrides):
     assert spec(**overrides).to_job().template.template.containers[0].image == BASE["image"]
 
 
+def test_numeric_cpu_and_memory_become_strings():
+    limits = spec(cpu=8, memory=32 * 1024**3).to_job().template.template.containers[0].resources.limits
+    assert (limits["cpu"], limits["memory"]) == ("8", "34359738368")
+    assert spec(cpu=4.5).cpu == "4.5"
+
+
 def test_max_retries_zero_warns():
     with pytest.warns(UserWarning, match="max_retries=0"):
         spec(max_retries=0)

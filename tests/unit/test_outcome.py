@@ -9,6 +9,8 @@ from google.cloud import run_v2
 from google.rpc import status_pb2
 
 from airflow_gpu_resilience.outcome import (
+    AttemptRecord,
+    observe_attempts,
     Action,
     ExecutionState,
     OutcomeClass,
@@ -203,3 +205,26 @@ def test_decide_zero_budget_fails_on_first_preemption():
 def test_decide_refuses_running_execution():
     with pytest.raises(ValueError, match="RUNNING"):
         decide([], state=ExecutionState.RUNNING, reruns_used=0, max_reruns=3)
+
+
+class TestObserveAttempts:
+    def test_running_retry_reports_previous_attempt(self):
+        running = _task(index=0, retried=1, result=_result(signal=15, code=14, message=MAINTENANCE),
+                        state=S.CONDITION_RECONCILING, done=False)
+        [record] = observe_attempts([running])
+        assert (record.task_index, record.attempt, record.term_signal, record.exit_code) == (0, 0, 15, None)
+        assert record.classify() is C.PREEMPTED
+
+    def test_finished_task_reports_last_attempt_and_skips_seen(self):
+        done = _task(index=1, retried=2, result=_result(exit_code=0))
+        assert [r.key for r in observe_attempts([done])] == [(1, 2)]
+        assert observe_attempts([done], seen={(1, 2)}) == []
+
+    def test_pending_first_attempt_and_no_result_are_skipped(self):
+        pending = _task(index=0, retried=0, result=_result(143, code=2), state=S.CONDITION_PENDING, done=False)
+        assert observe_attempts([pending, run_v2.Task(index=1)]) == []
+
+    def test_round_trip(self):
+        record = AttemptRecord(0, 1, 143, None, 2, ERROR)
+        assert AttemptRecord.from_dict(record.to_dict()) == record
+        assert record.classify(fatal_exit_codes={143}) is C.FATAL

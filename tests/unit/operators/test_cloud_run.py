@@ -1,0 +1,187 @@
+"""Deploy and execute operators through ``dag.test()`` against the local Cloud Run emulator."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from pathlib import Path
+
+import pytest
+from google.api import launch_stage_pb2
+
+from airflow.utils.state import TaskInstanceState
+
+from airflow_gpu_resilience.exceptions import CloudRunGpuExecutionError, CloudRunGpuFatalError
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.operators.cloud_run import (
+    RUN_KEY_ENV,
+    CloudRunGpuDeployJobOperator,
+    CloudRunGpuExecuteJobOperator,
+)
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir
+from tests.unit.operators import dag_factory
+from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+
+pytestmark = pytest.mark.usefixtures("airflow_db")
+
+
+@pytest.fixture(autouse=True)
+def _clear_captured():
+    CAPTURED["summaries"].clear()
+    CAPTURED["errors"].clear()
+
+
+@pytest.fixture
+def run_dag():
+    """Run a factory DAG with ``dag.test()``; its dags-folder twin is removed afterwards."""
+    from airflow.configuration import conf
+
+    written = []
+
+    def run(factory: str, **kwargs):
+        written.append(write_dag_file(Path(conf.get("core", "dags_folder")), factory, kwargs))
+        return getattr(dag_factory, factory)(**kwargs).test()
+
+    yield run
+    for path in written:
+        path.unlink(missing_ok=True)
+
+
+def deploy(job_name: str, args: list[str], max_retries: int = 0, **kw) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=max_retries,
+                          checkpoint_bucket=BUCKET, **kw)
+    CloudRunGpuHook().create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
+
+
+@pytest.fixture
+def run_execute(run_dag, job_name):
+    """Run the execute DAG for ``job_name``; return its ``execute`` task instance."""
+
+    def run(**kwargs):
+        dr = run_dag("execute_dag", dag_id=f"exec_{job_name.replace('-', '_')}", job_name=job_name, **kwargs)
+        return dr.get_task_instance("execute")
+
+    return run
+
+
+def executions(job_name: str) -> list:
+    return CloudRunGpuHook().list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_success(gcp_conn, job_name, run_execute, deferrable):
+    deploy(job_name, ["ok"], task_count=2)
+    ti = run_execute(deferrable=deferrable)
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["outcome"] == "SUCCEEDED" and summary["reruns"] == 0 and summary["task_count"] == 2
+    assert summary["job_name"] == job_name and len(summary["executions"]) == 1
+    assert [t["index"] for t in summary["tasks"]] == [0, 1]
+    assert all(t["outcomes"] == ["SUCCEEDED"] and t["exit_codes"] == [0] for t in summary["tasks"])
+    assert summary["preemptions"] == []
+    [execution] = executions(job_name)
+    env = {e.name: e.value for e in execution.template.containers[0].env}
+    assert env[RUN_KEY_ENV] and env["CHECKPOINT_DIR"] == "/checkpoints"
+
+
+def test_exit_1_fails_after_airflow_retries_with_exit_code_in_message(gcp_conn, job_name, run_execute):
+    deploy(job_name, ["exit", "1"], max_retries=1)
+    ti = run_execute(retries=1)
+    assert ti.state == TaskInstanceState.FAILED
+    assert ti.try_number == 2
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuExecutionError) and not isinstance(error, CloudRunGpuFatalError)
+    assert error.exit_code == 1 and error.outcome == "FAILED"
+    assert "exit code 1" in str(error) and "attempt 2" in str(error) and "Logs: http" in str(error)
+    assert len(executions(job_name)) == 2  # one per Airflow try
+
+
+def test_sysexits_code_fails_without_retry(gcp_conn, job_name, run_execute):
+    deploy(job_name, ["exit", "78"], max_retries=3)
+    ti = run_execute(retries=2)
+    assert ti.state == TaskInstanceState.FAILED
+    assert ti.try_number == 1
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.exit_code == 78
+    assert "FATAL" in str(error) and "non-retryable exit code" in str(error)
+    assert len(executions(job_name)) == 1
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_always_preempted_exhausts_the_budget(gcp_conn, job_name, run_execute, deferrable):
+    deploy(job_name, ["exit", "143"], max_retries=0)
+    ti = run_execute(retries=1, max_preemption_reruns=2, deferrable=deferrable)
+    assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "PREEMPTED"
+    assert "preemption budget exhausted (2 re-runs used)" in str(error)
+    assert len(executions(job_name)) == 3
+
+
+def test_preempted_once_then_resumes_in_a_second_execution(gcp_conn, job_name, emulator, run_execute):
+    deploy(job_name, ["preempt-once"], max_retries=0)
+    ti = run_execute(max_preemption_reruns=2)
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    assert summary["reruns"] == 1 and len(summary["executions"]) == 2
+    assert [e["action"] for e in summary["executions"]] == ["RERUN", "SUCCEED"]
+    assert summary["tasks"] == [{"index": 0, "attempts": 2, "exit_codes": [143, 0], "outcomes": ["PREEMPTED", "SUCCEEDED"]}]
+    [preemption] = summary["preemptions"]
+    assert (preemption["task_index"], preemption["attempt"], preemption["exit_code"]) == (0, 0, 143)
+    assert preemption["execution"] == summary["executions"][0]["name"]
+    assert (bucket_dir(emulator) / f"{job_name}-task0.marker").exists()
+
+
+def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
+    """A second try of the same task instance finds its execution by the run-key env var."""
+    deploy(job_name, ["sleep", "60"], max_retries=0)
+    hook = CloudRunGpuHook()
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION)
+
+    class TI:
+        dag_id, run_id, task_id, map_index = "d", "r", "execute", -1
+
+    key = op.run_key({"ti": TI()})
+    _, started = hook.run_job(job_name=job_name, region=REGION, project_id=PROJECT,
+                              overrides=op._overrides_with_key(key))
+    try:
+        found = op._find_running(hook, PROJECT, key)
+        assert found is not None and found.name == started
+        assert op._find_running(hook, PROJECT, "other-key") is None
+    finally:
+        hook.cancel_execution(execution=started, wait=True)
+
+
+def test_deploy_operator_is_idempotent_and_pushes_generation(gcp_conn, job_name, run_dag):
+    dr = run_dag("deploy_dag", dag_id=f"deploy_{job_name.replace('-', '_')}", job_name=job_name,
+                 image=STUB_IMAGE, bucket=BUCKET)
+    assert dr.get_task_instance("deploy_again").state == TaskInstanceState.SUCCESS
+    one, two = CAPTURED["summaries"]
+    assert one["action"] == "created" and two["action"] == "unchanged"
+    assert one["generation"] == two["generation"] and one["job_name"] == job_name
+    job = CloudRunGpuHook().get_job(job_name=job_name, region=REGION, project_id=PROJECT)
+    assert job.template.template.max_retries == 2 and job.launch_stage == launch_stage_pb2.LaunchStage.BETA
+
+
+def test_deploy_operator_validates_at_parse_time_when_not_templated():
+    with pytest.raises(ValueError, match="gpu_type='nvidia-h100' is not supported"):
+        CloudRunGpuDeployJobOperator(task_id="d", job_name="j", image="img", gpu_type="nvidia-h100",
+                                     checkpoint_bucket=BUCKET)
+
+
+def test_deploy_operator_validates_templated_values_before_any_api_call():
+    op = CloudRunGpuDeployJobOperator(task_id="d", job_name="j", image="img", max_retries="{{ x }}",
+                                      checkpoint_bucket=BUCKET)
+    op.max_retries = "12"  # as rendered
+    with pytest.raises(ValueError, match="max_retries=12 is out of range"):
+        op.execute({})
+
+
+def test_execute_operator_rejects_negative_budget():
+    with pytest.raises(ValueError, match="max_preemption_reruns=-1"):
+        CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", max_preemption_reruns=-1)
