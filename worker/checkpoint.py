@@ -15,10 +15,12 @@ ignored by discovery and skipped, with a warning, on load.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import io
 import json
 import re
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
@@ -178,6 +180,15 @@ class KeepLatestN:
         return sorted(s for s in set(present_steps) if s not in keep and s < keep[0])
 
 
+class AsyncMode(enum.Enum):
+    """How interval checkpoints are written."""
+
+    DISABLED = "disabled"
+    """Synchronously, on the training thread."""
+    ASYNC = "async"
+    """State copied to CPU on the training thread, written and committed on a background thread."""
+
+
 @dataclasses.dataclass
 class CheckpointConfig:
     """Configuration of a :class:`CheckpointManager`.
@@ -186,6 +197,7 @@ class CheckpointConfig:
     :param interval: save every this many optimizer steps; default 50.
     :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
         may be incomplete when the process is killed, and the previous one must still exist.
+    :param async_mode: :attr:`AsyncMode.DISABLED` (default) or :attr:`AsyncMode.ASYNC`.
     :param load_step: step to load, or -1 for the newest valid one.
     :param pause_before_commit_s: testing only: sleep this long (seconds) between the data
         write and the commit record, so tests can kill the process there; default 0.
@@ -196,6 +208,7 @@ class CheckpointConfig:
     folder: str
     interval: int = 50
     keep_latest_k: int = 2
+    async_mode: AsyncMode = AsyncMode.DISABLED
     load_step: int = -1
     pause_before_commit_s: float = 0.0
     pause_mid_write_s: float = 0.0
@@ -212,6 +225,8 @@ class CheckpointConfig:
             )
         if not isinstance(self.keep_latest_k, int) or self.keep_latest_k < 2:
             raise ValueError(f"keep_latest_k must be an int >= 2, got {self.keep_latest_k!r}")
+        if not isinstance(self.async_mode, AsyncMode):
+            raise ValueError(f"async_mode must be an AsyncMode, got {self.async_mode!r}")
         if not isinstance(self.load_step, int) or self.load_step < -1:
             raise ValueError(f"load_step must be -1 or a step >= 0, got {self.load_step!r}")
         if self.pause_before_commit_s < 0 or self.pause_mid_write_s < 0:
@@ -220,6 +235,27 @@ class CheckpointConfig:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _serialize(state: dict[str, Any]) -> bytes:
+    import torch  # imported lazily: FATAL and completion checks run without torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """:return: ``obj`` with every tensor copied to CPU memory, containers rebuilt."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: _cpu_copy(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(value) for value in obj)
+    return obj
 
 
 class CheckpointManager:
@@ -251,17 +287,26 @@ class CheckpointManager:
         self._save_policy = AnySavePolicy((FixedIntervalPolicy(config.interval),))
         self._keep_policy = KeepLatestN(config.keep_latest_k)
         self._save_seconds: list[float] = []
+        self._verified: dict[int, str] = {}  # step -> sha256 verified (or written) by this process
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
         self.checkpoints_written = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self._closed = False
         self.cleanup_stale()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not hide the exception in flight behind a save error
+            self.close()
+        except RuntimeError as exc:
+            self._log.error("background checkpoint save failed during shutdown", error=str(exc))
 
     def path(self, step: int, kind: str = DATA) -> str:
         """:return: the path of the data file or commit record of ``step``."""
@@ -281,11 +326,7 @@ class CheckpointManager:
                 steps.add(parsed.step)
         return sorted(steps, reverse=True)
 
-    def verify(self, step: int) -> tuple[bytes | None, str]:
-        """Check one checkpoint against its commit record.
-
-        :return: ``(data, "")`` when valid, else ``(None, reason)``.
-        """
+    def _record(self, step: int) -> tuple[CommitRecord | None, str]:
         try:
             record = CommitRecord.from_bytes(self._storage.read(self.path(step, COMMIT)))
         except FileNotFoundError:
@@ -294,6 +335,24 @@ class CheckpointManager:
             return None, f"unreadable commit record: {exc}"
         if record.step != step:
             return None, f"commit record is for step {record.step}"
+        return record, ""
+
+    def is_valid(self, step: int) -> bool:
+        """:return: whether ``step`` is committed and verified; data already verified (or
+        written) by this process is not read again when its commit record is unchanged."""
+        record, _ = self._record(step)
+        if record is not None and self._verified.get(step) == record.sha256:
+            return True
+        return self.verify(step)[0] is not None
+
+    def verify(self, step: int) -> tuple[bytes | None, str]:
+        """Check one checkpoint against its commit record, reading all of its data.
+
+        :return: ``(data, "")`` when valid, else ``(None, reason)``.
+        """
+        record, reason = self._record(step)
+        if record is None:
+            return None, reason
         try:
             data = self._storage.read(self.path(step, DATA))
         except OSError as exc:
@@ -302,18 +361,16 @@ class CheckpointManager:
             return None, f"size {len(data)} bytes, commit record says {record.size}"
         if _sha256(data) != record.sha256:
             return None, "sha256 does not match the commit record"
+        self._verified[step] = record.sha256
         return data, ""
 
     def valid_steps(self) -> list[int]:
         """:return: the steps of committed, verified checkpoints, newest first."""
-        return [s for s in self.present_steps() if self.verify(s)[0] is not None]
+        return [s for s in self.present_steps() if self.is_valid(s)]
 
     def latest_step(self) -> int | None:
         """:return: the newest valid step, or ``None`` when there is none."""
-        for step in self.present_steps():
-            if self.verify(step)[0] is not None:
-                return step
-        return None
+        return next((step for step in self.present_steps() if self.is_valid(step)), None)
 
     def cleanup_stale(self) -> None:
         """Remove leftovers of a killed attempt: temp files and uncommitted data files."""
@@ -330,38 +387,58 @@ class CheckpointManager:
     def save(self, step: int, *, force: bool = False) -> bool:
         """Save and commit a checkpoint of all states at ``step`` when the policy says so.
 
+        In :attr:`AsyncMode.ASYNC`, an interval save copies the state to CPU here and writes and
+        commits it on a background thread; forced saves are always synchronous. At most one save
+        is in flight: a new one first waits for the previous one (and re-raises its error).
+
         :param step: the number of optimizer steps done.
-        :param force: save regardless of the interval (final step, preemption).
-        :return: whether a checkpoint was written.
+        :param force: save regardless of the interval, synchronously (final step, preemption).
+        :return: whether a checkpoint was written (or, in async mode, started).
         """
         if step == self.last_saved_step or not (force or self._save_policy.should_save(step)):
             return False
+        self.wait_until_finished()
+        if step == self.last_saved_step:
+            return False
         started = self._clock()
-        payload = self._serialize()
+        if self.config.async_mode is AsyncMode.ASYNC and not force:
+            snapshot = _cpu_copy(self._state_dicts())
+            self._thread = threading.Thread(
+                target=self._save_in_background, args=(step, snapshot, started),
+                name=f"checkpoint-{step}", daemon=True,
+            )
+            self._thread.start()
+            return True
+        self._commit(step, _serialize(self._state_dicts()), started)
+        return True
+
+    def _state_dicts(self) -> dict[str, Any]:
+        return {key: obj.state_dict() for key, obj in self._states.items()}
+
+    def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
+        try:
+            self._commit(step, _serialize(snapshot), started)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait_until_finished
+            self._error = exc
+
+    def _commit(self, step: int, payload: bytes, started: float) -> None:
         data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
         self._storage.remove(commit_path)
+        self._verified.pop(step, None)
         self._write_data(data_path, payload)
         self._log.debug("checkpoint data written", step=step, file=data_path)
         if self.config.pause_before_commit_s:
             time.sleep(self.config.pause_before_commit_s)
         record = CommitRecord(step, len(payload), _sha256(payload), utc_now())
         self._storage.write(commit_path, record.to_bytes(), atomic=True)
+        self._verified[step] = record.sha256
         seconds = self._clock() - started
         self._save_seconds.append(seconds)
         self.last_saved_step = step
         self.checkpoints_written += 1
-        self._log.info(
-            "checkpoint saved", step=step, bytes=len(payload), seconds=round(seconds, 4), file=data_path
-        )
+        self._log.info("checkpoint saved", step=step, bytes=len(payload), seconds=round(seconds, 4),
+                       file=data_path, mode="async" if threading.current_thread() is self._thread else "sync")
         self._purge()
-        return True
-
-    def _serialize(self) -> bytes:
-        import torch  # imported lazily: FATAL and completion checks run without torch
-
-        buffer = io.BytesIO()
-        torch.save({key: obj.state_dict() for key, obj in self._states.items()}, buffer)
-        return buffer.getvalue()
 
     def _write_data(self, path: str, payload: bytes) -> None:
         if self.config.pause_mid_write_s:
@@ -418,12 +495,35 @@ class CheckpointManager:
         )
         return None
 
-    def wait_until_finished(self) -> None:
-        """Wait for any save in flight. Saves are synchronous, so this returns at once."""
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background save is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_until_finished(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight, if any, and re-raise its error.
+
+        :param timeout: seconds to wait at most; default no limit.
+        :return: ``False`` when the save is still running after ``timeout``, else ``True``.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"background checkpoint save failed: {error!r}") from error
+        return True
+
+    def abandon(self) -> None:
+        """Stop waiting for the save in flight: the process is about to exit (preemption), and
+        an uncommitted checkpoint is ignored by every later reader."""
+        self._closed = True
 
     def close(self) -> None:
-        """Finish pending work; the manager must not be used afterwards."""
+        """Finish the save in flight (re-raising its error); do not use the manager afterwards."""
         if not self._closed:
-            self.wait_until_finished()
             self._closed = True
+            self.wait_until_finished()
 

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Mapping, Sequence
 
-from worker.checkpoint import CheckpointConfig
+from worker.checkpoint import AsyncMode, CheckpointConfig
 from worker.errors import ConfigError
 from worker.preemption import DEFAULT_GRACE_SECONDS
 
@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=defaults.seed)
     add("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     add("--keep", type=int, default=2, help="valid checkpoints to keep (>= 2)")
+    add("--async-save", action="store_true",
+        help="write interval checkpoints on a background thread (final/preemption saves stay sync)")
     add("--step-delay", type=float, default=0.0, help="seconds to sleep per step (demos)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--threads", type=int, default=None, help="torch CPU threads; default unchanged")
@@ -226,6 +228,7 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
         )
         checkpoint = CheckpointConfig(
             folder=namespace, interval=args.checkpoint_every, keep_latest_k=args.keep,
+            async_mode=AsyncMode.ASYNC if args.async_save else AsyncMode.DISABLED,
             pause_before_commit_s=_env_float(env, "WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", 0.0) or 0.0,
             pause_mid_write_s=_env_float(env, "WORKER_TEST_PAUSE_MID_WRITE_SECONDS", 0.0) or 0.0,
         )

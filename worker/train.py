@@ -198,24 +198,42 @@ class Trainer:
             parts.state.checkpoints += 1
         return saved
 
+    def _settle_in_flight(self, manager: ckpt.CheckpointManager, step: int) -> bool:
+        """Finish (or, out of time, abandon) a background save. :return: whether to go on."""
+        try:
+            if manager.wait_until_finished(timeout=max(0.0, self._watcher.remaining_grace() - 1.0)):
+                return True
+        except RuntimeError as exc:
+            self._log.error("background checkpoint save failed", error=str(exc), step=step)
+            return True
+        self._log.warning("abandoning the checkpoint save in flight: no time left", step=step)
+        manager.abandon()
+        return False
+
     def _on_stop(self, manager: ckpt.CheckpointManager, parts: Components,
                  progress: ProgressReporter) -> int:
         step, watcher = parts.state.step, self._watcher
         self._log.warning(f"{watcher.signal_name} received; stopping at step {step}",
                           signal=watcher.signal_name, step=step,
                           remaining_grace_seconds=round(watcher.remaining_grace(), 3))
-        if manager.last_saved_step == step:
-            self._log.info("step already checkpointed", step=step)
+        if self._settle_in_flight(manager, step):
+            self._final_save(manager, parts, step)
+        progress.update(step, parts.state.loss_ema, status="preempted", force=True)
+        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
+                          last_checkpoint_step=manager.last_saved_step)
+        return EXIT_PREEMPTED
+
+    def _final_save(self, manager: ckpt.CheckpointManager, parts: Components, step: int) -> None:
+        """Best-effort synchronous save at ``step`` if it fits in the rest of the grace period."""
+        watcher = self._watcher
+        if manager.last_saved_step == step or step == 0:
+            self._log.info("nothing new to checkpoint", step=step)
         elif watcher.final_save_fits(manager.estimated_save_seconds):
             self._save(manager, parts, step, force=True)
         else:
             self._log.warning("final checkpoint skipped: it would not fit in the grace period",
                               step=step, estimated_save_seconds=manager.estimated_save_seconds,
                               remaining_grace_seconds=round(watcher.remaining_grace(), 3))
-        progress.update(step, parts.state.loss_ema, status="preempted", force=True)
-        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
-                          last_checkpoint_step=manager.last_saved_step)
-        return EXIT_PREEMPTED
 
     def _finish(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
                 progress: ProgressReporter) -> None:
