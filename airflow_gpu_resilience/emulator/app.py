@@ -65,7 +65,11 @@ def serialize(message, int_enums: bool) -> Response:
 
 
 def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) -> Response:
-    """Route one ``/v2`` request, apply injected faults, run the handler, map errors."""
+    """Route one ``/v2`` request, apply injected faults, run the handler, map errors.
+
+    The handler and the rendering run under the registry's lock, so a response never mixes two
+    states; WaitOperation and preempt release it while they wait (``Condition.wait``).
+    """
     try:
         delay, fault = state.faults.next_fault()
         if delay:
@@ -78,8 +82,9 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
                 raise Unimplemented(f"Method {method} is not supported on /v2/{path}.")
             raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
         handler, params = found
-        result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
-        return serialize(result, "enum-encoding=int" in query.get("$alt", ""))
+        with state.registry.cond:  # a consistent snapshot: supervisors change state under it
+            result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
+            return serialize(result, "enum-encoding=int" in query.get("$alt", ""))
     except EmulatorError as err:
         return error_response(err)
 

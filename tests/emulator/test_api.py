@@ -281,3 +281,21 @@ def test_injected_api_faults(jobs, emulator, job_id):
         assert jobs.get_job(name=f"{PARENT}/jobs/{job_id}").name.endswith(job_id)
     finally:
         post_json(emulator.endpoint + "/_emulator/faults", {})
+
+
+def test_preempt_by_task_name_and_wildcard_task_listing(jobs, tasks, emulator, job_id):
+    from airflow_gpu_resilience.emulator.process import post_json
+
+    job = create(jobs, job_id, make_job("local/sleep:1", task_count=2, env={"SLEEP": "3"}))
+    op = jobs.run_job(name=job.name)
+    name = task_name(op.metadata.name, 1)
+    wait_running(tasks, name)
+    answer = post_json(emulator.endpoint + "/_emulator/preempt", {"task": name, "graceSeconds": 5})
+    assert answer["task"] == name and answer["attempt"] == 0
+    execution = op.result(timeout=30)
+    assert execution.succeeded_count == 2 and execution.retried_count == 1
+    listed = list(tasks.list_tasks(parent=f"{job.name}/executions/-"))
+    assert sorted(t.name for t in listed) == [task_name(execution.name, 0), name]
+    assert [t.retried for t in listed if t.name == name] == [1]
+    missing = post_json(emulator.endpoint + "/_emulator/preempt", {"task": name})
+    assert missing["error"]["status"] == "FAILED_PRECONDITION"

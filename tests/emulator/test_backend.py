@@ -233,3 +233,14 @@ def test_api_faults_fail_next_then_rate():
 def test_wait_operation_times_out(backend, tmp_path):
     op = _slow(backend, tmp_path, "slow")
     assert not backend.wait_operation(op.name, 0.2).done
+
+
+def test_reset_stops_processes_and_forgets_resources(registry, tmp_path):
+    backend = registry.for_name(PARENT)
+    op = _slow(backend, tmp_path, "slow")
+    backend.preempt(op.target.name, 0, grace_s=30.0, wait_s=5.0)  # wait until it runs
+    popen = backend.supervisors[op.target.name].running[0].popen
+    registry.reset()
+    assert popen.poll() is not None
+    with pytest.raises(NotFound):
+        registry.for_name(PARENT).get_job(f"{PARENT}/jobs/slow")
