@@ -135,3 +135,23 @@ def test_random_sigterm_and_sigkill_end_bit_identical(task: Task, baseline) -> N
     assert resumed == sorted(resumed) and len(resumed) >= 3
     assert _hashes(metrics) == _hashes(baseline[0].metrics())
     assert metrics["accuracy"] > 0.9
+
+
+def test_final_save_skipped_when_it_does_not_fit_in_the_grace_period(task: Task) -> None:
+    process = task.start("--checkpoint-every", "20", "--step-delay", "0.01",
+                         env={"PREEMPTION_GRACE_SECONDS": "0.2"})
+    process.wait_for(lambda r: r.get("message") == "checkpoint saved" and r["step"] == 20)
+    time.sleep(0.1)
+    process.signal(SIGTERM)
+    assert process.wait() == 143, process.output
+    assert any(r["message"].startswith("final checkpoint skipped") for r in process.records)
+    assert task.valid_steps()[-1] % 20 == 0  # only interval checkpoints
+
+
+def test_task_timeout_checkpoints_and_exits_143_before_the_deadline(task: Task) -> None:
+    started = time.monotonic()
+    process = task.run("--step-delay", "0.05", env={"TASK_TIMEOUT_SECONDS": "8"})
+    assert process.proc.returncode == 143, process.output
+    assert time.monotonic() - started < 8
+    stop = next(r for r in process.records if r["message"].startswith("DEADLINE received"))
+    assert stop["step"] in task.valid_steps()
