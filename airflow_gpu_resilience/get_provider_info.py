@@ -58,10 +58,7 @@ def get_provider_info() -> dict[str, Any]:
             f"{_PKG}.links.cloud_run.CloudRunGpuExecutionLink",
             f"{_PKG}.links.cloud_run.CloudRunGpuLogsLink",
         ],
-        "connection-types": [
-            {
-                "hook-class-name": f"{_PKG}.hooks.cloud_run.CloudRunGpuHook",
-                "connection-type": "google_cloud_platform",
-            }
-        ],
+        # The hook uses the Google provider's ``google_cloud_platform`` connection type; registering
+        # it again here would take that type (and its connection form) away from the Google provider.
+        "connection-types": [],
     }

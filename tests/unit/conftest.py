@@ -21,7 +21,8 @@ BUCKET = "test-checkpoints"
 STUB_IMAGE = "test.local/stub:latest"
 
 #: The stand-in task: ``ok`` | ``exit N`` | ``preempt-once`` (exit 143 until a marker exists in
-#: the checkpoint dir, then 0) | ``sleep SECONDS``.
+#: the checkpoint dir, then 0) | ``sleep SECONDS`` | ``sleep-first SECONDS`` (attempt 0 sleeps,
+#: later attempts exit 0 after 0.5 s). SIGTERM is not handled: the process dies by signal 15.
 STUB_SCRIPT = r"""
 import os, pathlib, sys, time
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
@@ -37,6 +38,8 @@ if mode == "preempt-once":
     sys.exit(143)
 if mode == "sleep":
     time.sleep(float(sys.argv[2]))
+if mode == "sleep-first":
+    time.sleep(float(sys.argv[2]) if os.environ.get("CLOUD_RUN_TASK_ATTEMPT") == "0" else 0.5)
 sys.exit(0)
 """
 
@@ -85,3 +88,16 @@ def job_name() -> str:
 def bucket_dir(emulator) -> Path:
     """Local directory backing the test checkpoint bucket."""
     return Path(emulator.bucket_dir(BUCKET))
+
+
+def wait_until_running(hook, execution: str, task_index: int = 0, timeout: float = 20.0) -> None:
+    """Block until the task's current attempt has started (so that it can be preempted)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tasks = hook.list_tasks(execution=execution)
+        if tasks and tasks[task_index].start_time and hook.get_execution(execution=execution).running_count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"task {task_index} of {execution} did not start within {timeout} s")

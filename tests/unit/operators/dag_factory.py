@@ -15,6 +15,7 @@ import pendulum
 
 from airflow.sdk import DAG, task
 
+from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
 from airflow_gpu_resilience.operators.cloud_run import (
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
@@ -38,9 +39,10 @@ def keep(summary):
 
 def execute_dag(dag_id: str, job_name: str, retries: int = 0, **op_kwargs: Any) -> DAG:
     """``execute`` (the execute operator) -> ``keep`` (stores its summary)."""
+    op_kwargs.setdefault("poll_interval", 0.2)
     with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:
         op = CloudRunGpuExecuteJobOperator(
-            task_id="execute", job_name=job_name, region=REGION, poll_interval=0.2, retries=retries,
+            task_id="execute", job_name=job_name, region=REGION, retries=retries,
             retry_delay=pendulum.duration(seconds=0), on_failure_callback=capture_error, **op_kwargs,
         )
         keep(op.output)
@@ -57,6 +59,17 @@ def deploy_dag(dag_id: str, job_name: str, image: str, bucket: str) -> DAG:
         second = CloudRunGpuDeployJobOperator(task_id="deploy_again", max_retries=2, **common)
         keep.override(task_id="keep1")(first.output) >> second
         keep.override(task_id="keep2")(second.output)
+    return dag
+
+
+def sensor_dag(dag_id: str, job_name: str, execution: str, deferrable: bool) -> DAG:
+    """``wait`` (the execution sensor on a short execution id) -> ``keep``."""
+    with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:
+        sensor = CloudRunGpuExecutionSensor(
+            task_id="wait", execution=execution, job_name=job_name, region=REGION, deferrable=deferrable,
+            poke_interval=0.2, timeout=60, on_failure_callback=capture_error,
+        )
+        keep(sensor.output)
     return dag
 
 

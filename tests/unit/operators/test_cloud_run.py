@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import warnings
 
 from pathlib import Path
@@ -20,7 +22,7 @@ from airflow_gpu_resilience.operators.cloud_run import (
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
 )
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
 from tests.unit.operators import dag_factory
 from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
 
@@ -185,3 +187,31 @@ def test_deploy_operator_validates_templated_values_before_any_api_call():
 def test_execute_operator_rejects_negative_budget():
     with pytest.raises(ValueError, match="max_preemption_reruns=-1"):
         CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", max_preemption_reruns=-1)
+
+
+def test_injected_maintenance_preemption_is_retried_and_reported(gcp_conn, job_name, emulator, run_execute):
+    """A real SIGTERM preemption (emulator admin endpoint) while the operator waits in the trigger."""
+    deploy(job_name, ["sleep-first", "60"], max_retries=1)
+    hook = CloudRunGpuHook()
+    injected = []
+
+    def preempt_when_running():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not injected:
+            running = hook.list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+            if running:
+                wait_until_running(hook, running[0].name)
+                injected.append(emulator.preempt(running[0].name, task_index=0, grace_seconds=0.5))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=preempt_when_running, daemon=True)
+    thread.start()
+    ti = run_execute(max_preemption_reruns=1, poll_interval=0.05)
+    thread.join(timeout=5)
+    assert injected and ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    assert summary["reruns"] == 0 and len(summary["executions"]) == 1
+    assert summary["tasks"] == [{"index": 0, "attempts": 2, "exit_codes": [-15, 0], "outcomes": ["PREEMPTED", "SUCCEEDED"]}]
+    [preemption] = summary["preemptions"]
+    assert (preemption["attempt"], preemption["term_signal"], preemption["exit_code"]) == (0, 15, None)
+    assert "hardware maintenance" in preemption["message"]

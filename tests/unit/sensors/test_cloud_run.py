@@ -1,0 +1,62 @@
+"""CloudRunGpuExecutionSensor against the emulator: poke, and poke/deferrable through dag.test()."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from airflow.utils.state import TaskInstanceState
+
+from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
+from tests.unit.operators import dag_factory
+from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+
+
+def start(job_name: str, args: list[str]) -> str:
+    hook = CloudRunGpuHook()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=0, checkpoint_bucket=BUCKET)
+    hook.create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
+    execution = hook.run_job(job_name=job_name, region=REGION, project_id=PROJECT)[1]
+    hook.wait_for_execution(execution, poll_interval=0.1, timeout=30)
+    return execution
+
+
+def test_poke_success_and_failure(gcp_conn, job_name):
+    ok = start(job_name, ["ok"])
+    sensor = CloudRunGpuExecutionSensor(task_id="s", execution=ok.rsplit("/", 1)[-1], job_name=job_name, region=REGION)
+    result = sensor.poke({})
+    assert result.is_done and result.xcom_value["state"] == "SUCCEEDED" and result.xcom_value["execution"] == ok
+    failed = start(f"{job_name}-f", ["exit", "1"])
+    with pytest.raises(CloudRunGpuFatalError, match="ended FAILED"):
+        CloudRunGpuExecutionSensor(task_id="s", execution=failed).poke({})
+
+
+def test_short_name_needs_job_name(gcp_conn):
+    with pytest.raises(ValueError, match="set job_name"):
+        CloudRunGpuExecutionSensor(task_id="s", execution="abc").poke({})
+
+
+@pytest.mark.usefixtures("airflow_db")
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_sensor_in_a_dag(gcp_conn, job_name, deferrable):
+    from airflow.configuration import conf
+
+    CAPTURED["summaries"].clear()
+    execution = start(job_name, ["ok"])
+    kwargs = {"dag_id": f"sensor_{job_name.replace('-', '_')}", "job_name": job_name,
+              "execution": execution.rsplit("/", 1)[-1], "deferrable": deferrable}
+    path = write_dag_file(Path(conf.get("core", "dags_folder")), "sensor_dag", kwargs)
+    try:
+        dr = dag_factory.sensor_dag(**kwargs).test()
+    finally:
+        path.unlink(missing_ok=True)
+    assert dr.get_task_instance("wait").state == TaskInstanceState.SUCCESS
+    assert CAPTURED["summaries"][-1]["execution"] == execution

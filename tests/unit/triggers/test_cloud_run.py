@@ -1,0 +1,114 @@
+"""CloudRunGpuExecutionTrigger: exact serialize round-trip, and run() to each terminal status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import warnings
+
+import pytest
+
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.outcome import AttemptRecord, OutcomeClass
+from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+
+MAINTENANCE = "Container instance preemption initiated by the platform due to underlying hardware maintenance."
+
+
+def test_serialize_round_trip():
+    kwargs = {
+        "execution": "projects/p/locations/us-central1/jobs/j/executions/j-abcde",
+        "gcp_conn_id": "my_conn",
+        "impersonation_chain": ["a@p.iam.gserviceaccount.com"],
+        "transport": "rest",
+        "poll_interval": 2.5,
+        "timeout": 30.0,
+        "carry": {"reruns": 1, "executions": []},
+    }
+    trigger = CloudRunGpuExecutionTrigger(**kwargs)
+    classpath, args = trigger.serialize()
+    assert classpath == "airflow_gpu_resilience.triggers.cloud_run.CloudRunGpuExecutionTrigger"
+    assert args == kwargs
+    assert json.loads(json.dumps(args)) == args
+    assert CloudRunGpuExecutionTrigger(**args).serialize() == (classpath, args)
+
+
+@pytest.fixture
+def hook(gcp_conn) -> CloudRunGpuHook:
+    return CloudRunGpuHook(gcp_conn_id=gcp_conn)
+
+
+def start(hook, job_name: str, args: list[str], max_retries: int = 0) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=max_retries, checkpoint_bucket=BUCKET)
+    hook.create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
+    return hook.run_job(job_name=job_name, region=REGION, project_id=PROJECT)[1]
+
+
+def run_trigger(execution: str, **kwargs) -> dict:
+    trigger = CloudRunGpuExecutionTrigger(execution=execution, poll_interval=0.1, carry={"k": 1}, **kwargs)
+
+    async def first_event():
+        return await anext(trigger.run())
+
+    event = asyncio.run(asyncio.wait_for(first_event(), timeout=60))
+    assert json.loads(json.dumps(event.payload)) == event.payload
+    return event.payload
+
+
+def test_run_succeeded(hook, job_name):
+    execution = start(hook, job_name, ["ok"])
+    event = run_trigger(execution)
+    assert (event["status"], event["execution"], event["carry"]) == ("succeeded", execution, {"k": 1})
+    assert [(a["task_index"], a["attempt"], a["exit_code"]) for a in event["attempts"]] == [(0, 0, 0)]
+
+
+def test_run_failed(hook, job_name):
+    execution = start(hook, job_name, ["exit", "3"], max_retries=1)
+    event = run_trigger(execution)
+    assert event["status"] == "failed"
+    assert "failed" in event["message"]
+    assert [a["exit_code"] for a in event["attempts"]][-1] == 3
+
+
+def test_run_cancelled(hook, job_name):
+    execution = start(hook, job_name, ["sleep", "60"])
+    hook.cancel_execution(execution=execution)
+    assert run_trigger(execution)["status"] == "cancelled"
+
+
+def test_run_timeout(hook, job_name):
+    execution = start(hook, job_name, ["sleep", "60"])
+    try:
+        event = run_trigger(execution, timeout=0.3)
+        assert event["status"] == "timeout" and "still running after 0.3 s" in event["message"]
+    finally:
+        hook.cancel_execution(execution=execution, wait=True)
+
+
+def test_run_error_for_a_missing_execution(hook, job_name):
+    start(hook, job_name, ["ok"])
+    missing = f"projects/{PROJECT}/locations/{REGION}/jobs/{job_name}/executions/{job_name}-zzzzz"
+    event = run_trigger(missing)
+    assert event["status"] == "error" and "NotFound" in event["message"]
+
+
+def test_run_records_a_maintenance_preemption_retried_inside_the_execution(hook, job_name, emulator):
+    execution = start(hook, job_name, ["sleep-first", "60"], max_retries=1)
+    wait_until_running(hook, execution)
+    trigger = CloudRunGpuExecutionTrigger(execution=execution, poll_interval=0.05)
+
+    async def preempt_while_polling():
+        polling = asyncio.ensure_future(anext(trigger.run()))
+        await asyncio.to_thread(emulator.preempt, execution, 0, 0.5)
+        return await asyncio.wait_for(polling, timeout=30)
+
+    event = asyncio.run(preempt_while_polling()).payload
+    assert event["status"] == "succeeded"
+    first, last = (AttemptRecord.from_dict(a) for a in event["attempts"])
+    assert (first.attempt, first.exit_code, first.term_signal) == (0, None, 15)
+    assert first.message == MAINTENANCE and first.classify() is OutcomeClass.PREEMPTED
+    assert (last.attempt, last.exit_code, last.classify()) == (1, 0, OutcomeClass.SUCCEEDED)
