@@ -11,7 +11,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
+import select
 import signal
 import subprocess
 import sys
@@ -63,10 +63,13 @@ class EmulatorProcess:
         log = open(self.data_dir / "emulator.log", "ab")
         self._popen = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
-        line = self._popen.stdout.readline()  # the ready line, or EOF if serve died
+        readable, _, _ = select.select([self._popen.stdout], [], [], self._start_timeout)
+        line = self._popen.stdout.readline() if readable else b""  # the ready line, or EOF
         if not line:
-            self._popen.wait(timeout=self._start_timeout)
-            raise RuntimeError(f"emulator exited with {self._popen.returncode}; see {self.data_dir / 'emulator.log'}")
+            self._popen.kill()
+            self._popen.wait()
+            raise RuntimeError(f"emulator did not start (exit {self._popen.returncode}); "
+                               f"see {self.data_dir / 'emulator.log'}")
         ready = json.loads(line)
         self.endpoint, self.gcs_endpoint = ready["endpoint"], ready["gcsEndpoint"]
         return self

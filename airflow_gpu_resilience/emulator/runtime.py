@@ -20,10 +20,13 @@ Known differences from Cloud Run:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,6 +35,29 @@ from google.cloud import run_v2
 
 from .images import ImageEntry, ImageTable
 from .models import PREEMPTION_MESSAGE, AttemptResult, Task
+
+
+def _load_prctl():
+    """``prctl`` from libc on Linux, else ``None`` (loaded once, before any fork)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_emulator() -> None:
+    """Child-side, before exec: SIGKILL this process if the emulator dies (even by SIGKILL).
+
+    Linux only; elsewhere a hard-killed emulator can leave attempts behind.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclasses.dataclass
@@ -155,5 +181,6 @@ def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> 
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
             argv, cwd=entry.cwd, env=task_env(task, attempt, task_count, entry, mounts),
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_emulator)
     return Attempt(task, attempt, popen, log_path, time.monotonic() + task.timeout_s)

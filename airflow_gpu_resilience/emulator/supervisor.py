@@ -78,7 +78,10 @@ class ExecutionSupervisor(threading.Thread):
         while True:
             with self.cond:
                 if self._shutdown:
-                    return
+                    if not self.running:  # stay alive until reaped: children die with this thread
+                        return
+                    self.cond.wait(self.config.poll_seconds)
+                    continue
                 changed = self._step()
                 if changed:
                     self.cond.notify_all()

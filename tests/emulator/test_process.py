@@ -60,3 +60,17 @@ def test_serve_prints_one_ready_line_fast(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_hard_killed_emulator_takes_its_task_processes_along(tmp_path, images_file):
+    with EmulatorProcess(tmp_path / "emu", images_file=images_file) as emu:
+        opts = {"api_endpoint": emu.endpoint}
+        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest", client_options=opts)
+        jobs.create_job(parent=PARENT, job=make_job("local/stubborn"), job_id="hard").result()
+        op = jobs.run_job(name=f"{PARENT}/jobs/hard")
+        pid = emu.preempt(op.metadata.name, 0, grace_seconds=60)["pid"]
+        os.kill(emu.pid, 9)
+        deadline = time.monotonic() + 5
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(pid)
