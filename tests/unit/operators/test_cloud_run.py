@@ -215,3 +215,40 @@ def test_injected_maintenance_preemption_is_retried_and_reported(gcp_conn, job_n
     [preemption] = summary["preemptions"]
     assert (preemption["attempt"], preemption["term_signal"], preemption["exit_code"]) == (0, 15, None)
     assert "hardware maintenance" in preemption["message"]
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_wait_timeout_is_retryable_and_the_retry_attaches(gcp_conn, job_name, run_execute, deferrable):
+    deploy(job_name, ["sleep", "60"], max_retries=0)
+    hook = CloudRunGpuHook()
+    try:
+        ti = run_execute(retries=1, wait_timeout=0.5, deferrable=deferrable)
+        assert ti.state == TaskInstanceState.FAILED and ti.try_number == 2
+        assert "still running after 0.5 s" in str(CAPTURED["errors"][-1])
+        [execution] = hook.list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+    finally:
+        for execution in hook.list_executions(job_name=job_name, region=REGION, project_id=PROJECT):
+            hook.cancel_execution(execution=execution.name, wait=True)
+
+
+def test_cancelled_execution_fails_without_retry(gcp_conn, job_name, run_execute):
+    deploy(job_name, ["sleep", "60"], max_retries=3)
+    hook = CloudRunGpuHook()
+    cancelled = []
+
+    def cancel_when_running():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not cancelled:
+            running = hook.list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+            if running:
+                wait_until_running(hook, running[0].name)
+                cancelled.append(hook.cancel_execution(execution=running[0].name))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=cancel_when_running, daemon=True)
+    thread.start()
+    ti = run_execute(retries=2)
+    thread.join(timeout=5)
+    assert cancelled and ti.state == TaskInstanceState.FAILED and ti.try_number == 1
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "CANCELLED"
