@@ -27,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
     serve.add_argument("--failed-execution-code", type=int, default=9,
                        help="gRPC code of a failed execution's operation error (default 9)")
+    serve.add_argument("--task-start-delay", type=float, default=0.0,
+                       help="seconds before each task attempt starts (GPU instance start)")
+    serve.add_argument("--preemption-consumes-retry", action=argparse.BooleanOptionalAction, default=True,
+                       help="whether a preempted attempt uses up one of maxRetries (default: yes)")
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
@@ -42,7 +46,9 @@ def main(argv=None) -> int:
 
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
                           images_file=args.images, grace_seconds=args.grace_seconds,
-                          failed_execution_code=args.failed_execution_code))
+                          failed_execution_code=args.failed_execution_code,
+                          start_delay_seconds=args.task_start_delay,
+                          preemption_consumes_retry=args.preemption_consumes_retry))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

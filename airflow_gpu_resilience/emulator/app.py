@@ -8,6 +8,10 @@ Admin endpoints:
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
   "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
 - ``POST /_emulator/faults`` -> see :mod:`faults`.
+- ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds", "reconcileSeconds",
+  "preemptionConsumesRetry", "graceSeconds"}`` -> the current values (runtime pacing; takes
+  effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
+  preemption, timeout and cancel).
 - ``GET /_emulator/logs/{execution or task name}`` -> the attempts' combined logs (text).
 
 Errors from the backend are serialized here, once, into Google's JSON error shape.
@@ -40,14 +44,12 @@ class AppState:
 
     :param registry: the backends.
     :param faults: API fault injector.
-    :param grace_seconds: default preemption grace (s).
     :param gcs: the :class:`~.gcs.GcsService`.
     :param data_dir: emulator data directory.
     """
 
     registry: Registry
     faults: ApiFaults
-    grace_seconds: float
     gcs: object
     data_dir: Path
 
@@ -134,6 +136,12 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         state.faults.configure(config)
         return dataclasses.asdict(config)
 
+    @app.post("/_emulator/transitions")
+    async def transitions(request: HttpRequest):
+        body = await _json_body(request)
+        with state.registry.cond:
+            return apply_transitions(state.registry.config, body)
+
     @app.post("/_emulator/preempt")
     async def preempt(request: HttpRequest):
         return await run_in_threadpool(_preempt, state, await _json_body(request))
@@ -141,6 +149,27 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):
         return PlainTextResponse(read_logs(state.data_dir, name))
+
+
+_TRANSITION_KEYS = {
+    "taskStartDelaySeconds": ("start_delay_seconds", "float"),
+    "reconcileSeconds": ("reconcile_seconds", "float"),
+    "preemptionConsumesRetry": ("preemption_consumes_retry", "bool"),
+    "graceSeconds": ("grace_seconds", "float"),
+}
+
+
+def apply_transitions(config, body: dict) -> dict:
+    """Change runtime pacing settings; answer with all of them. Unknown keys are an error."""
+    unknown = set(body) - set(_TRANSITION_KEYS)
+    if unknown:
+        raise InvalidArgument(f"unknown settings {sorted(unknown)}; known: {sorted(_TRANSITION_KEYS)}")
+    for key, value in body.items():
+        attr, kind = _TRANSITION_KEYS[key]
+        if kind == "bool" and not isinstance(value, bool):
+            raise InvalidArgument(f"{key}: must be true or false.")
+        setattr(config, attr, value if kind == "bool" else float(value))
+    return {key: getattr(config, attr) for key, (attr, _) in _TRANSITION_KEYS.items()}
 
 
 def _preempt(state: AppState, body: dict) -> dict:
@@ -151,7 +180,7 @@ def _preempt(state: AppState, body: dict) -> dict:
         execution, index = body["execution"], int(body.get("taskIndex", 0))
     else:
         raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
-    grace = float(body.get("graceSeconds", state.grace_seconds))
+    grace = float(body.get("graceSeconds", state.registry.config.grace_seconds))
     backend = state.registry.for_name(execution)
     return backend.preempt(execution, index, grace, float(body.get("waitSeconds", 10.0)))
 

@@ -285,7 +285,8 @@ class CloudRunBackend:
         execution.tasks = [
             Task(name=f"{name}/tasks/{short}-task{i}", index=i, job=short_job, execution=short,
                  template=template, max_retries=template.max_retries, timeout_s=timeout_s,
-                 create_time=now, log_uri=f"{logs}/tasks/{short}-task{i}")
+                 create_time=now, log_uri=f"{logs}/tasks/{short}-task{i}",
+                 not_before=time.monotonic() + self.registry.config.start_delay_seconds)
             for i in range(task_count)
         ]
         return execution

@@ -105,7 +105,13 @@ class AttemptResult:
 
 @dataclasses.dataclass
 class Task:
-    """One task of an execution; ``retried`` counts attempts after the first."""
+    """One task of an execution.
+
+    ``retried`` counts attempts after the first (it is ``CLOUD_RUN_TASK_ATTEMPT`` of the next
+    one); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
+    free, see ``RuntimeConfig.preemption_consumes_retry``); ``not_before`` is the monotonic time
+    the next attempt may start (start delay).
+    """
 
     name: str
     index: int
@@ -119,7 +125,8 @@ class Task:
     uid: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
     state: TaskState = TaskState.PENDING
     retried: int = 0
-    attempts_started: int = 0
+    retries_charged: int = 0
+    not_before: float = 0.0
     start_time: Optional[dt.datetime] = None
     completion_time: Optional[dt.datetime] = None
     last_result: Optional[AttemptResult] = None

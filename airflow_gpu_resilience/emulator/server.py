@@ -41,6 +41,8 @@ class ServeConfig:
     :param grace_seconds: SIGTERM-to-SIGKILL grace for preemption, timeout, cancel (s, default 10).
     :param failed_execution_code: gRPC code of a failed execution's LRO error (default 9).
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
+    :param start_delay_seconds: delay before each task attempt starts (s, default 0).
+    :param preemption_consumes_retry: whether a preemption uses up one of ``maxRetries``.
     """
 
     data_dir: Path
@@ -50,6 +52,8 @@ class ServeConfig:
     grace_seconds: float = 10.0
     failed_execution_code: int = 9
     shutdown_grace_seconds: float = 2.0
+    start_delay_seconds: float = 0.0
+    preemption_consumes_retry: bool = True
 
 
 class _Server(uvicorn.Server):
@@ -84,9 +88,11 @@ def serve(config: ServeConfig) -> None:
     gcs = GcsService(data_dir, config.gcs_port)
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
                             grace_seconds=config.grace_seconds,
-                            failed_execution_code=config.failed_execution_code)
+                            failed_execution_code=config.failed_execution_code,
+                            start_delay_seconds=config.start_delay_seconds,
+                            preemption_consumes_retry=config.preemption_consumes_retry)
     registry = Registry(runtime, endpoint)
-    state = AppState(registry, ApiFaults(), config.grace_seconds, gcs, data_dir)
+    state = AppState(registry, ApiFaults(), gcs, data_dir)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}

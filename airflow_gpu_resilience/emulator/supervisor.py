@@ -128,11 +128,17 @@ class ExecutionSupervisor(threading.Thread):
         elif attempt.stop_reason == "cancelled":
             self._end_task(task, TaskState.CANCELLED)
         else:
-            self._fail_attempt(task, result)
+            free = attempt.stop_reason == "preempted" and not self.config.preemption_consumes_retry
+            self._fail_attempt(task, result, charge=not free)
 
-    def _fail_attempt(self, task, result: AttemptResult) -> None:
-        if task.retried < task.max_retries and self.execution.state is ExecutionState.RUNNING:
+    def _fail_attempt(self, task, result: AttemptResult, retryable: bool = True, charge: bool = True) -> None:
+        """A failed attempt: retry the task while its budget lasts, else fail it (and with it
+        the execution). ``charge=False`` retries without using up ``maxRetries``."""
+        budget_left = task.retries_charged < task.max_retries or not charge
+        if retryable and budget_left and self.execution.state is ExecutionState.RUNNING:
             task.retried += 1
+            task.retries_charged += int(charge)
+            task.not_before = time.monotonic() + self.config.start_delay_seconds
             transition(task, TaskState.PENDING, TASK_TRANSITIONS)
             return
         self._end_task(task, TaskState.FAILED)
@@ -174,7 +180,7 @@ class ExecutionSupervisor(threading.Thread):
         for task in self.execution.tasks:
             if len(self.running) >= limit:
                 break
-            if task.state is TaskState.PENDING:
+            if task.state is TaskState.PENDING and time.monotonic() >= task.not_before:
                 self._start(task)
                 changed = True
         return changed
@@ -187,8 +193,7 @@ class ExecutionSupervisor(threading.Thread):
             self.running[task.index] = launch(task, number, self.execution.task_count, self.config)
         except LookupError as exc:  # image not in the table: not retryable
             task.last_result = AttemptResult(5, str(exc))
-            task.max_retries = task.retried
-            self._fail_attempt(task, task.last_result)
+            self._fail_attempt(task, task.last_result, retryable=False)
         except OSError as exc:
             task.last_result = AttemptResult(2, f"The container failed to start: {exc}", exit_code=127)
             self._fail_attempt(task, task.last_result)

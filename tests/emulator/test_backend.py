@@ -28,6 +28,8 @@ from .conftest import PARENT, make_job
 class FakeGcs:
     """Buckets are plain directories; reconcile calls are recorded."""
 
+    endpoint = "http://127.0.0.1:9"
+
     def __init__(self, root, buckets=("ckpt",)):
         self.root, self.buckets, self.reconciled = root, set(buckets), []
 
@@ -244,3 +246,17 @@ def test_reset_stops_processes_and_forgets_resources(registry, tmp_path):
     assert popen.poll() is not None
     with pytest.raises(NotFound):
         registry.for_name(PARENT).get_job(f"{PARENT}/jobs/slow")
+
+
+def test_free_preemption_and_start_delay(backend, tmp_path):
+    config = backend.registry.config
+    config.preemption_consumes_retry, config.start_delay_seconds = False, 0.3
+    config.images = ImageTable({"once": {"entrypoint": [
+        "{python}", "-c", "import os,time; os.environ['CLOUD_RUN_TASK_ATTEMPT'] == '0' and time.sleep(30)"]}}, tmp_path)
+    backend.create_job("once", make_job("once", max_retries=0))
+    op = backend.run_job(f"{PARENT}/jobs/once")
+    backend.preempt(op.target.name, 0, grace_s=5.0, wait_s=5.0)
+    assert backend.wait_operation(op.name, 20).error is None
+    task = op.target.tasks[0]
+    assert task.retried == 1 and task.retries_charged == 0 and task.state is TaskState.SUCCEEDED
+    assert (task.start_time - op.target.create_time).total_seconds() >= 0.3 * 2  # two delayed starts

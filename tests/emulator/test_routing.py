@@ -35,7 +35,7 @@ def test_route_table(method, path, handler):
 def test_http_errors_use_google_shape(tmp_path):
     config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
     registry = Registry(config, "http://testserver")
-    client = TestClient(create_app(AppState(registry, ApiFaults(), 1.0, config.gcs, tmp_path)))
+    client = TestClient(create_app(AppState(registry, ApiFaults(), config.gcs, tmp_path)))
     missing = client.post(f"/v2/{P}/jobs/nope:run", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["status"] == "NOT_FOUND" and "nope" in missing.json()["error"]["message"]
@@ -47,3 +47,13 @@ def test_http_errors_use_google_shape(tmp_path):
                           json={"template": {"template": {"containers": [{"image": "x"}]}}})
     assert created.json()["done"] is True and created.json()["response"]["launchStage"] == 4
     assert client.get(f"/v2/{P}/jobs/j").json()["launchStage"] == "GA"
+
+
+def test_transitions_endpoint(tmp_path):
+    config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
+    client = TestClient(create_app(AppState(Registry(config, "http://testserver"), ApiFaults(), config.gcs, tmp_path)))
+    answer = client.post("/_emulator/transitions", json={"taskStartDelaySeconds": 1.5, "preemptionConsumesRetry": False})
+    assert answer.json()["taskStartDelaySeconds"] == 1.5 and config.preemption_consumes_retry is False
+    assert client.post("/_emulator/transitions", json={"nope": 1}).json()["error"]["status"] == "INVALID_ARGUMENT"
+    assert client.post("/_emulator/transitions", json={"preemptionConsumesRetry": "no"}).status_code == 400
+    assert client.get("/_emulator/health").json()["status"] == "ok"
