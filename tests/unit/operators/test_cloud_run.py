@@ -252,3 +252,14 @@ def test_cancelled_execution_fails_without_retry(gcp_conn, job_name, run_execute
     assert cancelled and ti.state == TaskInstanceState.FAILED and ti.try_number == 1
     error = CAPTURED["errors"][-1]
     assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "CANCELLED"
+
+
+def test_task_timeout_is_rerun_on_the_same_budget(gcp_conn, job_name, run_execute):
+    deploy(job_name, ["sleep", "60"], max_retries=0, task_timeout=1)
+    ti = run_execute(max_preemption_reruns=1)
+    assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "TIMED_OUT"
+    assert "timed out; preemption budget exhausted (1 re-runs used)" in str(error)
+    assert "exceeded its timeout" in str(error)
+    assert len(executions(job_name)) == 2
