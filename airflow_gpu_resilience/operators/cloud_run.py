@@ -448,7 +448,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         }
 
     def on_kill(self) -> None:
-        """Cancel the execution this operator is waiting for (non-deferrable mode)."""
+        """Cancel the execution this operator is waiting for (the trigger does so when deferred)."""
         if self._running_execution:
             self.log.info("Cancelling execution %s", self._running_execution)
             self._hook().cancel_execution(execution=self._running_execution)

@@ -84,6 +84,7 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
             trigger=CloudRunGpuExecutionTrigger(
                 execution=name, gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
                 transport=self.transport, poll_interval=float(self.poke_interval), timeout=float(self.timeout),
+                cancel_on_kill=False,
             ),
             method_name="execute_complete",
             timeout=timedelta(seconds=float(self.timeout)) + timedelta(minutes=1),

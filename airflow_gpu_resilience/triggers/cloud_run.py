@@ -60,6 +60,8 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     :param poll_interval: seconds between polls (default 10).
     :param timeout: seconds to wait in total before a ``timeout`` event; ``None`` waits forever.
     :param carry: JSON-able dict echoed back in the event (default ``None``).
+    :param cancel_on_kill: cancel the execution when a user kills the deferred task
+        (:meth:`on_kill`; default ``True``). Not on triggerer restarts or timeouts.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         poll_interval: float = 10.0,
         timeout: float | None = None,
         carry: dict[str, Any] | None = None,
+        cancel_on_kill: bool = True,
     ) -> None:
         super().__init__()
         self.execution = execution
@@ -80,6 +83,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         self.poll_interval = poll_interval
         self.timeout = timeout
         self.carry = carry
+        self.cancel_on_kill = cancel_on_kill
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """The trigger's dotted class path and exactly its constructor arguments."""
@@ -93,6 +97,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "timeout": self.timeout,
                 "carry": self.carry,
+                "cancel_on_kill": self.cancel_on_kill,
             },
         )
 
@@ -142,3 +147,13 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
                 )
                 return
             await asyncio.sleep(self.poll_interval)
+
+    async def on_kill(self) -> None:
+        """Cancel the execution when a user kills the deferred task (if ``cancel_on_kill``)."""
+        if not self.cancel_on_kill:
+            return
+        self.log.info("Task killed by a user: cancelling execution %s", self.execution)
+        try:
+            await self._hook().cancel_execution(self.execution)
+        except gexc.NotFound:
+            self.log.info("Execution %s no longer exists", self.execution)

@@ -26,6 +26,7 @@ def test_serialize_round_trip():
         "poll_interval": 2.5,
         "timeout": 30.0,
         "carry": {"reruns": 1, "executions": []},
+        "cancel_on_kill": False,
     }
     trigger = CloudRunGpuExecutionTrigger(**kwargs)
     classpath, args = trigger.serialize()
@@ -112,3 +113,18 @@ def test_run_records_a_maintenance_preemption_retried_inside_the_execution(hook,
     assert (first.attempt, first.exit_code, first.term_signal) == (0, None, 15)
     assert first.message == MAINTENANCE and first.classify() is OutcomeClass.PREEMPTED
     assert (last.attempt, last.exit_code, last.classify()) == (1, 0, OutcomeClass.SUCCEEDED)
+
+
+def test_on_kill_cancels_the_execution(hook, job_name):
+    execution = start(hook, job_name, ["sleep", "60"])
+    asyncio.run(CloudRunGpuExecutionTrigger(execution=execution).on_kill())
+    assert run_trigger(execution)["status"] == "cancelled"
+
+
+def test_on_kill_leaves_a_watched_execution_alone(hook, job_name):
+    execution = start(hook, job_name, ["sleep", "60"])
+    try:
+        asyncio.run(CloudRunGpuExecutionTrigger(execution=execution, cancel_on_kill=False).on_kill())
+        assert run_trigger(execution, timeout=0.3)["status"] == "timeout"
+    finally:
+        hook.cancel_execution(execution=execution, wait=True)
