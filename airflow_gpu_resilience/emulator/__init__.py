@@ -1,7 +1,43 @@
-"""Local Cloud Run Admin API v2 emulator (jobs, executions, tasks, operations) with GCS volumes
-backed by an in-process GCS emulator, task attempts run as local processes, and injectable
-maintenance preemptions and API faults.
+"""Local Cloud Run Admin API v2 emulator for the unmodified ``google-cloud-run`` REST client.
 
-Start it with ``python -m airflow_gpu_resilience.emulator serve --port 0 --gcs-port 0
---data-dir DIR --images FILE``, or from Python with :class:`.process.EmulatorProcess`.
+Start it::
+
+    python -m airflow_gpu_resilience.emulator serve --port 8123 --gcs-port 9023 \\
+        --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
+        [--no-preemption-consumes-retry] [--failed-execution-code 9]
+
+It binds 127.0.0.1 only and prints one JSON ready line,
+``{"ready": true, "endpoint": "http://127.0.0.1:PORT", "gcsEndpoint": "http://127.0.0.1:PORT2",
+"dataDir": ..., "pid": ...}`` (``--port 0``/``--gcs-port 0`` pick free ports). SIGTERM or SIGINT
+stops it and every task process it started; a hard-killed emulator takes them along (Linux).
+From Python use :class:`~.process.EmulatorProcess`. Point clients at it with::
+
+    run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                      client_options={"api_endpoint": emu.endpoint})
+    os.environ["STORAGE_EMULATOR_HOST"] = emu.gcs_endpoint   # google-cloud-storage
+
+Served (``/v2``, see :mod:`.urls`): CreateJob, GetJob, ListJobs, UpdateJob, DeleteJob, RunJob,
+GetExecution, ListExecutions, CancelExecution, DeleteExecution, GetTask, ListTasks, and the
+operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
+``$alt=json;enum-encoding=int``. Admin endpoints (``/_emulator``: health, reset, preempt,
+faults, transitions, logs) are listed in :mod:`.app`; the image table format is in
+:mod:`.images`.
+
+Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend` (state per
+project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
+processes), :mod:`.validation`, :mod:`.responses` / :mod:`.urls` / :mod:`.app` (HTTP),
+:mod:`.exceptions`, :mod:`.faults`, :mod:`.gcs` (in-process GCS emulator and mounts),
+:mod:`.server` and ``__main__`` (CLI).
+
+Known differences from Cloud Run:
+
+- No containers: an image maps to a local command; processes inherit the emulator's env.
+- GCS volume paths are rewritten in env values, args and command (see :mod:`.runtime`);
+  writes through a mount reach the Storage API when the bucket is re-indexed (after each
+  attempt, every ``reconcileSeconds`` while attempts run, and when the execution ends).
+- REST only (no gRPC); no IAM, secrets, probes, VPC, ``showDeleted``, execution tokens.
+- The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
+  both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and
+  ALREADY_EXISTS raises ``Conflict``. A failed execution's LRO carries gRPC code 9 (so
+  ``operation.result()`` raises ``FailedPrecondition``); the real code is unconfirmed.
 """
