@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
@@ -113,3 +115,33 @@ def test_wait_for_execution_times_out(hook, job_name):
             hook.wait_for_execution(execution, poll_interval=0.2, timeout=0.5)
     finally:
         hook.cancel_execution(execution=execution, wait=True)
+
+
+@pytest.fixture
+def faults(emulator):
+    """Configure the emulator's API faults; cleared afterwards."""
+    from airflow_gpu_resilience.emulator.process import post_json
+
+    def configure(**body):
+        post_json(emulator.endpoint + "/_emulator/faults", body)
+
+    yield configure
+    configure()
+
+
+def test_transient_errors_are_retried_with_backoff(hook, job_name, faults):
+    hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
+    faults(failNext=2, codes=[503, 429])
+    assert hook.get_job(job_name=job_name, region=REGION).name.endswith(job_name)
+    faults(failNext=1, codes=[503])
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    assert execution
+
+
+def test_persistent_errors_surface_after_the_retry_deadline(hook, job_name, faults, monkeypatch):
+    from airflow_gpu_resilience.hooks import cloud_run
+
+    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, deadline=0.5))
+    faults(errorRate=1.0, codes=[503])
+    with pytest.raises(gexc.RetryError):
+        hook.get_job(job_name=job_name, region=REGION)

@@ -263,3 +263,16 @@ def test_task_timeout_is_rerun_on_the_same_budget(gcp_conn, job_name, run_execut
     assert "timed out; preemption budget exhausted (1 re-runs used)" in str(error)
     assert "exceeded its timeout" in str(error)
     assert len(executions(job_name)) == 2
+
+
+def test_every_task_preempted_once_resumes_together(gcp_conn, job_name, run_execute):
+    """Two tasks, each preempted on the first execution; user overrides are kept on the re-run."""
+    deploy(job_name, ["exit", "1"], max_retries=0, task_count=2)
+    ti = run_execute(overrides={"container_overrides": [{"args": ["preempt-once"]}]})
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    assert summary["reruns"] == 1 and summary["task_count"] == 2
+    assert [(t["index"], t["exit_codes"]) for t in summary["tasks"]] == [(0, [143, 0]), (1, [143, 0])]
+    assert sorted(p["task_index"] for p in summary["preemptions"]) == [0, 1]
+    for execution in executions(job_name):
+        assert list(execution.template.containers[0].args) == ["preempt-once"]
