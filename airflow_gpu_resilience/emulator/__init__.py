@@ -33,8 +33,8 @@ Known differences from Cloud Run:
 
 - No containers: an image maps to a local command; processes inherit the emulator's env.
 - GCS volume paths are rewritten in env values, args and command (see :mod:`.runtime`);
-  writes through a mount reach the Storage API when the bucket is re-indexed (after each
-  attempt, every ``reconcileSeconds`` while attempts run, and when the execution ends).
+  the GCS emulator re-indexes a bucket's files before each Storage API request (see
+  :mod:`.gcs`), so writes through a mount are visible at once.
 - REST only (no gRPC); no IAM, secrets, probes, VPC, ``showDeleted``, execution tokens.
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and

@@ -8,7 +8,7 @@ Admin endpoints:
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
   "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
 - ``POST /_emulator/faults`` -> see :mod:`faults`.
-- ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds", "reconcileSeconds",
+- ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds",
   "preemptionConsumesRetry", "graceSeconds"}`` -> the current values (runtime pacing; takes
   effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
   preemption, timeout and cancel).
@@ -153,7 +153,6 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
 
 _TRANSITION_KEYS = {
     "taskStartDelaySeconds": ("start_delay_seconds", "float"),
-    "reconcileSeconds": ("reconcile_seconds", "float"),
     "preemptionConsumesRetry": ("preemption_consumes_retry", "bool"),
     "graceSeconds": ("grace_seconds", "float"),
 }

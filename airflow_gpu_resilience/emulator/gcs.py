@@ -3,17 +3,20 @@
 Objects live as plain files under ``{data_dir}/gcs/.cloudstorage/{bucket}/{object}`` with a
 ``.meta`` JSON index, so a task that writes through its "mount" (the bucket directory) writes
 real object bytes. :meth:`GcsService.reconcile` brings the index in line with the files (new,
-changed and removed objects) so those writes become visible through the Storage API. Requests
-to the storage server and reconciliation are serialized by one lock.
+changed and removed objects; unchanged files cost one ``stat``). It runs before every Storage
+API request and after every task attempt, under one lock, so writes through a mount are
+visible through the Storage API at once, with correct hashes.
 
 Not emulated: GCS FUSE semantics (implicit directories, ``readOnly``, ``mountOptions``,
-non-atomic rename); object writes become visible at reconciliation, not at ``close()``.
+non-atomic rename, visibility only at ``close()``): a file still being written is visible as
+it is at the moment of the request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from base64 import b64encode
 from functools import partial
 from http.server import HTTPServer
@@ -24,6 +27,7 @@ from gcp_storage_emulator.server import RequestHandler
 from gcp_storage_emulator.settings import STORAGE_DIR
 from gcp_storage_emulator.storage import Storage
 
+_MTIME_SLACK_NS = 50_000_000
 
 
 def bucket_path(data_dir, bucket: str) -> Path:
@@ -31,16 +35,33 @@ def bucket_path(data_dir, bucket: str) -> Path:
     return Path(data_dir).resolve() / "gcs" / STORAGE_DIR / bucket
 
 
-class _LockedHandler(RequestHandler):
-    """Storage request handler that holds the service lock for the whole request."""
+class _SyncedHandler(RequestHandler):
+    """Storage request handler that, under the service lock, first re-indexes the buckets
+    from disk, so a Storage API request always sees what tasks wrote through their mounts."""
 
-    def __init__(self, lock, storage, *args, **kwargs):
-        self._service_lock = lock
-        super().__init__(storage, *args, **kwargs)
+    def __init__(self, service, *args, **kwargs):
+        self._service = service
+        super().__init__(service.storage, *args, **kwargs)
 
-    def handle_one_request(self):
-        with self._service_lock:
-            super().handle_one_request()
+    def _synced(self, handle) -> None:
+        with self._service.lock:
+            self._service.reconcile(list(self._service.storage.buckets))
+            handle()
+
+    def do_GET(self):
+        self._synced(super().do_GET)
+
+    def do_POST(self):
+        self._synced(super().do_POST)
+
+    def do_PUT(self):
+        self._synced(super().do_PUT)
+
+    def do_PATCH(self):
+        self._synced(super().do_PATCH)
+
+    def do_DELETE(self):
+        self._synced(super().do_DELETE)
 
 
 class GcsService:
@@ -54,7 +75,7 @@ class GcsService:
         self.lock = threading.RLock()
         self.storage = Storage(data_dir=str(Path(data_dir, "gcs").resolve()))
         self.root = Path(self.storage.get_storage_base(), STORAGE_DIR)
-        self._httpd = HTTPServer(("127.0.0.1", port), partial(_LockedHandler, self.lock, self.storage))
+        self._httpd = HTTPServer(("127.0.0.1", port), partial(_SyncedHandler, self))
         self.port = self._httpd.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._seen: dict = {}
@@ -105,12 +126,16 @@ class GcsService:
 
     def _reconcile_file(self, bucket: str, name: str, path: Path, index: dict) -> bool:
         stat = path.stat()
-        key = (stat.st_size, stat.st_mtime_ns)
-        if self._seen.get((bucket, name)) == key:
+        key = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        seen = self._seen.get((bucket, name))
+        # mtime ticks are coarse (a few ms): trust an unchanged key only for a file last
+        # modified well before it was last hashed
+        if seen and seen[0] == key and stat.st_mtime_ns < seen[1] - _MTIME_SLACK_NS:
             return False
+        checked_at = time.time_ns()
         content = path.read_bytes()
         md5 = b64encode(hashlib.md5(content).digest()).decode("ascii")
-        self._seen[(bucket, name)] = key
+        self._seen[(bucket, name)] = (key, checked_at)
         if name in index and index[name].get("md5Hash") == md5:
             return False
         obj = gcs_objects._make_object_resource(

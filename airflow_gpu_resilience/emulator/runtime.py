@@ -70,7 +70,6 @@ class RuntimeConfig:
     :param grace_seconds: SIGTERM-to-SIGKILL grace for timeouts, preemption and cancel (s).
     :param poll_seconds: supervisor loop period (s).
     :param failed_execution_code: gRPC code on the RunJob LRO error of a failed execution.
-    :param reconcile_seconds: how often mounted buckets are re-indexed while attempts run (s).
     :param start_delay_seconds: delay before each attempt starts, like a GPU instance start (s,
         default 0).
     :param preemption_consumes_retry: whether a preempted attempt counts against
@@ -83,7 +82,6 @@ class RuntimeConfig:
     grace_seconds: float = 10.0
     poll_seconds: float = 0.05
     failed_execution_code: int = 9
-    reconcile_seconds: float = 2.0
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
 

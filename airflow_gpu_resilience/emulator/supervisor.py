@@ -41,7 +41,6 @@ class ExecutionSupervisor(threading.Thread):
         self.finish_callbacks = [on_finish]
         self.running: dict = {}  # task index -> Attempt
         self._shutdown = False
-        self._last_sync = time.monotonic()
 
     # --- requests from other threads (caller holds cond) -------------------------------
     def request_cancel(self) -> None:
@@ -108,17 +107,16 @@ class ExecutionSupervisor(threading.Thread):
             del self.running[index]
             attempt.signal_group(signal.SIGKILL)  # stragglers in the group, like a container stop
             self._record(attempt, attempt.result(returncode))
-        self._sync_gcs(force=bool(finished))
+        if finished:
+            self._sync_gcs()
         return bool(finished)
 
-    def _sync_gcs(self, force: bool) -> None:
-        """Index files written through the mounts: after each attempt, and every
-        ``reconcile_seconds`` while attempts run (so progress files show up in the Storage API)."""
-        now = time.monotonic()
+    def _sync_gcs(self) -> None:
+        """Index files written through the mounts (after attempts and at the end; the GCS
+        emulator also re-indexes before each request)."""
         buckets = gcs_buckets(self.execution.template)
-        if buckets and (force or (self.running and now - self._last_sync >= self.config.reconcile_seconds)):
+        if buckets:
             self.config.gcs.reconcile(buckets)
-            self._last_sync = now
 
     def _record(self, attempt: Attempt, result: AttemptResult) -> None:
         task = attempt.task
@@ -207,6 +205,6 @@ class ExecutionSupervisor(threading.Thread):
         }[ex.state]
         transition(ex, final, EXECUTION_TRANSITIONS)
         ex.completion_time = utcnow()
-        self._sync_gcs(force=True)
+        self._sync_gcs()
         for callback in self.finish_callbacks:
             callback(ex)

@@ -157,9 +157,17 @@ def test_three_tasks_parallelism_two_write_into_the_bucket(jobs, tasks, emulator
     assert peak == 2
 
 
-def test_objects_uploaded_through_the_api_are_visible_to_tasks(jobs, emulator, bucket, job_id):
+def test_mount_and_storage_api_see_the_same_objects(emulator, storage_client, bucket):
     bucket.blob("input/data.txt").upload_from_string("hello")
-    assert (emulator.bucket_dir(bucket.name) / "input/data.txt").read_text() == "hello"
+    root = emulator.bucket_dir(bucket.name)
+    assert (root / "input/data.txt").read_text() == "hello"
+    (root / "run").mkdir()
+    (root / "run/progress.json").write_text('{"step": 1}')  # as a running task writes it
+    assert bucket.blob("run/progress.json").download_as_bytes() == b'{"step": 1}'
+    (root / "run/progress.json").write_text('{"step": 2}')  # same size, new content
+    assert bucket.blob("run/progress.json").download_as_bytes() == b'{"step": 2}'  # hashes follow
+    (root / "input/data.txt").unlink()
+    assert sorted(b.name for b in storage_client.list_blobs(bucket.name)) == ["run/progress.json"]
 
 
 def test_attempt_timeout_stops_the_attempt(jobs, tasks, job_id):
