@@ -187,6 +187,13 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
          "preemptions": [{"execution", "task_index", "attempt", "exit_code", "term_signal",
                           "outcome", "message"}]}
 
+    ``tasks[i].attempts`` counts every attempt across executions (Cloud Run's ``retried + 1``
+    per execution); ``exit_codes`` and ``outcomes`` list the attempts seen while polling, in
+    order (a signal death shows as ``-signal``). An attempt that starts and ends between two
+    polls is counted but not listed; the last attempt of each execution is always listed.
+    ``preemptions`` are the seen attempts classed PREEMPTED or TIMED_OUT, each also logged as a
+    warning. The budget is per Airflow try: a retry (or attach) starts again at 0 re-runs.
+
     :param job_name: job id (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
     :param project_id: Google Cloud project; default from the connection (templated).
