@@ -29,7 +29,7 @@ def _started(record: dict) -> bool:
 
 
 def test_sigkill_between_data_and_commit_resumes_from_previous(task: Task, baseline) -> None:
-    pause = {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "1.5"}
+    pause = {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "0.8"}
     first = task.start("--checkpoint-every", "20", env=pause)
     first.wait_for(lambda r: r.get("message") == "checkpoint data written" and r["step"] == 40)
     first.signal(SIGKILL)
@@ -109,11 +109,11 @@ def _interrupt(process: WorkerProcess, kind: str, rng: random.Random) -> bool:
 
 def test_random_sigterm_and_sigkill_end_bit_identical(task: Task, baseline) -> None:
     rng = random.Random(1234)
-    kinds = ["term", "kill-before-commit", "kill", "kill-mid-write", "term", "kill"]
+    kinds = ["term", "kill-before-commit", "kill", "kill-mid-write", "term"]
     flags = ("--checkpoint-every", "15", "--step-delay", "0.01")
     pauses = {
-        "kill-before-commit": {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "1"},
-        "kill-mid-write": {"WORKER_TEST_PAUSE_MID_WRITE_SECONDS": "1"},
+        "kill-before-commit": {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "0.8"},
+        "kill-mid-write": {"WORKER_TEST_PAUSE_MID_WRITE_SECONDS": "0.8"},
     }
     newest_valid, interrupted = 0, 0
     for index, kind in enumerate(kinds):
@@ -141,7 +141,7 @@ def test_final_save_skipped_when_it_does_not_fit_in_the_grace_period(task: Task)
     process = task.start("--checkpoint-every", "20", "--step-delay", "0.01",
                          env={"PREEMPTION_GRACE_SECONDS": "0.2"})
     process.wait_for(lambda r: r.get("message") == "checkpoint saved" and r["step"] == 20)
-    time.sleep(0.1)
+    time.sleep(0.1)  # a few steps past the checkpoint
     process.signal(SIGTERM)
     assert process.wait() == 143, process.output
     assert any(r["message"].startswith("final checkpoint skipped") for r in process.records)
@@ -155,3 +155,11 @@ def test_task_timeout_checkpoints_and_exits_143_before_the_deadline(task: Task) 
     assert time.monotonic() - started < 8
     stop = next(r for r in process.records if r["message"].startswith("DEADLINE received"))
     assert stop["step"] in task.valid_steps()
+
+
+def test_resuming_with_other_settings_exits_78(baseline, task: Task) -> None:
+    shutil.copytree(baseline[0].namespace, task.namespace)
+    (task.namespace / "metrics.json").unlink()
+    process = task.run("--lr", "0.01")
+    assert process.proc.returncode == 78, process.output
+    assert "other settings" in (task.namespace / "FATAL").read_text()
