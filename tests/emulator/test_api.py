@@ -307,3 +307,23 @@ def test_preempt_by_task_name_and_wildcard_task_listing(jobs, tasks, emulator, j
     assert [t.retried for t in listed if t.name == name] == [1]
     missing = post_json(emulator.endpoint + "/_emulator/preempt", {"task": name})
     assert missing["error"]["status"] == "FAILED_PRECONDITION"
+
+
+def test_delete_execution_and_cross_job_listing(jobs, executions, tasks, job_id):
+    job = create(jobs, job_id, make_job("local/sleep:1", env={"SLEEP": "30"}))
+    running = jobs.run_job(name=job.name)
+    with pytest.raises(gexc.BadRequest, match="still running") as err:
+        executions.delete_execution(name=running.metadata.name)
+    assert google_status(err) == "FAILED_PRECONDITION"
+    executions.cancel_execution(name=running.metadata.name).result(timeout=30)
+    deleted = executions.delete_execution(name=running.metadata.name).result(timeout=10)
+    assert deleted.name == running.metadata.name
+    with pytest.raises(gexc.NotFound):
+        executions.get_execution(name=running.metadata.name)
+    finished = jobs.run_job(request=run_v2.RunJobRequest(
+        name=job.name, overrides={"container_overrides": [{"env": [{"name": "SLEEP", "value": "0"}]}]}))
+    finished.result(timeout=30)
+    everywhere = [e.name for e in executions.list_executions(parent=f"{PARENT}/jobs/-")]
+    assert finished.metadata.name in everywhere and running.metadata.name not in everywhere
+    first_page = jobs.list_jobs(request=run_v2.ListJobsRequest(parent=PARENT, page_size=1))
+    assert len(first_page.jobs) == 1 and first_page.next_page_token
