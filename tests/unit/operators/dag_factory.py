@@ -62,12 +62,12 @@ def deploy_dag(dag_id: str, job_name: str, image: str, bucket: str) -> DAG:
     return dag
 
 
-def sensor_dag(dag_id: str, job_name: str, execution: str, deferrable: bool) -> DAG:
+def sensor_dag(dag_id: str, job_name: str, execution: str, deferrable: bool, mode: str = "poke") -> DAG:
     """``wait`` (the execution sensor on a short execution id) -> ``keep``."""
     with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:
         sensor = CloudRunGpuExecutionSensor(
             task_id="wait", execution=execution, job_name=job_name, region=REGION, deferrable=deferrable,
-            poke_interval=0.2, timeout=60, on_failure_callback=capture_error,
+            poke_interval=0.2, timeout=60, mode=mode, on_failure_callback=capture_error,
         )
         keep(sensor.output)
     return dag

@@ -18,14 +18,15 @@ from tests.unit.operators import dag_factory
 from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
 
 
-def start(job_name: str, args: list[str]) -> str:
+def start(job_name: str, args: list[str], wait: bool = True) -> str:
     hook = CloudRunGpuHook()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=0, checkpoint_bucket=BUCKET)
     hook.create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
     execution = hook.run_job(job_name=job_name, region=REGION, project_id=PROJECT)[1]
-    hook.wait_for_execution(execution, poll_interval=0.1, timeout=30)
+    if wait:
+        hook.wait_for_execution(execution, poll_interval=0.1, timeout=30)
     return execution
 
 
@@ -45,14 +46,15 @@ def test_short_name_needs_job_name(gcp_conn):
 
 
 @pytest.mark.usefixtures("airflow_db")
-@pytest.mark.parametrize("deferrable", [True, False])
-def test_sensor_in_a_dag(gcp_conn, job_name, deferrable):
+@pytest.mark.parametrize(("deferrable", "mode"), [(True, "poke"), (False, "poke"), (False, "reschedule")])
+def test_sensor_in_a_dag(gcp_conn, job_name, deferrable, mode):
+    """The execution is still running (sleep 1 s) when the sensor starts."""
     from airflow.configuration import conf
 
     CAPTURED["summaries"].clear()
-    execution = start(job_name, ["ok"])
+    execution = start(job_name, ["sleep", "1"], wait=False)
     kwargs = {"dag_id": f"sensor_{job_name.replace('-', '_')}", "job_name": job_name,
-              "execution": execution.rsplit("/", 1)[-1], "deferrable": deferrable}
+              "execution": execution.rsplit("/", 1)[-1], "deferrable": deferrable, "mode": mode}
     path = write_dag_file(Path(conf.get("core", "dags_folder")), "sensor_dag", kwargs)
     try:
         dr = dag_factory.sensor_dag(**kwargs).test()
