@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig
 
 _TASK_NAME = "/tasks/"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -89,6 +91,19 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
             return serialize(result, "enum-encoding=int" in query.get("$alt", ""))
     except EmulatorError as err:
         return error_response(err)
+    except Exception as exc:  # an emulator bug: still answer in Google's error shape
+        return error_response(internal_error(exc))
+
+
+def internal_error(exc: Exception) -> EmulatorError:
+    """Log an unexpected exception and wrap it as INTERNAL."""
+    logger.exception("internal error")
+    return EmulatorError(f"Internal emulator error: {type(exc).__name__}: {exc}")
+
+
+def _locked(cond, func, *args):
+    with cond:
+        return func(*args)
 
 
 def create_app(state: AppState) -> FastAPI:
@@ -118,6 +133,10 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     async def _on_error(_request, err: EmulatorError):
         return error_response(err)
 
+    @app.exception_handler(Exception)
+    async def _on_bug(_request, exc: Exception):
+        return error_response(internal_error(exc))
+
     @app.get("/_emulator/health")
     def health():
         return {"status": "ok", "gcsEndpoint": state.gcs.endpoint}
@@ -139,8 +158,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/_emulator/transitions")
     async def transitions(request: HttpRequest):
         body = await _json_body(request)
-        with state.registry.cond:
-            return apply_transitions(state.registry.config, body)
+        return await run_in_threadpool(_locked, state.registry.cond, apply_transitions, state.registry.config, body)
 
     @app.post("/_emulator/preempt")
     async def preempt(request: HttpRequest):
@@ -172,16 +190,19 @@ def apply_transitions(config, body: dict) -> dict:
 
 
 def _preempt(state: AppState, body: dict) -> dict:
-    if "task" in body:
-        execution, _, task = body["task"].partition(_TASK_NAME)
-        index = int(task.rsplit("-task", 1)[-1]) if "-task" in task else -1
-    elif "execution" in body:
-        execution, index = body["execution"], int(body.get("taskIndex", 0))
-    else:
-        raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
-    grace = float(body.get("graceSeconds", state.registry.config.grace_seconds))
-    backend = state.registry.for_name(execution)
-    return backend.preempt(execution, index, grace, float(body.get("waitSeconds", 10.0)))
+    try:
+        if "task" in body:
+            execution, _, task = str(body["task"]).partition(_TASK_NAME)
+            index = int(task.rsplit("-task", 1)[-1]) if "-task" in task else -1
+        elif "execution" in body:
+            execution, index = str(body["execution"]), int(body.get("taskIndex", 0))
+        else:
+            raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
+        grace = float(body.get("graceSeconds", state.registry.config.grace_seconds))
+        wait = float(body.get("waitSeconds", 10.0))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"Invalid preempt request: {exc}") from None
+    return state.registry.for_name(execution).preempt(execution, index, grace, wait)
 
 
 def read_logs(data_dir: Path, name: str) -> str:

@@ -57,3 +57,14 @@ def test_transitions_endpoint(tmp_path):
     assert client.post("/_emulator/transitions", json={"nope": 1}).json()["error"]["status"] == "INVALID_ARGUMENT"
     assert client.post("/_emulator/transitions", json={"preemptionConsumesRetry": "no"}).status_code == 400
     assert client.get("/_emulator/health").json()["status"] == "ok"
+
+
+def test_bad_admin_requests_use_google_shape(tmp_path):
+    config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
+    client = TestClient(create_app(AppState(Registry(config, "http://testserver"), ApiFaults(), config.gcs, tmp_path)),
+                        raise_server_exceptions=False)
+    bad = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e", "taskIndex": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
+    missing = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e"})
+    assert missing.json()["error"]["status"] == "NOT_FOUND"
+    assert client.get(f"/_emulator/logs/{P}/jobs/j/executions/e").status_code == 404
