@@ -261,7 +261,8 @@ def _cpu_copy(obj: Any) -> Any:
 class CheckpointManager:
     """Saves, discovers, verifies, loads and purges the checkpoints of one task.
 
-    Saves are synchronous. Use it as a context manager; :meth:`close` waits for pending work.
+    Saves are synchronous unless ``config.async_mode`` is :attr:`AsyncMode.ASYNC`. Use it as a
+    context manager; :meth:`close` waits for the save in flight.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).

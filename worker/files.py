@@ -13,6 +13,7 @@ from worker.storage import Storage
 PROGRESS = "progress.json"
 METRICS = "metrics.json"
 FATAL = "FATAL"
+ATTEMPTS = "attempts.json"
 
 
 def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
@@ -80,3 +81,15 @@ class ProgressReporter:
             self._log.info(f"progress: step {step}/{self.total_steps}", step=step,
                            total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
                            eta_seconds=eta_s, status=status)
+
+
+def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """Append ``entry`` to ``attempts.json`` (every attempt, also those that never committed).
+
+    :return: all recorded attempts, oldest first.
+    """
+    path = os.path.join(namespace, ATTEMPTS)
+    previous = read_json(storage, path) or {}
+    attempts = [a for a in previous.get("attempts", []) if isinstance(a, dict)] + [entry]
+    write_json(storage, path, {"attempts": attempts})
+    return attempts

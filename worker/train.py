@@ -14,8 +14,8 @@ from worker import checkpoint as ckpt
 from worker.config import WorkerConfig
 from worker.data import Dataset, EpochSampler, load_dataset
 from worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError
-from worker.files import METRICS, PROGRESS, ProgressReporter, read_json, write_json
-from worker.logs import StructuredLogger
+from worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
+from worker.logs import StructuredLogger, utc_now
 from worker.preemption import PreemptionWatcher
 from worker.state import TrainState, state_digest
 from worker.storage import LocalStorage, Storage
@@ -116,6 +116,7 @@ class Trainer:
         self._watcher = watcher
         self._storage = storage or LocalStorage()
         self._started = time.monotonic()
+        self._attempts: list[dict[str, Any]] = []
 
     def _path(self, name: str) -> str:
         return os.path.join(self.config.namespace, name)
@@ -158,10 +159,12 @@ class Trainer:
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
         lost = max(0, reported - step) if reported is not None else 0
         identity = self.config.identity
-        parts.state.history.append({
+        entry = {
             "execution": identity.execution, "attempt": identity.task_attempt,
             "task_index": identity.task_index, "resumed_from_step": step, "lost_steps": lost,
-        })
+        }
+        parts.state.history.append(entry)
+        self._attempts = record_attempt(self._storage, self.config.namespace, {**entry, "started_at": utc_now()})
         if lost:
             self._log.warning(f"lost {lost} steps of work since the last checkpoint",
                               lost_steps=lost, last_reported_step=reported, resumed_from_step=step)
@@ -243,7 +246,8 @@ class Trainer:
         metrics = self.final_metrics(parts, data)
         write_json(self._storage, self._path(METRICS), metrics)
         progress.update(total, parts.state.loss_ema, status="completed", force=True)
-        self._log.info("training complete", **{k: v for k, v in metrics.items() if k != "history"})
+        self._log.info("training complete",
+                       **{k: v for k, v in metrics.items() if k not in ("history", "attempts")})
 
     def final_metrics(self, parts: Components, data: Dataset) -> dict[str, Any]:
         """:return: the ``metrics.json`` content."""
@@ -257,6 +261,8 @@ class Trainer:
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": parts.state.checkpoints,
             "history": parts.state.history,
+            "attempts": self._attempts,
+            "lost_steps_total": sum(int(a.get("lost_steps", 0)) for a in self._attempts),
             "model_sha256": state_digest(parts.model.state_dict()),
             "optimizer_sha256": state_digest(parts.optimizer.state_dict()),
         }

@@ -21,6 +21,7 @@ def test_uninterrupted_run_succeeds(baseline: tuple[Task, WorkerProcess]) -> Non
     assert metrics["history"] == [
         {"execution": "job-exec", "attempt": 0, "task_index": 0, "resumed_from_step": 0, "lost_steps": 0}
     ]
+    assert [a["attempt"] for a in metrics["attempts"]] == [0] and metrics["lost_steps_total"] == 0
     assert len(metrics["model_sha256"]) == len(metrics["optimizer_sha256"]) == 64
     assert task.valid_steps() == [160, 180, 200]  # keep 3
     progress = json.loads((task.namespace / "progress.json").read_text())

@@ -133,6 +133,9 @@ def test_random_sigterm_and_sigkill_end_bit_identical(task: Task, baseline) -> N
     metrics = task.metrics()
     resumed = [h["resumed_from_step"] for h in metrics["history"]]
     assert resumed == sorted(resumed) and len(resumed) >= 3
+    # attempts.json lists every attempt, also those killed before their first commit
+    assert [a["attempt"] for a in metrics["attempts"]] == list(range(task.attempt))
+    assert metrics["lost_steps_total"] == sum(a["lost_steps"] for a in metrics["attempts"])
     assert _hashes(metrics) == _hashes(baseline[0].metrics())
     assert metrics["accuracy"] > 0.9
 
