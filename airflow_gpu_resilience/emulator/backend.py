@@ -114,9 +114,11 @@ class CloudRunBackend:
         self.supervisors: dict = {}
 
     # --- helpers -------------------------------------------------------------------------
-    def _new_operation(self, target, done: bool) -> Operation:
+    def _new_operation(self, target, done: bool, keep: bool = True) -> Operation:
+        """A new operation on ``target``; ``keep=False`` (validateOnly) leaves it unstored."""
         op = Operation(name=f"{self.parent}/operations/{uuid.uuid4()}", target=target, done=done)
-        self.operations[op.name] = op
+        if keep:
+            self.operations[op.name] = op
         return op
 
     def _get(self, store: dict, name: str, kind: str):
@@ -156,7 +158,7 @@ class CloudRunBackend:
             self._fill_defaults(spec)
             model = Job(name=name, spec=spec, launch_stage=stage, create_time=utcnow())
             if validate_only:
-                return Operation(name=f"{self.parent}/operations/{uuid.uuid4()}", target=model, done=True)
+                return self._new_operation(model, done=True, keep=False)
             self.jobs[name] = model
             return self._new_operation(model, done=True)
 
@@ -181,7 +183,7 @@ class CloudRunBackend:
             self._check_etag(model, job.etag)
             stage = self._validate(job)
             if validate_only:
-                return Operation(name=f"{self.parent}/operations/{uuid.uuid4()}", target=model, done=True)
+                return self._new_operation(model, done=True, keep=False)
             spec = copy_message(job)
             self._fill_defaults(spec)
             model.spec, model.launch_stage = spec, stage
@@ -198,7 +200,7 @@ class CloudRunBackend:
             if running:
                 raise FailedPrecondition(f"Job '{name}' has a running execution: {running[0].name}.")
             if validate_only:
-                return Operation(name=f"{self.parent}/operations/{uuid.uuid4()}", target=model, done=True)
+                return self._new_operation(model, done=True, keep=False)
             model.delete_time = utcnow()
             del self.jobs[name]
             for ex_name in [n for n, e in self.executions.items() if e.job_name == name]:
@@ -222,7 +224,7 @@ class CloudRunBackend:
             validation.validate_task_template(template, self.registry.config.gcs.bucket_exists)
             execution = self._new_execution(job, template, task_count)
             if validate_only:
-                return Operation(name=f"{self.parent}/operations/{uuid.uuid4()}", target=execution, done=True)
+                return self._new_operation(execution, done=True, keep=False)
             self.executions[execution.name] = execution
             job.execution_count += 1
             job.latest = execution
@@ -310,6 +312,7 @@ class CloudRunBackend:
         terminal, in which case nothing changes)."""
         with self.cond:
             execution = self._get(self.executions, name, "Execution")
+            self._check_etag(execution, etag)
             if validate_only or execution.done:
                 return self._new_operation(execution, done=True)
             op = self._new_operation(execution, done=False)
@@ -323,6 +326,7 @@ class CloudRunBackend:
         """DeleteExecution of a finished execution; a running one is refused."""
         with self.cond:
             execution = self._get(self.executions, name, "Execution")
+            self._check_etag(execution, etag)
             if not execution.done:
                 raise FailedPrecondition(f"Execution '{name}' is still running; cancel it first.")
             if not validate_only:

@@ -195,6 +195,10 @@ class Execution:
     def done(self) -> bool:
         return self.state in TERMINAL_EXECUTION
 
+    @property
+    def etag(self) -> str:
+        return f'"{self.uid[:8]}"'
+
     def count(self, state: TaskState) -> int:
         return sum(1 for t in self.tasks if t.state is state)
 
@@ -208,7 +212,7 @@ class Execution:
             running_count=self.count(TaskState.RUNNING), succeeded_count=self.count(TaskState.SUCCEEDED),
             failed_count=self.count(TaskState.FAILED), cancelled_count=self.count(TaskState.CANCELLED),
             retried_count=sum(1 for t in self.tasks if t.retried > 0), log_uri=self.log_uri,
-            etag=f'"{self.uid[:8]}"',
+            etag=self.etag,
         )
         if self.completion_time:
             msg.completion_time = self.completion_time
