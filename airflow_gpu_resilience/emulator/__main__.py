@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds before each task attempt starts (GPU instance start)")
     serve.add_argument("--preemption-consumes-retry", action=argparse.BooleanOptionalAction, default=True,
                        help="whether a preempted attempt uses up one of maxRetries (default: yes)")
+    serve.add_argument("--gpu-quota", type=int, default=0,
+                       help="GPU task attempts running at once per project and location (0: unlimited)")
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
                           images_file=args.images, grace_seconds=args.grace_seconds,
                           failed_execution_code=args.failed_execution_code,
                           start_delay_seconds=args.task_start_delay,
-                          preemption_consumes_retry=args.preemption_consumes_retry))
+                          preemption_consumes_retry=args.preemption_consumes_retry,
+                          gpu_quota=args.gpu_quota))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

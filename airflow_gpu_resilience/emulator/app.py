@@ -9,7 +9,7 @@ Admin endpoints:
   "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
 - ``POST /_emulator/faults`` -> see :mod:`faults`.
 - ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds",
-  "preemptionConsumesRetry", "graceSeconds"}`` -> the current values (runtime pacing; takes
+  "preemptionConsumesRetry", "graceSeconds", "gpuQuota"}`` -> the current values (runtime pacing; takes
   effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
   preemption, timeout and cancel).
 - ``GET /_emulator/logs/{execution or task name}`` -> the attempts' combined logs (text).
@@ -173,6 +173,7 @@ _TRANSITION_KEYS = {
     "taskStartDelaySeconds": ("start_delay_seconds", "float"),
     "preemptionConsumesRetry": ("preemption_consumes_retry", "bool"),
     "graceSeconds": ("grace_seconds", "float"),
+    "gpuQuota": ("gpu_quota", "int"),
 }
 
 
@@ -185,7 +186,10 @@ def apply_transitions(config, body: dict) -> dict:
         attr, kind = _TRANSITION_KEYS[key]
         if kind == "bool" and not isinstance(value, bool):
             raise InvalidArgument(f"{key}: must be true or false.")
-        setattr(config, attr, value if kind == "bool" else float(value))
+        try:
+            setattr(config, attr, value if kind == "bool" else int(value) if kind == "int" else float(value))
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"{key}: must be a number.") from None
     return {key: getattr(config, attr) for key, (attr, _) in _TRANSITION_KEYS.items()}
 
 

@@ -230,10 +230,18 @@ class CloudRunBackend:
             job.latest = execution
             op = self._new_operation(execution, done=False)
             supervisor = ExecutionSupervisor(
-                execution, self.registry.config, self.cond, lambda ex: self._on_finish(op, ex))
+                execution, self.registry.config, self.cond, lambda ex: self._on_finish(op, ex),
+                self._gpu_slots_left)
             self.supervisors[execution.name] = supervisor
             supervisor.start()
             return op
+
+    def _gpu_slots_left(self) -> int:
+        """GPU attempts that may still start here under ``gpu_quota`` (a large number if unlimited)."""
+        quota = self.registry.config.gpu_quota
+        if quota <= 0:
+            return 1 << 30
+        return quota - sum(len(s.running) for s in self.supervisors.values() if s.gpu)
 
     def _on_finish(self, op: Operation, execution: Execution) -> None:
         op.done = True

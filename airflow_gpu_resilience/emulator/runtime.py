@@ -74,6 +74,9 @@ class RuntimeConfig:
         default 0).
     :param preemption_consumes_retry: whether a preempted attempt counts against
         ``maxRetries`` (default true; undocumented for Cloud Run, so configurable).
+    :param gpu_quota: GPU attempts that may run at once per project and location; further GPU
+        tasks wait as pending (0, the default: unlimited). The real quota semantics are
+        inferred: Cloud Run's behaviour when the quota is exceeded is not documented.
     """
 
     data_dir: Path
@@ -84,6 +87,7 @@ class RuntimeConfig:
     failed_execution_code: int = 9
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
+    gpu_quota: int = 0
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs) -> list:
@@ -104,6 +108,11 @@ def rewrite(value: str, mounts: list) -> str:
         if rest == mount_path or rest.startswith(mount_path + "/"):
             return prefix + sep + str(local) + rest[len(mount_path):]
     return value
+
+
+def uses_gpu(template: run_v2.TaskTemplate) -> bool:
+    """Whether a container of the template requests ``nvidia.com/gpu``."""
+    return any("nvidia.com/gpu" in c.resources.limits for c in template.containers)
 
 
 def gcs_buckets(template: run_v2.TaskTemplate) -> list:

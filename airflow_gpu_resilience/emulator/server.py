@@ -43,6 +43,7 @@ class ServeConfig:
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
     :param start_delay_seconds: delay before each task attempt starts (s, default 0).
     :param preemption_consumes_retry: whether a preemption uses up one of ``maxRetries``.
+    :param gpu_quota: concurrent GPU attempts per project and location (0: unlimited).
     """
 
     data_dir: Path
@@ -54,6 +55,7 @@ class ServeConfig:
     shutdown_grace_seconds: float = 2.0
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
+    gpu_quota: int = 0
 
 
 class _Server(uvicorn.Server):
@@ -90,7 +92,8 @@ def serve(config: ServeConfig) -> None:
                             grace_seconds=config.grace_seconds,
                             failed_execution_code=config.failed_execution_code,
                             start_delay_seconds=config.start_delay_seconds,
-                            preemption_consumes_retry=config.preemption_consumes_retry)
+                            preemption_consumes_retry=config.preemption_consumes_retry,
+                            gpu_quota=config.gpu_quota)
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), gcs, data_dir)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))

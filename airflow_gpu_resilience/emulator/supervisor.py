@@ -18,7 +18,7 @@ from .models import (
     Execution, ExecutionState, TaskState, EXECUTION_TRANSITIONS, TASK_TRANSITIONS, TERMINAL_TASK, AttemptResult,
     transition, utcnow,
 )
-from .runtime import Attempt, RuntimeConfig, gcs_buckets, launch
+from .runtime import Attempt, RuntimeConfig, gcs_buckets, launch, uses_gpu
 
 
 class ExecutionSupervisor(threading.Thread):
@@ -30,15 +30,19 @@ class ExecutionSupervisor(threading.Thread):
         notified after each, so ``WaitOperation`` can block on it.
     :param on_finish: called under ``cond`` once the execution is terminal (more callbacks
         can be appended to :attr:`finish_callbacks`).
+    :param gpu_slots_left: ``callable() -> int``, GPU attempts that may still start in this
+        location (only asked when the execution uses a GPU).
     """
 
     def __init__(self, execution: Execution, config: RuntimeConfig, cond: threading.Condition,
-                 on_finish: Callable[[Execution], None]) -> None:
+                 on_finish: Callable[[Execution], None], gpu_slots_left: Callable[[], int]) -> None:
         super().__init__(name=f"supervisor-{execution.name.rsplit('/', 1)[-1]}", daemon=True)
         self.execution = execution
         self.config = config
         self.cond = cond
         self.finish_callbacks = [on_finish]
+        self.gpu = uses_gpu(execution.template)
+        self._gpu_slots_left = gpu_slots_left
         self.running: dict = {}  # task index -> Attempt
         self._shutdown = False
 
@@ -176,7 +180,7 @@ class ExecutionSupervisor(threading.Thread):
         limit = self.execution.parallelism or self.execution.task_count
         changed = False
         for task in self.execution.tasks:
-            if len(self.running) >= limit:
+            if len(self.running) >= limit or (self.gpu and self._gpu_slots_left() <= 0):
                 break
             if task.state is TaskState.PENDING and time.monotonic() >= task.not_before:
                 self._start(task)

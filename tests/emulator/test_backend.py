@@ -260,3 +260,16 @@ def test_free_preemption_and_start_delay(backend, tmp_path):
     task = op.target.tasks[0]
     assert task.retried == 1 and task.retries_charged == 0 and task.state is TaskState.SUCCEEDED
     assert (task.start_time - op.target.create_time).total_seconds() >= 0.3 * 2  # two delayed starts
+
+
+def test_gpu_quota_holds_gpu_tasks_pending(backend, tmp_path):
+    config = backend.registry.config
+    config.gpu_quota = 1
+    config.images = ImageTable({"gpu": {"entrypoint": ["{python}", "-c", "import time; time.sleep(0.3)"]}}, tmp_path)
+    backend.create_job("g1", make_job("gpu", gpu=True))
+    backend.create_job("g2", make_job("gpu", gpu=True))
+    first, second = backend.run_job(f"{PARENT}/jobs/g1"), backend.run_job(f"{PARENT}/jobs/g2")
+    for op in (first, second):
+        assert backend.wait_operation(op.name, 20).error is None
+    runs = sorted((op.target.tasks[0].start_time, op.target.tasks[0].completion_time) for op in (first, second))
+    assert runs[1][0] >= runs[0][1]  # never two GPU attempts at once
