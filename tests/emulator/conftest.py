@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import pytest
@@ -87,15 +86,12 @@ def tasks(emulator):
 
 @pytest.fixture(scope="session")
 def storage_client(emulator):
-    previous = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = emulator.gcs_endpoint
+    """google-cloud-storage on the emulator's GCS endpoint (no process-wide STORAGE_EMULATOR_HOST,
+    so other test packages in the same session are unaffected)."""
     from google.cloud import storage
 
-    yield storage.Client(project="test-project", credentials=AnonymousCredentials())
-    if previous is None:
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    else:
-        os.environ["STORAGE_EMULATOR_HOST"] = previous
+    return storage.Client(project="test-project", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": emulator.gcs_endpoint})
 
 
 @pytest.fixture
