@@ -26,7 +26,8 @@ from airflow_gpu_resilience.operators.cloud_run import (
     CloudRunGpuExecuteJobOperator,
 )
 
-#: Object name of the dataset inside the checkpoint bucket (the worker reads it through the mount).
+#: Object name of the dataset inside the checkpoint bucket: the worker's default ``--data``,
+#: resolved against the mounted bucket.
 DATASET_OBJECT = "data/digits.npz"
 
 PARAMS = {
@@ -145,7 +146,6 @@ with DAG(
         image="{{ params.image }}",
         args=[
             "train",
-            "--data=/checkpoints/" + DATASET_OBJECT,
             "--steps={{ params.steps }}",
             "--checkpoint-every={{ params.checkpoint_every }}",
             "--step-delay={{ params.step_delay_seconds }}",

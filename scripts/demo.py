@@ -136,9 +136,10 @@ class Preempter(threading.Thread):
         execution_name = execution.latest_created_execution.name
         task_name = next(t.name for t in self.tasks.list_tasks(parent=execution_name) if t.index == 0)
         before = self.tasks.get_task(name=task_name).retried
+        at_step = self._progress_step()
         answer = self.emulator.preempt(execution_name, task_index=0)
-        print(f"[demo] preemption injected at step {self._progress_step()}: {json.dumps(answer)}", flush=True)
-        self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": self._progress_step()})
+        print(f"[demo] maintenance preemption injected at step {at_step}: {json.dumps(answer)}", flush=True)
+        self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": at_step})
         self._record_result(task_name, before)
         return True
 

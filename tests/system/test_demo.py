@@ -53,7 +53,9 @@ def test_demo_survives_a_preemption_and_reports_accuracy(tmp_path: Path) -> None
     assert preemption["attempt"] == 0
     resumed = [a for a in report["attempts"] if a.get("resumed_from_step")]
     assert resumed and resumed[0]["resumed_from_step"] > 0
-    assert resumed[0]["resumed_from_step"] <= preemption["injected_at_step"]
+    # The demo preempts once progress.json reports the step; the SIGTERM save lands at or after it.
+    assert resumed[0]["resumed_from_step"] >= preemption["injected_at_step"]
+    assert resumed[0]["lost_steps"] <= 25
     assert report["accuracy"] > 0.9
     assert report["metrics"]["steps"] == 300
     assert _leftovers(str(workdir)) == []
