@@ -44,14 +44,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
+        from .runtime import RuntimePolicy
         from .server import ServeConfig, serve
 
+        policy = RuntimePolicy(grace_seconds=args.grace_seconds, failed_execution_code=args.failed_execution_code,
+                               start_delay_seconds=args.task_start_delay,
+                               preemption_consumes_retry=args.preemption_consumes_retry, gpu_quota=args.gpu_quota)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
-                          images_file=args.images, grace_seconds=args.grace_seconds,
-                          failed_execution_code=args.failed_execution_code,
-                          start_delay_seconds=args.task_start_delay,
-                          preemption_consumes_retry=args.preemption_consumes_retry,
-                          gpu_quota=args.gpu_quota))
+                          images_file=args.images, policy=policy))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

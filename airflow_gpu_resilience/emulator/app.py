@@ -158,7 +158,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/_emulator/transitions")
     async def transitions(request: HttpRequest):
         body = await _json_body(request)
-        return await run_in_threadpool(_locked, state.registry.cond, apply_transitions, state.registry.config, body)
+        return await run_in_threadpool(_locked, state.registry.cond, apply_transitions, state.registry.config.policy, body)
 
     @app.post("/_emulator/preempt")
     async def preempt(request: HttpRequest):
@@ -177,8 +177,9 @@ _TRANSITION_KEYS = {
 }
 
 
-def apply_transitions(config, body: dict) -> dict:
-    """Change runtime pacing settings; answer with all of them. Unknown keys are an error."""
+def apply_transitions(policy, body: dict) -> dict:
+    """Change :class:`~.runtime.RuntimePolicy` settings; answer with all of them. Unknown keys
+    are an error."""
     unknown = set(body) - set(_TRANSITION_KEYS)
     if unknown:
         raise InvalidArgument(f"unknown settings {sorted(unknown)}; known: {sorted(_TRANSITION_KEYS)}")
@@ -187,10 +188,10 @@ def apply_transitions(config, body: dict) -> dict:
         if kind == "bool" and not isinstance(value, bool):
             raise InvalidArgument(f"{key}: must be true or false.")
         try:
-            setattr(config, attr, value if kind == "bool" else int(value) if kind == "int" else float(value))
+            setattr(policy, attr, value if kind == "bool" else int(value) if kind == "int" else float(value))
         except (TypeError, ValueError):
             raise InvalidArgument(f"{key}: must be a number.") from None
-    return {key: getattr(config, attr) for key, (attr, _) in _TRANSITION_KEYS.items()}
+    return {key: getattr(policy, attr) for key, (attr, _) in _TRANSITION_KEYS.items()}
 
 
 def _preempt(state: AppState, body: dict) -> dict:
@@ -202,7 +203,7 @@ def _preempt(state: AppState, body: dict) -> dict:
             execution, index = str(body["execution"]), int(body.get("taskIndex", 0))
         else:
             raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
-        grace = float(body.get("graceSeconds", state.registry.config.grace_seconds))
+        grace = float(body.get("graceSeconds", state.registry.config.policy.grace_seconds))
         wait = float(body.get("waitSeconds", 10.0))
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"Invalid preempt request: {exc}") from None

@@ -238,7 +238,7 @@ class CloudRunBackend:
 
     def _gpu_slots_left(self) -> int:
         """GPU attempts that may still start here under ``gpu_quota`` (a large number if unlimited)."""
-        quota = self.registry.config.gpu_quota
+        quota = self.registry.config.policy.gpu_quota
         if quota <= 0:
             return 1 << 30
         return quota - sum(len(s.running) for s in self.supervisors.values() if s.gpu)
@@ -246,7 +246,7 @@ class CloudRunBackend:
     def _on_finish(self, op: Operation, execution: Execution) -> None:
         op.done = True
         if execution.failure_message and execution.state.name == "FAILED":
-            op.error = (self.registry.config.failed_execution_code, execution.failure_message)
+            op.error = (self.registry.config.policy.failed_execution_code, execution.failure_message)
 
     @staticmethod
     def _apply_overrides(template: run_v2.ExecutionTemplate, overrides) -> tuple:
@@ -296,7 +296,7 @@ class CloudRunBackend:
             Task(name=f"{name}/tasks/{short}-task{i}", index=i, job=short_job, execution=short,
                  template=template, max_retries=template.max_retries, timeout_s=timeout_s,
                  create_time=now, log_uri=f"{logs}/tasks/{short}-task{i}",
-                 not_before=time.monotonic() + self.registry.config.start_delay_seconds)
+                 not_before=time.monotonic() + self.registry.config.policy.start_delay_seconds)
             for i in range(task_count)
         ]
         return execution

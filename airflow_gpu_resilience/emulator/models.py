@@ -109,7 +109,7 @@ class Task:
 
     ``retried`` counts attempts after the first (it is ``CLOUD_RUN_TASK_ATTEMPT`` of the next
     one); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
-    free, see ``RuntimeConfig.preemption_consumes_retry``); ``not_before`` is the monotonic time
+    free, see ``RuntimePolicy.preemption_consumes_retry``); ``not_before`` is the monotonic time
     the next attempt may start (start delay).
     """
 

@@ -61,15 +61,14 @@ def _die_with_emulator() -> None:
 
 
 @dataclasses.dataclass
-class RuntimeConfig:
-    """Runtime settings shared by all supervisors.
+class RuntimePolicy:
+    """How attempts are run and paced; changeable at run time (``/_emulator/transitions``).
 
-    :param data_dir: emulator data directory (logs under ``logs/``).
-    :param images: image table.
-    :param gcs: the :class:`~.gcs.GcsService` backing GCS volumes.
-    :param grace_seconds: SIGTERM-to-SIGKILL grace for timeouts, preemption and cancel (s).
+    :param grace_seconds: SIGTERM-to-SIGKILL grace for timeouts, preemption and cancel (s,
+        default 10).
     :param poll_seconds: supervisor loop period (s).
-    :param failed_execution_code: gRPC code on the RunJob LRO error of a failed execution.
+    :param failed_execution_code: gRPC code on the RunJob LRO error of a failed execution
+        (default 9, FAILED_PRECONDITION; the real code is unconfirmed).
     :param start_delay_seconds: delay before each attempt starts, like a GPU instance start (s,
         default 0).
     :param preemption_consumes_retry: whether a preempted attempt counts against
@@ -79,15 +78,28 @@ class RuntimeConfig:
         inferred: Cloud Run's behaviour when the quota is exceeded is not documented.
     """
 
-    data_dir: Path
-    images: ImageTable
-    gcs: object
     grace_seconds: float = 10.0
     poll_seconds: float = 0.05
     failed_execution_code: int = 9
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
     gpu_quota: int = 0
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    """What the supervisors share.
+
+    :param data_dir: emulator data directory (logs under ``logs/``).
+    :param images: image table.
+    :param gcs: the :class:`~.gcs.GcsService` backing GCS volumes.
+    :param policy: pacing and retry settings.
+    """
+
+    data_dir: Path
+    images: ImageTable
+    gcs: object
+    policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs) -> list:

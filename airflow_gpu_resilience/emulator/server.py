@@ -27,7 +27,7 @@ from .backend import Registry
 from .faults import ApiFaults
 from .gcs import GcsService
 from .images import ImageTable
-from .runtime import RuntimeConfig
+from .runtime import RuntimeConfig, RuntimePolicy
 
 
 @dataclasses.dataclass
@@ -38,24 +38,16 @@ class ServeConfig:
     :param port: API port on 127.0.0.1; 0 picks a free one.
     :param gcs_port: GCS emulator port; 0 picks a free one.
     :param images_file: image table JSON (see :mod:`.images`), or ``None`` for an empty one.
-    :param grace_seconds: SIGTERM-to-SIGKILL grace for preemption, timeout, cancel (s, default 10).
-    :param failed_execution_code: gRPC code of a failed execution's LRO error (default 9).
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
-    :param start_delay_seconds: delay before each task attempt starts (s, default 0).
-    :param preemption_consumes_retry: whether a preemption uses up one of ``maxRetries``.
-    :param gpu_quota: concurrent GPU attempts per project and location (0: unlimited).
+    :param policy: retry, grace and pacing settings (see :class:`~.runtime.RuntimePolicy`).
     """
 
     data_dir: Path
     port: int = 8123
     gcs_port: int = 9023
     images_file: Optional[Path] = None
-    grace_seconds: float = 10.0
-    failed_execution_code: int = 9
     shutdown_grace_seconds: float = 2.0
-    start_delay_seconds: float = 0.0
-    preemption_consumes_retry: bool = True
-    gpu_quota: int = 0
+    policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
 
 
 class _Server(uvicorn.Server):
@@ -89,11 +81,7 @@ def serve(config: ServeConfig) -> None:
     endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
     gcs = GcsService(data_dir, config.gcs_port)
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
-                            grace_seconds=config.grace_seconds,
-                            failed_execution_code=config.failed_execution_code,
-                            start_delay_seconds=config.start_delay_seconds,
-                            preemption_consumes_retry=config.preemption_consumes_retry,
-                            gpu_quota=config.gpu_quota)
+                            policy=config.policy)
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), gcs, data_dir)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))

@@ -83,14 +83,14 @@ class ExecutionSupervisor(threading.Thread):
                 if self._shutdown:
                     if not self.running:  # stay alive until reaped: children die with this thread
                         return
-                    self.cond.wait(self.config.poll_seconds)
+                    self.cond.wait(self.config.policy.poll_seconds)
                     continue
                 changed = self._step()
                 if changed:
                     self.cond.notify_all()
                 if self.execution.done:
                     return
-            time.sleep(self.config.poll_seconds)
+            time.sleep(self.config.policy.poll_seconds)
 
     def _step(self) -> bool:
         changed = self._reap()
@@ -130,7 +130,7 @@ class ExecutionSupervisor(threading.Thread):
         elif attempt.stop_reason == "cancelled":
             self._end_task(task, TaskState.CANCELLED)
         else:
-            free = attempt.stop_reason == "preempted" and not self.config.preemption_consumes_retry
+            free = attempt.stop_reason == "preempted" and not self.config.policy.preemption_consumes_retry
             self._fail_attempt(task, result, charge=not free)
 
     def _fail_attempt(self, task, result: AttemptResult, retryable: bool = True, charge: bool = True) -> None:
@@ -140,7 +140,7 @@ class ExecutionSupervisor(threading.Thread):
         if retryable and budget_left and self.execution.state is ExecutionState.RUNNING:
             task.retried += 1
             task.retries_charged += int(charge)
-            task.not_before = time.monotonic() + self.config.start_delay_seconds
+            task.not_before = time.monotonic() + self.config.policy.start_delay_seconds
             transition(task, TaskState.PENDING, TASK_TRANSITIONS)
             return
         self._end_task(task, TaskState.FAILED)
@@ -157,7 +157,7 @@ class ExecutionSupervisor(threading.Thread):
         now = time.monotonic()
         for attempt in self.running.values():
             if attempt.stop_reason is None and now >= attempt.deadline:
-                attempt.stop("timeout", self.config.grace_seconds)
+                attempt.stop("timeout", self.config.policy.grace_seconds)
             elif attempt.kill_at is not None and now >= attempt.kill_at:
                 attempt.signal_group(signal.SIGKILL)
                 attempt.kill_at = None
@@ -171,7 +171,7 @@ class ExecutionSupervisor(threading.Thread):
                 changed = True
         for attempt in self.running.values():
             if attempt.stop_reason is None:
-                attempt.stop("cancelled", self.config.grace_seconds)
+                attempt.stop("cancelled", self.config.policy.grace_seconds)
             else:
                 attempt.stop_reason = "cancelled"  # a stop already under way now ends as cancel
         return changed

@@ -20,7 +20,7 @@ from airflow_gpu_resilience.emulator.images import ImageTable
 from airflow_gpu_resilience.emulator.models import (
     TASK_TRANSITIONS, ExecutionState, TaskState, transition,
 )
-from airflow_gpu_resilience.emulator.runtime import RuntimeConfig, rewrite
+from airflow_gpu_resilience.emulator.runtime import RuntimeConfig, RuntimePolicy, rewrite
 
 from .conftest import PARENT, make_job
 
@@ -47,7 +47,7 @@ class FakeGcs:
 def registry(tmp_path):
     images = ImageTable({"ok": {"entrypoint": ["{python}", "-c", "import sys; sys.exit(0)"]},
                          "fail": {"entrypoint": ["{python}", "-c", "import sys; sys.exit(3)"]}}, tmp_path)
-    config = RuntimeConfig(data_dir=tmp_path, images=images, gcs=FakeGcs(tmp_path), poll_seconds=0.01)
+    config = RuntimeConfig(data_dir=tmp_path, images=images, gcs=FakeGcs(tmp_path), policy=RuntimePolicy(poll_seconds=0.01))
     reg = Registry(config, "http://127.0.0.1:1")
     yield reg
     reg.shutdown(0.5)
@@ -250,7 +250,7 @@ def test_reset_stops_processes_and_forgets_resources(registry, tmp_path):
 
 def test_free_preemption_and_start_delay(backend, tmp_path):
     config = backend.registry.config
-    config.preemption_consumes_retry, config.start_delay_seconds = False, 0.3
+    config.policy.preemption_consumes_retry, config.policy.start_delay_seconds = False, 0.3
     config.images = ImageTable({"once": {"entrypoint": [
         "{python}", "-c", "import os,time; os.environ['CLOUD_RUN_TASK_ATTEMPT'] == '0' and time.sleep(30)"]}}, tmp_path)
     backend.create_job("once", make_job("once", max_retries=0))
@@ -264,7 +264,7 @@ def test_free_preemption_and_start_delay(backend, tmp_path):
 
 def test_gpu_quota_holds_gpu_tasks_pending(backend, tmp_path):
     config = backend.registry.config
-    config.gpu_quota = 1
+    config.policy.gpu_quota = 1
     config.images = ImageTable({"gpu": {"entrypoint": ["{python}", "-c", "import time; time.sleep(0.3)"]}}, tmp_path)
     backend.create_job("g1", make_job("gpu", gpu=True))
     backend.create_job("g2", make_job("gpu", gpu=True))

@@ -53,7 +53,7 @@ def test_transitions_endpoint(tmp_path):
     config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
     client = TestClient(create_app(AppState(Registry(config, "http://testserver"), ApiFaults(), config.gcs, tmp_path)))
     answer = client.post("/_emulator/transitions", json={"taskStartDelaySeconds": 1.5, "preemptionConsumesRetry": False})
-    assert answer.json()["taskStartDelaySeconds"] == 1.5 and config.preemption_consumes_retry is False
+    assert answer.json()["taskStartDelaySeconds"] == 1.5 and config.policy.preemption_consumes_retry is False
     assert client.post("/_emulator/transitions", json={"nope": 1}).json()["error"]["status"] == "INVALID_ARGUMENT"
     assert client.post("/_emulator/transitions", json={"preemptionConsumesRetry": "no"}).status_code == 400
     assert client.get("/_emulator/health").json()["status"] == "ok"
