@@ -2,7 +2,8 @@
 
 ``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]``
 starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
-which). ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]``
+which); ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts
+a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`). ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]``
 asks a running emulator for a maintenance preemption and prints its JSON answer.
 """
 
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="whether a preempted attempt uses up one of maxRetries (default: yes)")
     serve.add_argument("--gpu-quota", type=int, default=0,
                        help="GPU task attempts running at once per project and location (0: unlimited)")
+    serve.add_argument("--preempt-every", type=float, default=0.0, metavar="MEAN_SECONDS",
+                       help="seeded maintenance preemptions, exponential inter-arrival with this mean (0: off)")
+    serve.add_argument("--preempt-seed", type=int, default=0, help="seed of the preemption schedule")
+    serve.add_argument("--preempt-prefix", default="", help="only preempt tasks whose name starts with this")
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
@@ -44,14 +49,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
+        from .faults import PreemptionPlan
         from .runtime import RuntimePolicy
         from .server import ServeConfig, serve
 
         policy = RuntimePolicy(grace_seconds=args.grace_seconds, failed_execution_code=args.failed_execution_code,
                                start_delay_seconds=args.task_start_delay,
                                preemption_consumes_retry=args.preemption_consumes_retry, gpu_quota=args.gpu_quota)
+        plan = (PreemptionPlan(args.preempt_every, args.preempt_seed, name_prefix=args.preempt_prefix)
+                if args.preempt_every > 0 else None)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
-                          images_file=args.images, policy=policy))
+                          images_file=args.images, policy=policy, preemptions=plan))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

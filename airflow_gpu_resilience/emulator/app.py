@@ -3,11 +3,14 @@ namespace ``/_emulator``.
 
 Admin endpoints:
 - ``GET /_emulator/health`` -> ``{"status": "ok", ...}``
-- ``POST /_emulator/reset`` -> stop all executions and forget all resources; body
-  ``{"gcs": true}`` also wipes the GCS emulator.
+- ``POST /_emulator/reset`` -> stop the preemption schedule and all executions and forget all
+  resources; body ``{"gcs": true}`` also wipes the GCS emulator.
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
   "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
 - ``POST /_emulator/faults`` -> see :mod:`faults`.
+- ``POST /_emulator/preemptions/schedule`` with ``{"meanSeconds", "seed", "graceSeconds",
+  "namePrefix", "maxPreemptions"}`` starts (replaces) a seeded preemption schedule; ``GET``
+  reports it and its preemptions, ``DELETE`` stops it (see :class:`~.faults.PreemptionSchedule`).
 - ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds",
   "preemptionConsumesRetry", "graceSeconds", "gpuQuota"}`` -> the current values (runtime pacing; takes
   effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
@@ -24,6 +27,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -34,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from . import responses, urls
 from .backend import Registry
 from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
-from .faults import ApiFaults, FaultConfig
+from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 
 _TASK_NAME = "/tasks/"
 logger = logging.getLogger(__name__)
@@ -48,12 +52,18 @@ class AppState:
     :param faults: API fault injector.
     :param gcs: the :class:`~.gcs.GcsService`.
     :param data_dir: emulator data directory.
+    :param schedule: the seeded preemption schedule (one is made if not given).
     """
 
     registry: Registry
     faults: ApiFaults
     gcs: object
     data_dir: Path
+    schedule: Optional[PreemptionSchedule] = None
+
+    def __post_init__(self) -> None:
+        if self.schedule is None:
+            self.schedule = PreemptionSchedule(self.registry)
 
 
 def error_response(err: EmulatorError) -> JSONResponse:
@@ -144,6 +154,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/_emulator/reset")
     async def reset(request: HttpRequest):
         body = await _json_body(request)
+        state.schedule.stop()
         await run_in_threadpool(state.registry.reset)
         if body.get("gcs"):
             state.gcs.wipe()
@@ -154,6 +165,8 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         config = FaultConfig.from_json(await _json_body(request))
         state.faults.configure(config)
         return dataclasses.asdict(config)
+
+    _add_schedule_routes(app, state)
 
     @app.post("/_emulator/transitions")
     async def transitions(request: HttpRequest):
@@ -167,6 +180,22 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):
         return PlainTextResponse(read_logs(state.data_dir, name))
+
+
+def _add_schedule_routes(app: FastAPI, state: AppState) -> None:
+    path = "/_emulator/preemptions/schedule"
+
+    @app.post(path)
+    async def start_schedule(request: HttpRequest):
+        return state.schedule.start(PreemptionPlan.from_json(await _json_body(request)))
+
+    @app.get(path)
+    def schedule_status():
+        return state.schedule.status()
+
+    @app.delete(path)
+    def stop_schedule():
+        return state.schedule.stop()
 
 
 _TRANSITION_KEYS = {

@@ -78,6 +78,14 @@ class Registry:
         with self.cond:
             return list(self._backends.values())
 
+    def preemptible(self, prefix: str = "") -> list:
+        """``[(supervisor, task_index, attempt)]`` of running attempts not already being stopped
+        whose task name starts with ``prefix``, sorted by task name (for seeded picks)."""
+        with self.cond:
+            found = [(s, i, a) for b in self._backends.values() for s in b.supervisors.values()
+                     for i, a in s.running.items() if a.stop_reason is None and a.task.name.startswith(prefix)]
+        return sorted(found, key=lambda item: item[2].task.name)
+
     def shutdown(self, grace: float = 2.0) -> None:
         """Stop every supervisor: SIGTERM all attempts, SIGKILL what is left after ``grace``
         seconds, reap them."""

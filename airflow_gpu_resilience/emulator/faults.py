@@ -1,8 +1,9 @@
-"""Fault injection: API errors and delays for ``/v2`` requests.
+"""Fault injection: API errors and delays for ``/v2`` requests, and seeded preemption schedules.
 
-Maintenance preemption lives in :meth:`~.backend.CloudRunBackend.preempt` (the admin endpoint
-``POST /_emulator/preempt`` calls it); this module holds the API-level faults configured by
-``POST /_emulator/faults`` with a JSON body (all keys optional; ``{}`` clears every fault)::
+A single maintenance preemption lives in :meth:`~.backend.CloudRunBackend.preempt` (the admin
+endpoint ``POST /_emulator/preempt`` calls it). This module holds the API-level faults
+configured by ``POST /_emulator/faults`` with a JSON body (all keys optional; ``{}`` clears
+every fault)::
 
     {"failNext": 2,          # the next N API requests fail
      "errorRate": 0.2,       # then each request fails with this probability
@@ -11,6 +12,23 @@ Maintenance preemption lives in :meth:`~.backend.CloudRunBackend.preempt` (the a
      "seed": 1}              # random seed, for reproducible runs
 
 Faults apply to the Cloud Run API only, never to ``/_emulator`` or the GCS emulator.
+
+And the :class:`PreemptionSchedule`: maintenance preemptions arriving as a Poisson process
+(exponential inter-arrival times with a given mean), each hitting one running task attempt
+drawn at random. ``POST /_emulator/preemptions/schedule`` (or ``serve --preempt-every``)::
+
+    {"meanSeconds": 30,      # mean time between preemptions (required, > 0)
+     "seed": 1,              # arrival times and picks are drawn from generators seeded with it
+     "graceSeconds": 10,     # SIGTERM-to-SIGKILL grace (default: the emulator's graceSeconds)
+     "namePrefix": "projects/p/locations/l/jobs/train",  # only tasks whose name starts so
+     "maxPreemptions": 0}    # stop after this many (0: no limit)
+
+The arrival times depend on the seed only; the pick at an arrival is the seeded draw among
+the attempts running then (sorted by task name), so a run is reproducible as far as task
+timing is. An arrival with nothing running is counted as missed. ``GET`` on the same path
+reports the plan and every preemption so far (``{"active", "plan", "missed", "preemptions":
+[{"scheduledAtSeconds", "atSeconds", "task", "attempt"}]}``); ``DELETE`` (or
+``/_emulator/reset``) stops it.
 """
 
 from __future__ import annotations
@@ -18,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
+from typing import Optional
 
 from .exceptions import EmulatorError, InvalidArgument, ResourceExhausted, Unavailable
 
@@ -71,3 +91,116 @@ class ApiFaults:
                 code = self._random.choice(cfg.codes)
                 error = _ERRORS[code](f"Injected fault: the service is temporarily unavailable ({code}).")
             return cfg.delay_seconds, error
+
+
+@dataclasses.dataclass
+class PreemptionPlan:
+    """A preemption schedule (see the module docstring for the JSON keys)."""
+
+    mean_seconds: float
+    seed: int = 0
+    grace_seconds: Optional[float] = None
+    name_prefix: str = ""
+    max_preemptions: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PreemptionPlan":
+        try:
+            mean = float(data["meanSeconds"])
+            grace = None if data.get("graceSeconds") is None else float(data["graceSeconds"])
+            plan = cls(mean, int(data.get("seed", 0)), grace, str(data.get("namePrefix", "")),
+                       int(data.get("maxPreemptions", 0)))
+        except KeyError:
+            raise InvalidArgument("meanSeconds: required.") from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"Invalid preemption schedule: {exc}") from None
+        if not plan.mean_seconds > 0:
+            raise InvalidArgument("meanSeconds: must be greater than 0.")
+        if plan.max_preemptions < 0 or (plan.grace_seconds is not None and plan.grace_seconds < 0):
+            raise InvalidArgument("maxPreemptions and graceSeconds: must not be negative.")
+        return plan
+
+    def arrival_offsets(self):
+        """Seconds from the schedule's start of each preemption arrival (an endless generator;
+        exponential inter-arrival times drawn from a generator seeded with :attr:`seed` only)."""
+        arrivals, offset = random.Random(f"arrivals-{self.seed}"), 0.0
+        while True:
+            offset += arrivals.expovariate(1.0 / self.mean_seconds)
+            yield offset
+
+    def to_json(self) -> dict:
+        return {"meanSeconds": self.mean_seconds, "seed": self.seed, "graceSeconds": self.grace_seconds,
+                "namePrefix": self.name_prefix, "maxPreemptions": self.max_preemptions}
+
+
+class PreemptionSchedule:
+    """Runs at most one :class:`PreemptionPlan` at a time in a daemon thread.
+
+    :param registry: the emulator's :class:`~.backend.Registry` (its lock, its running attempts
+        via ``preemptible(prefix)`` and its default grace).
+    """
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._stop: Optional[threading.Event] = None
+        self.plan: Optional[PreemptionPlan] = None
+        self.events: list = []
+        self.missed = 0
+
+    def start(self, plan: PreemptionPlan) -> dict:
+        """Replace any running schedule with ``plan``; its clock starts now."""
+        self.stop()
+        with self._lock:
+            self.plan, self.events, self.missed = plan, [], 0
+            self._stop = stop = threading.Event()
+        threading.Thread(target=self._run, args=(plan, stop), name="preemption-schedule", daemon=True).start()
+        return self.status()
+
+    def stop(self) -> dict:
+        """Stop the schedule (events so far stay readable)."""
+        with self._lock:
+            if self._stop is not None:
+                self._stop.set()
+                self._stop = None
+        return self.status()
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"active": self._stop is not None, "plan": self.plan.to_json() if self.plan else None,
+                    "preemptions": list(self.events), "missed": self.missed}
+
+    def _run(self, plan: PreemptionPlan, stop: threading.Event) -> None:
+        picks, started = random.Random(f"picks-{plan.seed}"), time.monotonic()
+        for offset in plan.arrival_offsets():
+            if stop.wait(max(0.0, started + offset - time.monotonic())):
+                return
+            fired = self._fire(plan, picks, (round(offset, 3), round(time.monotonic() - started, 3)), stop)
+            if fired and plan.max_preemptions and fired >= plan.max_preemptions:
+                with self._lock:
+                    if self._stop is stop:
+                        self._stop = None
+                return
+
+    def _fire(self, plan: PreemptionPlan, picks: random.Random, at: tuple, stop: threading.Event) -> int:
+        """Preempt one drawn attempt; return the number of preemptions so far (0 if missed).
+
+        :param at: ``(scheduled, actual)`` seconds since the schedule started.
+        """
+        registry = self._registry
+        with registry.cond:
+            candidates = registry.preemptible(plan.name_prefix)
+            with self._lock:
+                if stop.is_set():
+                    return 0
+                if not candidates:
+                    self.missed += 1
+                    return 0
+                supervisor, index, attempt = picks.choice(candidates)
+                grace = registry.config.policy.grace_seconds if plan.grace_seconds is None else plan.grace_seconds
+                supervisor.preempt(index, grace)
+                self.events.append({"scheduledAtSeconds": at[0], "atSeconds": at[1], "task": attempt.task.name,
+                                    "attempt": attempt.number})
+                count = len(self.events)
+            registry.cond.notify_all()
+            return count

@@ -24,10 +24,11 @@ from typing import Optional
 from .gcs import bucket_path
 
 
-def post_json(url: str, payload: dict, timeout: float = 30.0) -> dict:
-    """POST ``payload`` as JSON; return the decoded answer (errors as Google error JSON)."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+def post_json(url: str, payload: Optional[dict], timeout: float = 30.0, method: str = "POST") -> dict:
+    """Send ``payload`` as JSON (``None``: no body); return the decoded answer (errors as Google
+    error JSON). ``method`` may also be ``GET`` or ``DELETE``."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -94,6 +95,23 @@ class EmulatorProcess:
         if grace_seconds is not None:
             payload["graceSeconds"] = grace_seconds
         answer = post_json(self.endpoint + "/_emulator/preempt", payload)
+        if "error" in answer:
+            raise RuntimeError(answer["error"]["message"])
+        return answer
+
+    def schedule_preemptions(self, mean_seconds: float, seed: int = 0, name_prefix: str = "",
+                             grace_seconds: Optional[float] = None, max_preemptions: int = 0) -> dict:
+        """Start (replace) a seeded preemption schedule; returns its status (see :mod:`.faults`)."""
+        plan = {"meanSeconds": mean_seconds, "seed": seed, "namePrefix": name_prefix,
+                "graceSeconds": grace_seconds, "maxPreemptions": max_preemptions}
+        return self._admin("POST", "/_emulator/preemptions/schedule", plan)
+
+    def preemption_schedule(self, stop: bool = False) -> dict:
+        """The schedule's status and preemptions so far; ``stop=True`` stops it first."""
+        return self._admin("DELETE" if stop else "GET", "/_emulator/preemptions/schedule", None)
+
+    def _admin(self, method: str, path: str, payload: Optional[dict]) -> dict:
+        answer = post_json(self.endpoint + path, payload, method=method)
         if "error" in answer:
             raise RuntimeError(answer["error"]["message"])
         return answer

@@ -24,7 +24,7 @@ import uvicorn
 
 from .app import AppState, create_app
 from .backend import Registry
-from .faults import ApiFaults
+from .faults import ApiFaults, PreemptionPlan
 from .gcs import GcsService
 from .images import ImageTable
 from .runtime import RuntimeConfig, RuntimePolicy
@@ -40,6 +40,7 @@ class ServeConfig:
     :param images_file: image table JSON (see :mod:`.images`), or ``None`` for an empty one.
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
     :param policy: retry, grace and pacing settings (see :class:`~.runtime.RuntimePolicy`).
+    :param preemptions: a seeded preemption schedule to start with the server, or ``None``.
     """
 
     data_dir: Path
@@ -48,6 +49,7 @@ class ServeConfig:
     images_file: Optional[Path] = None
     shutdown_grace_seconds: float = 2.0
     policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
+    preemptions: Optional[PreemptionPlan] = None
 
 
 class _Server(uvicorn.Server):
@@ -88,10 +90,13 @@ def serve(config: ServeConfig) -> None:
     ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}
     gcs.start()
+    if config.preemptions is not None:
+        state.schedule.start(config.preemptions)
     threading.Thread(target=_announce, args=(server, ready), daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
+        state.schedule.stop()
         registry.shutdown(config.shutdown_grace_seconds)
         gcs.stop()
         sys.stdout.flush()

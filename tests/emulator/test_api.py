@@ -327,3 +327,29 @@ def test_delete_execution_and_cross_job_listing(jobs, executions, tasks, job_id)
     assert finished.metadata.name in everywhere and running.metadata.name not in everywhere
     first_page = jobs.list_jobs(request=run_v2.ListJobsRequest(parent=PARENT, page_size=1))
     assert len(first_page.jobs) == 1 and first_page.next_page_token
+
+
+def test_seeded_preemption_schedule_over_http(jobs, tasks, executions, emulator, job_id):
+    from airflow_gpu_resilience.emulator.process import post_json
+
+    spec = make_job("local/sleep:1", task_count=2, env={"SLEEP": "30", "FAST_FROM": "9"}, max_retries=5)
+    job = create(jobs, job_id, spec)
+    op = jobs.run_job(name=job.name)
+    wait_running(tasks, task_name(op.metadata.name, 0))
+    started = emulator.schedule_preemptions(0.2, seed=5, name_prefix=job.name + "/", grace_seconds=2,
+                                            max_preemptions=2)
+    assert started["active"] and started["plan"]["meanSeconds"] == 0.2 and started["preemptions"] == []
+    deadline = time.monotonic() + 20
+    while (status := emulator.preemption_schedule())["active"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert len(status["preemptions"]) == 2
+    assert all(p["task"] in {task_name(op.metadata.name, i) for i in (0, 1)} for p in status["preemptions"])
+    deadline = time.monotonic() + 20
+    while sum(t.retried for t in tasks.list_tasks(parent=op.metadata.name)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    executions.cancel_execution(name=op.metadata.name).result(timeout=30)
+    bad = post_json(emulator.endpoint + "/_emulator/preemptions/schedule", {"meanSeconds": -1})
+    assert bad["error"]["status"] == "INVALID_ARGUMENT" and "meanSeconds" in bad["error"]["message"]
+    assert emulator.preemption_schedule(stop=True)["active"] is False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
+import time
 
 import pytest
 from google.api import launch_stage_pb2
@@ -15,7 +17,7 @@ from airflow_gpu_resilience.emulator.backend import CloudRunBackend, Registry, p
 from airflow_gpu_resilience.emulator.exceptions import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
 )
-from airflow_gpu_resilience.emulator.faults import ApiFaults, FaultConfig
+from airflow_gpu_resilience.emulator.faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 from airflow_gpu_resilience.emulator.images import ImageTable
 from airflow_gpu_resilience.emulator.models import (
     TASK_TRANSITIONS, ExecutionState, TaskState, transition,
@@ -273,3 +275,44 @@ def test_gpu_quota_holds_gpu_tasks_pending(backend, tmp_path):
         assert backend.wait_operation(op.name, 20).error is None
     runs = sorted((op.target.tasks[0].start_time, op.target.tasks[0].completion_time) for op in (first, second))
     assert runs[1][0] >= runs[0][1]  # never two GPU attempts at once
+
+
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_preemption_plan_arrivals_depend_on_the_seed_only():
+    first = list(itertools.islice(PreemptionPlan(2.0, seed=7).arrival_offsets(), 200))
+    again = list(itertools.islice(PreemptionPlan(2.0, seed=7, name_prefix="x").arrival_offsets(), 200))
+    other = list(itertools.islice(PreemptionPlan(2.0, seed=8).arrival_offsets(), 200))
+    assert first == again and first != other
+    gaps = [b - a for a, b in zip([0.0] + first, first)]
+    assert all(g > 0 for g in gaps) and 1.5 < sum(gaps) / len(gaps) < 2.5  # exponential, mean 2
+    with pytest.raises(InvalidArgument, match="meanSeconds"):
+        PreemptionPlan.from_json({"meanSeconds": 0})
+    with pytest.raises(InvalidArgument, match="meanSeconds"):
+        PreemptionPlan.from_json({"seed": 1})
+
+
+def test_preemption_schedule_preempts_running_tasks_on_its_seeded_times(backend, registry, tmp_path):
+    op = _slow(backend, tmp_path, "slow", task_count=2, max_retries=10)
+    backend.create_job("spared", make_job("slow"))
+    spared = backend.run_job(f"{PARENT}/jobs/spared")
+    plan = PreemptionPlan(0.15, seed=3, grace_seconds=1.0, name_prefix=f"{PARENT}/jobs/slow/", max_preemptions=3)
+    schedule = PreemptionSchedule(registry)
+    schedule.start(plan)
+    _wait_for(lambda: not schedule.status()["active"])
+    status = schedule.status()
+    assert len(status["preemptions"]) == 3 and status["plan"]["seed"] == 3
+    # hits and misses together are the plan's first arrivals, in order; the last one was a hit
+    offsets = [round(o, 3) for o in itertools.islice(plan.arrival_offsets(), 3 + status["missed"])]
+    scheduled = [e["scheduledAtSeconds"] for e in status["preemptions"]]
+    assert set(scheduled) <= set(offsets) and scheduled == sorted(scheduled) and scheduled[-1] == offsets[-1]
+    assert all(e["atSeconds"] >= e["scheduledAtSeconds"] for e in status["preemptions"])
+    assert all(e["task"].startswith(op.target.name) for e in status["preemptions"])
+    _wait_for(lambda: sum(t.retried for t in op.target.tasks) == 3)  # each hit is a retried attempt
+    assert spared.target.tasks[0].retried == 0  # outside namePrefix
+    assert {t.last_result.status_code for t in op.target.tasks if t.retried} == {14}

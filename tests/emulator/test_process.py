@@ -74,3 +74,16 @@ def test_hard_killed_emulator_takes_its_task_processes_along(tmp_path, images_fi
         while _pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _pid_alive(pid)
+
+
+def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
+    from airflow_gpu_resilience.emulator import __main__ as cli, server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    argv = ["serve", "--data-dir", str(tmp_path), "--preempt-every", "30", "--preempt-seed", "4",
+            "--preempt-prefix", "projects/p/locations/l/jobs/train"]
+    assert cli.main(argv) == 0
+    plan = seen[0].preemptions
+    assert (plan.mean_seconds, plan.seed, plan.name_prefix) == (30.0, 4, "projects/p/locations/l/jobs/train")
+    assert cli.main(["serve", "--data-dir", str(tmp_path)]) == 0 and seen[1].preemptions is None
