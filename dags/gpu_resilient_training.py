@@ -48,6 +48,8 @@ PARAMS = {
     "task_timeout_seconds": Param(4 * 3600, type="integer", minimum=1, maximum=168 * 3600),
     "steps": Param(600, type="integer", minimum=1, description="Optimizer steps to train"),
     "checkpoint_every": Param(50, type="integer", minimum=1, description="Steps between checkpoints"),
+    "hidden_units": Param(128, type="integer", minimum=1, description="Hidden units per MLP layer"),
+    "seed": Param(0, type="integer", minimum=0, description="Training seed (same seed, same model)"),
     "step_delay_seconds": Param(0.0, type="number", minimum=0, description="Artificial delay per step"),
     "delete_bucket": Param(False, type="boolean", description="Delete the bucket in cleanup"),
 }
@@ -149,6 +151,8 @@ with DAG(
             "--steps={{ params.steps }}",
             "--checkpoint-every={{ params.checkpoint_every }}",
             "--step-delay={{ params.step_delay_seconds }}",
+            "--hidden={{ params.hidden_units }}",
+            "--seed={{ params.seed }}",
         ],
         gpu_type="{{ params.gpu_type }}",
         task_timeout="{{ params.task_timeout_seconds }}",

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +64,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--step-delay", type=float, default=0.03, help="seconds of delay per step")
-    parser.add_argument("--preemptions", type=int, default=1, help="maintenance preemptions to inject")
+    parser.add_argument("--preemptions", type=int, default=2,
+                        help="maintenance preemptions to inject; every 2nd lands inside a checkpoint write")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden units (a bigger model, a longer write)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the uninterrupted reference run that checks the final model bit for bit")
     parser.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
     parser.add_argument("--workdir", type=Path, default=None, help="where state and logs go (default: new)")
     parser.add_argument("--report", type=Path, default=None, help="write the JSON report here")
@@ -96,12 +103,17 @@ def _run_client(emulator: EmulatorProcess, client_class):
     )
 
 
-class Preempter(threading.Thread):
-    """Injects maintenance preemptions into task 0 once the worker has made progress.
+_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|commit\.json)$")
 
-    Preemption ``k`` (1-based) of ``count`` lands when ``progress.json`` reports at least
-    ``k / (count + 1)`` of the total steps, so every preemption hits real, unsaved work.
-    Each one is recorded with the attempt result that the Cloud Run API then reports.
+
+class Preempter(threading.Thread):
+    """Injects maintenance preemptions into task 0 of the running execution.
+
+    Preemption ``k`` (1-based) of ``count`` waits until ``progress.json`` reports at least
+    ``k / (count + 1)`` of the total steps, so every preemption hits real, unsaved work. Every
+    second one (the 2nd, 4th, ...) then also waits until the worker has started writing a
+    checkpoint (its data file exists, its commit record does not yet) and lands inside that
+    write. Each one is recorded with the attempt result that the Cloud Run API then reports.
     """
 
     def __init__(self, emulator: EmulatorProcess, count: int, total_steps: int) -> None:
@@ -112,36 +124,77 @@ class Preempter(threading.Thread):
         self.stop = threading.Event()
         self.jobs = _run_client(emulator, run_v2.JobsClient)
         self.tasks = _run_client(emulator, run_v2.TasksClient)
-        self.progress_file = emulator.bucket_dir(BUCKET) / JOB / "task-0" / "progress.json"
+        self.namespace = emulator.bucket_dir(BUCKET) / JOB / "task-0"
 
     def run(self) -> None:
         try:
             for k in range(1, self.count + 1):
-                if not self._preempt_at(self.total_steps * k // (self.count + 1)):
+                if not self._wait_for_progress(self.total_steps * k // (self.count + 1)):
                     return
+                writing = self._wait_for_checkpoint_write() if k % 2 == 0 else None
+                if k % 2 == 0 and writing is None:
+                    return
+                self._preempt(writing)
         except Exception as exc:  # reported in the summary; the DAG still decides success
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _progress_step(self) -> int:
         try:
-            return int(json.loads(self.progress_file.read_text())["step"])
+            return int(json.loads((self.namespace / "progress.json").read_text())["step"])
         except (OSError, ValueError, KeyError):
             return -1
 
-    def _preempt_at(self, step: int) -> bool:
+    def _wait_for_progress(self, step: int) -> bool:
         while self._progress_step() < step:
             if self.stop.wait(0.05):
                 return False
+        return True
+
+    def _checkpoint_files(self) -> tuple[set[int], set[int]]:
+        data, commits = set(), set()
+        try:
+            names = os.listdir(self.namespace)
+        except OSError:
+            return data, commits
+        for name in names:
+            match = _CKPT_RE.match(name)
+            if match:
+                (data if match.group(2) == "pt" else commits).add(int(match.group(1)))
+        return data, commits
+
+    def _wait_for_checkpoint_write(self) -> int | None:
+        """:return: the step of a checkpoint whose data is being written, polled every 1 ms."""
+        floor = max(self._checkpoint_files()[1], default=-1)
+        while not self.stop.is_set():
+            data, commits = self._checkpoint_files()
+            writing = [step for step in data - commits if step > floor]
+            if writing:
+                return max(writing)
+            time.sleep(0.001)
+        return None
+
+    def _preempt(self, writing: int | None) -> None:
         execution = self.jobs.get_job(name=f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}")
         execution_name = execution.latest_created_execution.name
         task_name = next(t.name for t in self.tasks.list_tasks(parent=execution_name) if t.index == 0)
         before = self.tasks.get_task(name=task_name).retried
-        at_step = self._progress_step()
+        at_step, sent_at = self._progress_step(), time.time()
         answer = self.emulator.preempt(execution_name, task_index=0)
-        print(f"[demo] maintenance preemption injected at step {at_step}: {json.dumps(answer)}", flush=True)
-        self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": at_step})
+        where = f"while checkpoint step {writing} was being written" if writing is not None else f"at step {at_step}"
+        print(f"[demo] maintenance preemption injected {where}: {json.dumps(answer)}", flush=True)
+        self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": at_step,
+                             "checkpoint_being_written": writing})
         self._record_result(task_name, before)
-        return True
+        if writing is not None:
+            self.records[-1]["landed_during_write"] = self._landed_during_write(writing, sent_at)
+
+    def _landed_during_write(self, step: int, sent_at: float) -> bool:
+        """Whether that checkpoint's commit record came after the SIGTERM (or never came)."""
+        commit = self.namespace / f"ckpt-{step:08d}.commit.json"
+        try:
+            return commit.stat().st_mtime >= sent_at
+        except OSError:
+            return True
 
     def _record_result(self, task_name: str, retried_before: int) -> None:
         deadline = time.monotonic() + 60
@@ -175,42 +228,85 @@ def _run_dag(env: dict[str, str], conf: dict, log_path: Path) -> int:
                 process.wait()
 
 
-def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, args: argparse.Namespace) -> dict:
-    namespace = emulator.bucket_dir(BUCKET) / JOB / "task-0"
-    metrics_path = namespace / "metrics.json"
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """The training flags the DAG passes, for the uninterrupted reference run."""
+    return ["--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
+            "--hidden", str(args.hidden), "--seed", str(args.seed)]
+
+
+def _reference_run(workdir: Path, dataset: Path, args: argparse.Namespace) -> dict:
+    """Train the same model, same seed, uninterrupted, outside Cloud Run; :return: its metrics."""
+    root = workdir / "reference"
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(dataset, root / "data" / "digits.npz")
+    env = {**os.environ, "CLOUD_RUN_JOB": JOB, "PYTHONPATH": str(REPO)}
+    with (workdir / "reference-run.log").open("w") as log:
+        subprocess.run([sys.executable, "-m", "worker", "train", "--checkpoint-dir", str(root), *_worker_args(args)],
+                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+    return json.loads((root / JOB / "task-0" / "metrics.json").read_text())
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference: dict | None) -> dict:
+    metrics = _read_json(emulator.bucket_dir(BUCKET) / JOB / "task-0" / "metrics.json")
+    attempts = metrics.get("attempts") or metrics.get("history", [])
+    identical = None
+    if reference is not None and metrics:
+        identical = all(metrics.get(k) == reference.get(k) for k in ("model_sha256", "optimizer_sha256"))
     return {
         "dag_id": DAG_ID,
         "dag_run_state": "success" if rc == 0 else "failed",
-        "steps": args.steps,
+        "executions": sorted({a.get("execution") for a in attempts if a.get("execution")}),
+        "attempts": attempts,
         "preemptions": preempter.records,
         "preempter_error": preempter.error,
-        "attempts": metrics.get("history", []),
         "accuracy": metrics.get("accuracy"),
         "model_sha256": metrics.get("model_sha256"),
+        "reference_model_sha256": (reference or {}).get("model_sha256"),
+        "identical_to_uninterrupted_run": identical,
         "metrics": metrics,
     }
 
 
+def _preemption_line(p: dict) -> str:
+    how = f"exit code {p['exit_code']}" if p.get("exit_code") is not None else f"signal {p.get('term_signal')}"
+    where = f"at step {p['injected_at_step']}"
+    if p.get("checkpoint_being_written") is not None:
+        landed = "inside" if p.get("landed_during_write") else "just after"
+        where = f"{landed} the write of checkpoint step {p['checkpoint_being_written']}"
+    return f"preemption: task {p['task_index']}, attempt {p.get('attempt')}, {where} -> {how}"
+
+
 def _print_report(summary: dict, log_path: Path) -> None:
     print("\n==== airflow-gpu-resilience demo report ====")
-    print(f"DAG {summary['dag_id']}: {summary['dag_run_state'].upper()}   (Airflow log: {log_path})")
+    print(f"DAG run {summary['dag_id']}: {summary['dag_run_state'].upper()}   (Airflow log: {log_path})")
+    print(f"executions: {len(summary['executions'])} {summary['executions']}; task attempts: {len(summary['attempts'])}")
     for p in summary["preemptions"]:
-        how = f"exit code {p.get('exit_code')}" if p.get("exit_code") is not None else f"signal {p.get('term_signal')}"
-        print(f"preempted: task {p['task_index']} attempt {p.get('attempt')} at step {p['injected_at_step']} -> {how}")
+        print(_preemption_line(p))
+    if summary["preempter_error"]:
+        print(f"preemption injector error: {summary['preempter_error']}")
     for a in summary["attempts"]:
-        print(
-            f"attempt {a.get('attempt')} of execution {a.get('execution')}: resumed from step "
-            f"{a.get('resumed_from_step')}, work lost {a.get('lost_steps')} steps"
-        )
+        start = f"resumed from step {a.get('resumed_from_step')}" if a.get("resumed_from_step") else "started from step 0"
+        print(f"attempt {a.get('attempt')}: {start}, work lost {a.get('lost_steps', 0)} steps")
     if summary["accuracy"] is not None:
         print(f"held-out accuracy: {summary['accuracy']:.4f} after {summary['metrics'].get('steps')} steps")
+    if summary["identical_to_uninterrupted_run"] is not None:
+        verdict = "yes" if summary["identical_to_uninterrupted_run"] else "NO"
+        print(f"final model bit-identical to an uninterrupted run with the same seed: {verdict} "
+              f"(model sha256 {str(summary['model_sha256'])[:16]}...)")
     print("============================================")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo; :return: 0 when the DAG run succeeded (and matched the reference), else 1."""
     args = _parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="demo-", dir=REPO / "demo-output"))
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="demo-", dir=REPO / "demo-output"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
     def _on_sigterm(signum, frame):
@@ -218,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     log_path = workdir / "airflow-dags-test.log"
-    conf = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "step_delay_seconds": args.step_delay}
+    conf = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "step_delay_seconds": args.step_delay,
+            "hidden_units": args.hidden, "seed": args.seed}
     with EmulatorProcess(
         data_dir=workdir / "emulator", images_file=REPO / "worker" / "emulator-image.json",
         grace_seconds=args.grace_seconds,
@@ -231,12 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             preempter.stop.set()
             preempter.join(timeout=30)
-        summary = _summary(emulator, rc, preempter, args)
+        dataset = emulator.bucket_dir(BUCKET) / "data" / "digits.npz"
+        reference = _reference_run(workdir, dataset, args) if args.verify and rc == 0 else None
+        summary = _summary(emulator, rc, preempter, reference)
     _print_report(summary, log_path)
     report_path = args.report or workdir / "report.json"
     report_path.write_text(json.dumps(summary, indent=2))
     print(f"[demo] report written to {report_path}")
-    return 0 if rc == 0 else 1
+    return 0 if rc == 0 and summary["identical_to_uninterrupted_run"] is not False else 1
 
 
 if __name__ == "__main__":
