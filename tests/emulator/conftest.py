@@ -41,6 +41,9 @@ SLEEP_SCRIPT = _RECORD + (
     "if int(E['CLOUD_RUN_TASK_ATTEMPT'])<int(E.get('FAST_FROM','1')): time.sleep(float(E.get('SLEEP','60')))\n"
     "record(interrupted=False); print('done',flush=True)\n"
 )
+# A short shell command for many-task runs: tasks whose index is 7 mod 50 fail their first attempt.
+SHORT_SCRIPT = ('echo "task $CLOUD_RUN_TASK_INDEX attempt $CLOUD_RUN_TASK_ATTEMPT"; '
+                '[ $((CLOUD_RUN_TASK_INDEX % 50)) -eq 7 ] && [ "$CLOUD_RUN_TASK_ATTEMPT" = 0 ] && exit 1; exit 0')
 STUBBORN_SCRIPT = (
     "import signal,time\nsignal.signal(signal.SIGTERM,signal.SIG_IGN)\nprint('started',flush=True)\ntime.sleep(60)\n"
 )
@@ -53,6 +56,7 @@ def images_file(tmp_path_factory):
         "local/exit:latest": {"entrypoint": ["{python}", "-c", EXIT_SCRIPT], "cmd": ["default-cmd"]},
         "local/sleep:*": {"entrypoint": ["{python}", "-c", SLEEP_SCRIPT]},
         "local/stubborn": {"entrypoint": ["{python}", "-c", STUBBORN_SCRIPT]},
+        "local/short": {"entrypoint": ["/bin/sh", "-c", SHORT_SCRIPT]},
     }
     path.write_text(json.dumps({"images": images}))
     return path

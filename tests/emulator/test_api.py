@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from google.api import launch_stage_pb2
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
@@ -41,19 +42,32 @@ def _read(url: str) -> bytes:
         return b""
 
 
+def poll_execution(executions, name: str, timeout: float = 30.0) -> run_v2.Execution:
+    """Poll ``get_execution`` until the execution has a completion time."""
+    deadline = time.monotonic() + timeout
+    while not (execution := executions.get_execution(name=name)).completion_time:
+        assert time.monotonic() < deadline, f"{name} did not finish"
+        time.sleep(0.1)
+    return execution
+
+
 def test_gpu_job_with_gcs_volume_runs_to_success(jobs, executions, tasks, emulator, bucket, job_id):
-    spec = make_job("local/exit:latest", env={"OUT": "/checkpoints/out", "SLEEP": "0.1"}, max_retries=3,
-                    bucket=bucket.name, gpu=True, args=["--out=/checkpoints/x"])
+    spec = make_job("local/exit:latest", env={"OUT": "/checkpoints/out", "SLEEP": "0.3"}, max_retries=3,
+                    bucket=bucket.name, gpu=True, args=["--out=/checkpoints/x"], timeout_s=2 * 3600,
+                    launch_stage=launch_stage_pb2.BETA)
     job = create(jobs, job_id, spec)
     assert job.name == f"{PARENT}/jobs/{job_id}" and job.generation == 1 and job.uid
     assert job.terminal_condition.state == State.CONDITION_SUCCEEDED
     assert job.template.template.gpu_zonal_redundancy_disabled is True
     assert job.template.template.node_selector.accelerator == "nvidia-l4"
     assert job.template.template.max_retries == 3 and job.template.task_count == 1
+    assert job.template.template.timeout.total_seconds() == 7200 and job.launch_stage == launch_stage_pb2.BETA
 
     op = jobs.run_job(name=job.name)
     assert op.metadata.name.startswith(f"{job.name}/executions/{job_id}-")
-    execution = op.result(timeout=30)
+    assert executions.get_execution(name=op.metadata.name).reconciling  # still running
+    execution = poll_execution(executions, op.metadata.name)
+    assert op.result(timeout=10).succeeded_count == 1 and not op.operation.HasField("error")
     assert execution.succeeded_count == 1 and execution.failed_count == 0
     assert execution.running_count == 0 and execution.retried_count == 0 and execution.cancelled_count == 0
     assert [c.type_ for c in execution.conditions] == ["ResourcesAvailable", "Started", "Completed"]
@@ -83,6 +97,8 @@ def test_failing_task_is_retried_then_fails_the_execution(jobs, executions, task
     op = jobs.run_job(name=job.name)
     with pytest.raises(gexc.FailedPrecondition, match="task0 failed with message"):
         op.result(timeout=30)
+    assert op.operation.done and op.operation.error.code == 9  # the RunJob LRO carries `error`
+    assert "task0 failed with message" in op.operation.error.message
     execution = executions.get_execution(name=op.metadata.name)
     assert execution.failed_count == 1 and execution.succeeded_count == 0 and execution.retried_count == 1
     completed = execution.conditions[-1]
@@ -107,6 +123,10 @@ def test_preemption_exit_143_is_retried_into_success(jobs, tasks, emulator, buck
     assert task.retried >= 1 and task.last_attempt_result.status.code == 0
     root = emulator.bucket_dir(bucket.name) / "task-0"
     assert json.loads((root / "attempt-0.json").read_text())["interrupted"] is True
+    logs = _read(task.log_uri).decode()  # each attempt's output, kept apart, behind logUri
+    first, second_log = logs.split("==> task0-attempt1.log <==")
+    assert first.startswith("==> task0-attempt0.log <==") and "SIGTERM received, exiting 143" in first
+    assert "done" in second_log and "SIGTERM" not in second_log
     second = json.loads((root / "attempt-1.json").read_text())
     assert second["CLOUD_RUN_TASK_ATTEMPT"] == "1" and second["interrupted"] is False
 
@@ -210,6 +230,11 @@ def test_run_overrides(jobs, emulator, bucket, job_id):
     assert record["argv"] == ["default-cmd"]
 
 
+def _with_limits(job: run_v2.Job, limits: dict) -> run_v2.Job:
+    job.template.template.containers[0].resources.limits.update(limits)
+    return job
+
+
 def google_status(excinfo) -> str:
     """The ``error.status`` of the JSON error body (the REST client maps by HTTP code only)."""
     return excinfo.value.response.json()["error"]["status"]
@@ -224,11 +249,18 @@ def test_errors_map_to_google_exceptions(jobs, executions, job_id, bucket):
         jobs.get_job(name=f"{PARENT}/jobs/missing")
     with pytest.raises(gexc.NotFound):
         executions.get_execution(name=f"{PARENT}/jobs/{job_id}/executions/{job_id}-zzzzz")
+    with pytest.raises(gexc.NotFound):
+        jobs.run_job(name=f"{PARENT}/jobs/missing")
+    with pytest.raises(gexc.NotFound):
+        jobs.get_operation(request={"name": f"{PARENT}/operations/missing"})
     invalid = [
         ("bad-retries", make_job("local/exit:latest", max_retries=11), "max_retries"),
         ("bad-bucket", make_job("local/exit:latest", bucket="no-such-bucket"), r"volumes\[0\].gcs.bucket"),
         ("long-gpu", make_job("local/exit:latest", gpu=True, timeout_s=7200), "launch_stage"),
         ("Bad_Name", make_job("local/exit:latest"), "job_id"),
+        ("two-gpus", _with_limits(make_job("local/exit:latest", gpu=True), {"nvidia.com/gpu": "2"}),
+         r"resources.limits: 'nvidia.com/gpu' must be"),
+        ("l4-2-cpu", _with_limits(make_job("local/exit:latest", gpu=True), {"cpu": "2"}), "resources.limits.cpu"),
     ]
     for bad_id, spec, field in invalid:
         with pytest.raises(gexc.BadRequest, match=field) as err:
