@@ -76,7 +76,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _airflow_env(workdir: Path, emulator: EmulatorProcess) -> dict[str, str]:
+def airflow_env(workdir: Path, emulator: EmulatorProcess) -> dict[str, str]:
+    """:return: the environment for Airflow commands against ``emulator``, state under ``workdir``."""
     connection = {
         "conn_type": "google_cloud_platform",
         "extra": {"project": PROJECT, "is_anonymous": True, "api_endpoint": emulator.endpoint},
@@ -212,12 +213,17 @@ class Preempter(threading.Thread):
             time.sleep(0.1)
 
 
-def _run_dag(env: dict[str, str], conf: dict, log_path: Path) -> int:
+def run_dag(env: dict[str, str], conf: dict, log_path: Path, dag_id: str = DAG_ID,
+            logical_date: str | None = None) -> int:
+    """Migrate the Airflow DB, then ``airflow dags test`` one DAG; :return: its exit status.
+
+    The DAG run's process group is killed if this is interrupted.
+    """
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [airflow, "dags", "test", DAG_ID, "--conf", json.dumps(conf)],
+            [airflow, "dags", "test", dag_id, *([logical_date] if logical_date else []), "--conf", json.dumps(conf)],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         preempter = Preempter(emulator, args.preemptions, args.steps)
         preempter.start()
         try:
-            rc = _run_dag(_airflow_env(workdir, emulator), conf, log_path)
+            rc = run_dag(airflow_env(workdir, emulator), conf, log_path)
         finally:
             preempter.stop.set()
             preempter.join(timeout=30)

@@ -1,0 +1,77 @@
+"""The training DAG for teams without a triggerer: start the execution, then sense it.
+
+create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job -> start_execution
+-> wait_for_execution (reschedule mode) -> report
+
+``start_execution`` runs the job and returns at once (``wait_for_completion=False``), pushing
+the execution name to XCom. ``wait_for_execution`` is the execution sensor in ``reschedule``
+mode: between pokes (every 30 s) it gives its worker slot back, so a multi-hour GPU job holds no Airflow slot
+and needs no triggerer. Preemptions are absorbed by Cloud Run's own retries (``max_retries``);
+the worker resumes each retry from its last committed checkpoint. An execution that still fails
+fails the sensor. Unlike ``gpu_resilient_training``, nothing here starts a new execution after
+the retries run out: use the execute operator when you want that.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
+from airflow.sdk import DAG
+from gpu_training_common import WORKER_ARGS, common_params, grant_bucket_access, report, upload_dataset
+
+from airflow_gpu_resilience.operators.cloud_run import (
+    CloudRunGpuDeployJobOperator,
+    CloudRunGpuExecuteJobOperator,
+)
+from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
+
+with DAG(
+    dag_id="gpu_training_sensor",
+    description="Cloud Run GPU training watched by a reschedule-mode sensor (no triggerer needed)",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params=common_params("gpu-training-sensor"),
+    render_template_as_native_obj=True,
+    tags=["gpu", "cloud-run", "example", "sensor"],
+) as dag:
+    create_bucket = GCSCreateBucketOperator(
+        task_id="create_bucket",
+        bucket_name="{{ params.bucket }}",
+        location="{{ params.region }}",
+        storage_class="STANDARD",
+        project_id="{{ params.project_id }}",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+    )
+    deploy = CloudRunGpuDeployJobOperator(
+        task_id="deploy_job",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+        project_id="{{ params.project_id }}",
+        region="{{ params.region }}",
+        job_name="{{ params.job_name }}",
+        image="{{ params.image }}",
+        args=WORKER_ARGS,
+        gpu_type="{{ params.gpu_type }}",
+        task_timeout="{{ params.task_timeout_seconds }}",
+        max_retries="{{ params.max_retries }}",
+        service_account="{{ params.service_account }}",
+        checkpoint_bucket="{{ params.bucket }}",
+    )
+    start = CloudRunGpuExecuteJobOperator(
+        task_id="start_execution",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+        project_id="{{ params.project_id }}",
+        region="{{ params.region }}",
+        job_name="{{ params.job_name }}",
+        wait_for_completion=False,
+    )
+    wait = CloudRunGpuExecutionSensor(
+        task_id="wait_for_execution",
+        execution="{{ ti.xcom_pull(task_ids='start_execution', key='execution_name') }}",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+        mode="reschedule",
+        poke_interval=30.0,
+        timeout=7 * 24 * 3600,
+    )
+    create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
+    wait >> report({"task_count": 1})
