@@ -69,3 +69,18 @@ class CloudRunGpuWaitTimeout(AirflowException):
     def __init__(self, message: str, *, execution: str | None = None) -> None:
         super().__init__(message)
         self.execution = execution
+
+
+class CloudRunGpuTimeoutError(AirflowException):
+    """The execute operator's overall ``timeout`` passed; the running execution was cancelled.
+
+    Retryable: Airflow's ``retries`` apply, and the next try starts a new execution that resumes
+    from the checkpoints.
+
+    :param message: human-readable explanation.
+    :param execution: full resource name of the cancelled execution.
+    """
+
+    def __init__(self, message: str, *, execution: str | None = None) -> None:
+        super().__init__(message)
+        self.execution = execution

@@ -359,6 +359,9 @@ class AttemptRecord:
     :param term_signal: terminating signal, or ``None``.
     :param status_code: ``google.rpc.Code`` of the attempt's status (0 = OK).
     :param message: the attempt's status message.
+    :param duration_seconds: seconds from the attempt's start to the task's completion, known
+        only for the last attempt of a finished task (the API keeps one ``start_time`` per task,
+        that of its latest attempt); ``None`` otherwise.
     """
 
     task_index: int
@@ -367,6 +370,7 @@ class AttemptRecord:
     term_signal: int | None
     status_code: int
     message: str
+    duration_seconds: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -392,6 +396,7 @@ class AttemptRecord:
             "term_signal": self.term_signal,
             "status_code": self.status_code,
             "message": self.message,
+            "duration_seconds": self.duration_seconds,
         }
 
     @classmethod
@@ -421,5 +426,12 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
             continue
         exit_code, signal = _exit_and_signal(task.last_attempt_result)
         status = task.last_attempt_result.status
-        records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message))
+        duration = _task_duration(task) if finished else None
+        records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message, duration))
     return sorted(records, key=lambda r: r.key)
+
+
+def _task_duration(task: run_v2.Task) -> float | None:
+    if not (task.start_time and task.completion_time):
+        return None
+    return round(max(0.0, (task.completion_time - task.start_time).total_seconds()), 3)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import requests
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.api_core.retry import Retry, if_exception_type
@@ -29,15 +31,28 @@ from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 if TYPE_CHECKING:
     from google.api_core.operation import Operation
 
-#: Errors that mean "the service did not handle the request; try again".
+#: Errors that mean "the service did not handle the request; try again" (503 UNAVAILABLE,
+#: 429 RESOURCE_EXHAUSTED, 504 DEADLINE_EXCEEDED, and a REST connection that broke or timed out).
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     gexc.ServiceUnavailable,
     gexc.TooManyRequests,
     gexc.ResourceExhausted,
     gexc.DeadlineExceeded,
+    requests.ConnectionError,
+    requests.Timeout,
 )
 #: For non-idempotent calls (RunJob) only errors where the request surely was not applied.
 REJECTED_ERRORS: tuple[type[Exception], ...] = (gexc.ServiceUnavailable, gexc.TooManyRequests)
+#: Errors after which a RunJob may or may not have started an execution.
+AMBIGUOUS_ERRORS: tuple[type[Exception], ...] = (
+    gexc.DeadlineExceeded,
+    gexc.InternalServerError,
+    gexc.RetryError,
+    requests.ConnectionError,
+    requests.Timeout,
+)
+#: Container env var holding the id of the RunJob request that started an execution.
+START_ID_ENV = "AIRFLOW_GPU_RESILIENCE_START_ID"
 
 _Client = TypeVar("_Client")
 
@@ -63,6 +78,54 @@ def location_of(resource_name: str) -> str:
     if len(parts) < 4 or parts[0] != "projects" or parts[2] != "locations":
         raise ValueError(f"{resource_name!r} is not a projects/{{p}}/locations/{{l}}/... resource name")
     return parts[3]
+
+
+def error_status(exc: BaseException) -> str | None:
+    """The ``google.rpc`` status name of an API error (e.g. ``"FAILED_PRECONDITION"``).
+
+    The REST transport maps errors by HTTP code only (INVALID_ARGUMENT and FAILED_PRECONDITION
+    both arrive as ``BadRequest``, whose class-level gRPC code is INVALID_ARGUMENT), so the
+    status in the response body (``error.status``) wins; the gRPC code is the fallback.
+
+    :param exc: an exception raised by a Cloud Run client.
+    :return: the status name, or ``None`` when it cannot be told.
+    """
+    response = getattr(exc, "response", None)
+    try:
+        status = response.json()["error"]["status"]
+        if isinstance(status, str) and status:
+            return status
+    except (AttributeError, TypeError, ValueError, KeyError):
+        pass
+    code = getattr(exc, "grpc_status_code", None)
+    return getattr(code, "name", None)
+
+
+def execution_env(execution: run_v2.Execution) -> dict[str, str]:
+    """The env vars of an execution's first container (the job's, with RunJob overrides applied).
+
+    :param execution: the execution as GetExecution or ListExecutions returns it.
+    :return: env var names to values (``value_source`` secrets are left out).
+    """
+    containers = execution.template.containers
+    return {e.name: e.value for e in containers[0].env} if containers else {}
+
+
+def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
+    """``overrides`` (``RunJobRequest.Overrides`` dict form) with ``env`` added to the first container.
+
+    Pure: the argument is not changed. A name already set there is replaced.
+
+    :param overrides: the user's overrides, or ``None``.
+    :param env: env var names to values.
+    :return: a new overrides dict.
+    """
+    result = dict(overrides or {})
+    containers = [dict(c) for c in result.get("container_overrides", [])] or [{}]
+    kept = [e for e in containers[0].get("env", []) if e.get("name") not in env]
+    containers[0]["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
+    result["container_overrides"] = containers
+    return result
 
 
 class CloudRunGpuHook(GoogleBaseHook):
@@ -310,6 +373,67 @@ class CloudRunGpuHook(GoogleBaseHook):
         execution = operation.metadata
         return operation.operation.name, execution.name
 
+    @GoogleBaseHook.fallback_to_default_project_id
+    def start_execution(
+        self,
+        job_name: str,
+        region: str,
+        overrides: dict | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+        attempts: int = 5,
+        backoff: float = 2.0,
+    ) -> str:
+        """Start exactly one execution, also when RunJob's answer is lost.
+
+        The request carries a fresh id in the container env var ``AIRFLOW_GPU_RESILIENCE_START_ID``.
+        After an ambiguous error (:data:`AMBIGUOUS_ERRORS`: deadline, 500, retries exhausted, a
+        broken connection) the job's executions are searched for that id: a found execution is
+        returned, otherwise RunJob is sent again, up to ``attempts`` times.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param overrides: ``RunJobRequest.Overrides`` in dict form, or ``None``.
+        :param project_id: Google Cloud project; default from the connection.
+        :param attempts: RunJob requests at most (default 5).
+        :param backoff: seconds before the second request, doubled after each (default 2).
+        :return: the full name of the execution.
+        :raises google.api_core.exceptions.GoogleAPIError: the last error, after ``attempts``
+            requests without an execution, or a non-retryable error (e.g. 404 NotFound).
+        """
+        start_id = uuid.uuid4().hex
+        request_overrides = with_env_overrides(overrides, {START_ID_ENV: start_id})
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.run_job(
+                    job_name=job_name, region=region, overrides=request_overrides, project_id=project_id
+                )[1]
+            except AMBIGUOUS_ERRORS as exc:
+                self.log.warning("RunJob for %s failed (%s); looking for its execution", job_name, exc)
+                found = self.find_executions(
+                    job_name=job_name, region=region, env={START_ID_ENV: start_id}, project_id=project_id
+                )
+                if found:
+                    return found[0].name
+                if attempt == attempts:
+                    raise
+            time.sleep(backoff * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def find_executions(
+        self, job_name: str, region: str, env: dict[str, str], project_id: str = PROVIDE_PROJECT_ID
+    ) -> list[run_v2.Execution]:
+        """The job's executions whose first container has every env var in ``env``, newest first.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param env: env var names to required values.
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the matching executions.
+        """
+        executions = self.list_executions(job_name=job_name, region=region, project_id=project_id)
+        return [e for e in executions if env.items() <= execution_env(e).items()]
+
     # --- executions and tasks ------------------------------------------------------------
     @GoogleBaseHook.fallback_to_default_project_id
     def get_execution(
@@ -387,13 +511,46 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param region: Cloud Run region (only for a short ``execution``).
         :param project_id: Google Cloud project; default from the connection.
         :param wait: wait for the cancellation to finish (default ``False``).
-        :return: the execution (final when ``wait``, else as the operation's metadata shows it).
+        :return: the execution (final when ``wait``, else as the operation's metadata shows it);
+            an execution that has already finished (FAILED_PRECONDITION) is returned unchanged.
+        :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
         name = self._resolve_execution(execution, job_name, region, project_id)
-        operation = self.executions_client(location_of(name)).cancel_execution(
+        try:
+            operation = self.executions_client(location_of(name)).cancel_execution(
+                name=name, retry=default_retry(), timeout=self.request_timeout
+            )
+        except (gexc.BadRequest, gexc.FailedPrecondition) as exc:
+            if error_status(exc) != "FAILED_PRECONDITION":
+                raise
+            self.log.info("Execution %s has already finished; nothing to cancel", name)
+            return self.get_execution(execution=name)
+        return operation.result(timeout=self.operation_timeout) if wait else operation.metadata
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def delete_execution(
+        self,
+        execution: str,
+        job_name: str | None = None,
+        region: str | None = None,
+        project_id: str = PROVIDE_PROJECT_ID,
+    ) -> run_v2.Execution:
+        """Delete a finished execution and wait for the operation.
+
+        :param execution: full execution name, or its short id together with job_name and region.
+        :param job_name: job id (only for a short ``execution``).
+        :param region: Cloud Run region (only for a short ``execution``).
+        :param project_id: Google Cloud project; default from the connection.
+        :return: the deleted execution.
+        :raises google.api_core.exceptions.BadRequest: (FAILED_PRECONDITION, see
+            :func:`error_status`) if the execution is still running.
+        :raises google.api_core.exceptions.NotFound: if there is no such execution.
+        """
+        name = self._resolve_execution(execution, job_name, region, project_id)
+        operation = self.executions_client(location_of(name)).delete_execution(
             name=name, retry=default_retry(), timeout=self.request_timeout
         )
-        return operation.result(timeout=self.operation_timeout) if wait else operation.metadata
+        return operation.result(timeout=self.operation_timeout)
 
     def get_operation(self, operation_name: str) -> operations_pb2.Operation:
         """Get a long-running operation by its full name.
@@ -417,17 +574,23 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param execution: full execution name.
         :param poll_interval: seconds between polls (default 10).
         :param timeout: give up after this many seconds (default ``None``: wait forever).
-        :param on_poll: called with the execution and its tasks after every poll.
+        :param on_poll: called with the execution and its tasks after every successful poll.
         :return: the finished execution.
-        :raises TimeoutError: if ``timeout`` passes first.
+        :raises TimeoutError: if ``timeout`` passes first. Transient API errors (also after the
+            per-call retries gave up) never end the wait: the next poll tries again.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            current = self.get_execution(execution=execution)
-            if on_poll is not None:
-                on_poll(current, self.list_tasks(execution=execution))
-            if execution_state(current) is not ExecutionState.RUNNING:
-                return current
+            try:
+                current = self.get_execution(execution=execution)
+                tasks = self.list_tasks(execution=execution) if on_poll is not None else []
+            except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
+                self.log.warning("Transient error polling %s: %s; polling again", execution, exc)
+            else:
+                if on_poll is not None:
+                    on_poll(current, tasks)
+                if execution_state(current) is not ExecutionState.RUNNING:
+                    return current
             if deadline is not None and time.monotonic() + poll_interval > deadline:
                 raise TimeoutError(f"execution {execution} still running after {timeout} s")
             time.sleep(poll_interval)

@@ -51,7 +51,8 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     - ``carry``: the ``carry`` argument, unchanged (state the operator needs back).
 
     The classification of the tasks is left to the operator, which re-reads them with a fresh
-    hook; transient API errors (503, 429, deadline) are retried at the next poll.
+    hook; transient API errors (503, 429, deadline, a broken connection, and the hook's
+    retries giving up) are retried at the next poll and never end the wait.
 
     :param execution: full execution name.
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
@@ -127,7 +128,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
             try:
                 execution = await hook.get_execution(self.execution)
                 tasks = await hook.list_tasks(self.execution)
-            except TRANSIENT_ERRORS as exc:
+            except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
                 self.log.warning("Transient error polling %s: %s; retrying", self.execution, exc)
             except gexc.GoogleAPIError as exc:
                 yield self._event(ExecutionEventStatus.ERROR, f"{type(exc).__name__}: {exc}", attempts)

@@ -21,8 +21,11 @@ BUCKET = "test-checkpoints"
 STUB_IMAGE = "test.local/stub:latest"
 
 #: The stand-in task: ``ok`` | ``exit N`` | ``preempt-once`` (exit 143 until a marker exists in
-#: the checkpoint dir, then 0) | ``sleep SECONDS`` | ``sleep-first SECONDS`` (attempt 0 sleeps,
-#: later attempts exit 0 after 0.5 s). SIGTERM is not handled: the process dies by signal 15.
+#: the checkpoint dir, then 0) | ``sleep SECONDS`` | ``sleep-first SECONDS [LATER]`` (attempt 0
+#: sleeps, later attempts exit 0 after LATER s, default 0.5) | ``preempt-then-sleep SECONDS``
+#: (the first execution exits 143 at once; later ones sleep, then exit 143) | ``progress`` (the
+#: worker's files: the first execution reports step 30/100 and exits 143, the second resumes
+#: from step 20, losing 10 steps, and completes). SIGTERM is not handled: death by signal 15.
 STUB_SCRIPT = r"""
 import os, pathlib, sys, time
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
@@ -39,7 +42,31 @@ if mode == "preempt-once":
 if mode == "sleep":
     time.sleep(float(sys.argv[2]))
 if mode == "sleep-first":
-    time.sleep(float(sys.argv[2]) if os.environ.get("CLOUD_RUN_TASK_ATTEMPT") == "0" else 0.5)
+    later = float(sys.argv[3]) if len(sys.argv) > 3 else 0.5
+    time.sleep(float(sys.argv[2]) if os.environ.get("CLOUD_RUN_TASK_ATTEMPT") == "0" else later)
+if mode == "preempt-then-sleep":
+    marker = root / (os.environ["CLOUD_RUN_JOB"] + "-task" + os.environ["CLOUD_RUN_TASK_INDEX"] + ".marker")
+    if marker.exists():
+        time.sleep(float(sys.argv[2]))
+    marker.write_text(os.environ["CLOUD_RUN_EXECUTION"])
+    sys.exit(143)
+if mode == "progress":
+    import json
+    ns = root / os.environ["CLOUD_RUN_JOB"] / ("task-" + os.environ["CLOUD_RUN_TASK_INDEX"])
+    ns.mkdir(parents=True, exist_ok=True)
+    ident = {"execution": os.environ["CLOUD_RUN_EXECUTION"], "attempt": int(os.environ["CLOUD_RUN_TASK_ATTEMPT"]),
+             "task_index": int(os.environ["CLOUD_RUN_TASK_INDEX"])}
+    first = not (ns / "attempts.json").exists()
+    attempts = [] if first else json.loads((ns / "attempts.json").read_text())["attempts"]
+    attempts.append({**ident, "resumed_from_step": 0 if first else 20, "lost_steps": 0 if first else 10})
+    (ns / "attempts.json").write_text(json.dumps({"attempts": attempts}))
+    step, status = (30, "running") if first else (100, "completed")
+    (ns / "progress.json").write_text(json.dumps({"step": step, "total_steps": 100, "status": status,
+        "updated_at": "2026-01-01T00:00:00Z", "loss": 0.5, "steps_per_second": 10.0}))
+    if first:
+        time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
+        sys.exit(143)
+    (ns / "metrics.json").write_text(json.dumps({"steps": 100, "attempts": attempts, "history": attempts}))
 sys.exit(0)
 """
 
@@ -101,3 +128,22 @@ def wait_until_running(hook, execution: str, task_index: int = 0, timeout: float
             return
         time.sleep(0.05)
     raise TimeoutError(f"task {task_index} of {execution} did not start within {timeout} s")
+
+
+@pytest.fixture
+def faults(emulator):
+    """Configure the emulator's API faults (``POST /_emulator/faults``); cleared afterwards."""
+    from airflow_gpu_resilience.emulator.process import post_json
+
+    def configure(**body):
+        post_json(emulator.endpoint + "/_emulator/faults", body)
+
+    yield configure
+    configure()
+
+
+@pytest.fixture
+def gcs_emulator_host(emulator, monkeypatch) -> str:
+    """``STORAGE_EMULATOR_HOST`` for this test: ``GCSHook`` reads the emulator's buckets."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.gcs_endpoint)
+    return emulator.gcs_endpoint

@@ -8,7 +8,14 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, location_of
+from airflow_gpu_resilience.hooks.cloud_run import (
+    START_ID_ENV,
+    CloudRunGpuHook,
+    error_status,
+    execution_env,
+    location_of,
+    with_env_overrides,
+)
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import ExecutionState, OutcomeClass, classify_task, execution_state
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
@@ -117,18 +124,6 @@ def test_wait_for_execution_times_out(hook, job_name):
         hook.cancel_execution(execution=execution, wait=True)
 
 
-@pytest.fixture
-def faults(emulator):
-    """Configure the emulator's API faults; cleared afterwards."""
-    from airflow_gpu_resilience.emulator.process import post_json
-
-    def configure(**body):
-        post_json(emulator.endpoint + "/_emulator/faults", body)
-
-    yield configure
-    configure()
-
-
 def test_transient_errors_are_retried_with_backoff(hook, job_name, faults):
     hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
     faults(failNext=2, codes=[503, 429])
@@ -145,3 +140,53 @@ def test_persistent_errors_surface_after_the_retry_deadline(hook, job_name, faul
     faults(errorRate=1.0, codes=[503])
     with pytest.raises(gexc.RetryError):
         hook.get_job(job_name=job_name, region=REGION)
+
+
+def test_start_execution_marks_the_request_and_survives_503s(hook, job_name, faults):
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["ok"]), region=REGION)
+    faults(failNext=3, codes=[503])
+    name = hook.start_execution(job_name=job_name, region=REGION, overrides={"task_count": 1})
+    [execution] = hook.list_executions(job_name=job_name, region=REGION)
+    assert execution.name == name
+    env = execution_env(execution)
+    assert len(env[START_ID_ENV]) == 32
+    assert hook.find_executions(job_name=job_name, region=REGION, env={START_ID_ENV: env[START_ID_ENV]})
+    assert hook.find_executions(job_name=job_name, region=REGION, env={START_ID_ENV: "other"}) == []
+
+
+def test_with_env_overrides_keeps_user_overrides_and_replaces_same_names():
+    user = {"task_count": 2, "container_overrides": [{"args": ["a"], "env": [{"name": "X", "value": "1"}]}]}
+    merged = with_env_overrides(user, {"X": "2", "Y": "3"})
+    assert merged == {"task_count": 2, "container_overrides": [
+        {"args": ["a"], "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}]}]}
+    assert user["container_overrides"][0]["env"] == [{"name": "X", "value": "1"}]  # unchanged
+    assert with_env_overrides(None, {"K": "v"}) == {"container_overrides": [{"env": [{"name": "K", "value": "v"}]}]}
+
+
+def test_rest_error_status_comes_from_the_body_not_the_http_code(hook, job_name):
+    """FAILED_PRECONDITION arrives over REST as BadRequest (class code INVALID_ARGUMENT)."""
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"]), region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    try:
+        with pytest.raises(gexc.BadRequest) as info:
+            hook.delete_execution(execution=execution)
+        assert error_status(info.value) == "FAILED_PRECONDITION"
+        assert not isinstance(info.value, gexc.FailedPrecondition)
+    finally:
+        hook.cancel_execution(execution=execution, wait=True)
+    assert hook.cancel_execution(execution=execution).name == execution  # finished: no error
+    hook.delete_execution(execution=execution)
+    with pytest.raises(gexc.NotFound) as info:
+        hook.get_execution(execution=execution)
+    assert error_status(info.value) == "NOT_FOUND"
+
+
+def test_wait_for_execution_polls_through_persistent_errors(hook, job_name, faults, monkeypatch):
+    from airflow_gpu_resilience.hooks import cloud_run
+
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "1"]), region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, deadline=0.2))
+    faults(failNext=6, codes=[503])
+    final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
+    assert execution_state(final) is ExecutionState.SUCCEEDED

@@ -1,0 +1,165 @@
+"""Read the bundled worker's progress and attempt files from the checkpoint bucket, best effort.
+
+The worker writes, per task, under ``{prefix}/task-{index}/`` in the checkpoint bucket
+(``prefix`` is the job name, plus a run id when the DAG adds one):
+
+- ``progress.json``: ``{step, total_steps, status, updated_at, loss, steps_per_second}``;
+- ``metrics.json`` (when finished): final metrics with ``attempts`` / ``history``, each entry
+  ``{execution, attempt, task_index, resumed_from_step, lost_steps}``;
+- ``attempts.json``: ``{"attempts": [...]}``, the same entries, also for unfinished runs.
+
+Reads go through the Google provider's ``GCSHook`` (which follows ``STORAGE_EMULATOR_HOST``) and
+never raise: a missing, torn or unreadable file is ``None`` (or an empty list), because progress
+reporting must never fail a task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PROGRESS_FILE = "progress.json"
+METRICS_FILE = "metrics.json"
+ATTEMPTS_FILE = "attempts.json"
+
+log = logging.getLogger(__name__)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class TaskProgress:
+    """One task's ``progress.json``.
+
+    :param task_index: task index (0-based).
+    :param step: optimizer steps done.
+    :param total_steps: steps of the whole run.
+    :param status: the worker's status (``running``, ``preempted``, ``completed``).
+    :param updated_at: when the worker wrote the file (ISO 8601 UTC), or ``""``.
+    :param loss: the running loss, or ``None``.
+    :param steps_per_second: the current attempt's rate (steps per second); 0 when unknown.
+    """
+
+    task_index: int
+    step: int
+    total_steps: int
+    status: str = ""
+    updated_at: str = ""
+    loss: float | None = None
+    steps_per_second: float = 0.0
+
+    @classmethod
+    def from_json(cls, task_index: int, data: Any) -> TaskProgress | None:
+        """Parse a ``progress.json`` object; ``None`` unless ``step`` and ``total_steps`` are integers.
+
+        :param task_index: the task the file belongs to.
+        :param data: the decoded JSON.
+        """
+        if not isinstance(data, dict):
+            return None
+        step, total = data.get("step"), data.get("total_steps")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, total)):
+            return None
+        return cls(
+            task_index=task_index, step=step, total_steps=total, status=str(data.get("status") or ""),
+            updated_at=str(data.get("updated_at") or ""), loss=_number(data.get("loss")),
+            steps_per_second=_number(data.get("steps_per_second")) or 0.0,
+        )
+
+    @property
+    def eta_seconds(self) -> float | None:
+        """Seconds left at the current rate: 0 when done, ``None`` when the rate is unknown."""
+        left = max(0, self.total_steps - self.step)
+        if left == 0:
+            return 0.0
+        return left / self.steps_per_second if self.steps_per_second > 0 else None
+
+    def describe(self) -> str:
+        """One log line, e.g. ``task 0: step 120/600 (20%), 3.1 steps/s, ETA 155 s, loss 0.412``."""
+        percent = 100.0 * self.step / self.total_steps if self.total_steps else 100.0
+        eta = self.eta_seconds
+        text = f"task {self.task_index}: step {self.step}/{self.total_steps} ({percent:.0f}%)"
+        text += f", {self.steps_per_second:g} steps/s, ETA " + ("unknown" if eta is None else f"{eta:.0f} s")
+        if self.loss is not None:
+            text += f", loss {self.loss:.4g}"
+        return text + (f" [{self.status}]" if self.status else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, with ``eta_seconds`` (for XCom)."""
+        return {**asdict(self), "eta_seconds": self.eta_seconds}
+
+
+def lost_work_entries(task_index: int, data: Any) -> list[dict[str, Any]]:
+    """The attempts that lost work, from ``metrics.json`` or ``attempts.json``.
+
+    :param task_index: the task the file belongs to.
+    :param data: the decoded JSON: its ``attempts`` list, else its ``history`` list is read.
+    :return: ``[{task_index, execution, attempt, resumed_from_step, lost_steps}]`` with
+        ``lost_steps > 0``, in file order.
+    """
+    if not isinstance(data, dict):
+        return []
+    entries = data.get("attempts") or data.get("history") or []
+    result = []
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("lost_steps"), int) or entry["lost_steps"] <= 0:
+            continue
+        result.append({
+            "task_index": task_index, "execution": entry.get("execution"), "attempt": entry.get("attempt"),
+            "resumed_from_step": entry.get("resumed_from_step"), "lost_steps": entry["lost_steps"],
+        })
+    return result
+
+
+class CheckpointFilesHook:
+    """Reads the worker's JSON files of one job's tasks from the checkpoint bucket; never raises.
+
+    :param bucket: the checkpoint bucket (no ``gs://``).
+    :param prefix: the folder of the job's task folders (usually the job name).
+    :param gcp_conn_id: Airflow connection id for ``GCSHook`` (default ``google_cloud_default``).
+    :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        gcp_conn_id: str = "google_cloud_default",
+        impersonation_chain: str | Sequence[str] | None = None,
+    ) -> None:
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self._gcs_kwargs = {"gcp_conn_id": gcp_conn_id, "impersonation_chain": impersonation_chain}
+        self._gcs: Any = None
+
+    def object_name(self, task_index: int, file_name: str) -> str:
+        """``{prefix}/task-{task_index}/{file_name}``."""
+        return f"{self.prefix}/task-{task_index}/{file_name}"
+
+    def read_json(self, task_index: int, file_name: str) -> Any:
+        """The decoded JSON of one task file, or ``None`` if it is missing or unreadable."""
+        try:
+            if self._gcs is None:
+                from airflow.providers.google.cloud.hooks.gcs import GCSHook
+
+                self._gcs = GCSHook(**self._gcs_kwargs)
+            raw = self._gcs.download(bucket_name=self.bucket, object_name=self.object_name(task_index, file_name))
+            return json.loads(raw)
+        except Exception as exc:  # best effort by contract: progress must never fail the task
+            log.debug("Cannot read gs://%s/%s: %s", self.bucket, self.object_name(task_index, file_name), exc)
+            return None
+
+    def progress(self, task_index: int) -> TaskProgress | None:
+        """The task's ``progress.json``, or ``None``."""
+        return TaskProgress.from_json(task_index, self.read_json(task_index, PROGRESS_FILE))
+
+    def lost_work(self, task_index: int) -> list[dict[str, Any]]:
+        """The task's attempts that lost work (``metrics.json``, else ``attempts.json``)."""
+        data = self.read_json(task_index, METRICS_FILE)
+        if not isinstance(data, dict):
+            data = self.read_json(task_index, ATTEMPTS_FILE)
+        return lost_work_entries(task_index, data)
