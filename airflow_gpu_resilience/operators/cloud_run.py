@@ -8,9 +8,12 @@ about a finished execution in :mod:`~airflow_gpu_resilience.outcome`.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Collection, Mapping, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
 from airflow.sdk import BaseOperator
@@ -18,9 +21,11 @@ from airflow.sdk import BaseOperator
 from airflow_gpu_resilience.exceptions import (
     CloudRunGpuExecutionError,
     CloudRunGpuFatalError,
+    CloudRunGpuTimeoutError,
     CloudRunGpuWaitTimeout,
 )
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env, with_env_overrides
+from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.links.cloud_run import CloudRunGpuExecutionLink, CloudRunGpuLogsLink
 from airflow_gpu_resilience.outcome import (
@@ -41,6 +46,12 @@ if TYPE_CHECKING:
 
 #: Container env var that marks an execution with the Airflow task instance that started it.
 RUN_KEY_ENV = "AIRFLOW_GPU_RESILIENCE_RUN_KEY"
+#: Container env var: ``0`` for a try's first execution, ``n`` for the n-th preemption re-run.
+RERUN_ENV = "AIRFLOW_GPU_RESILIENCE_RERUN"
+#: Most tasks whose progress files are read (per poll) and whose lost work is reported.
+MAX_PROGRESS_TASKS = 16
+#: Seconds added to the trigger's timeout for Airflow's own defer timeout.
+DEFER_TIMEOUT_MARGIN = 60.0
 
 _SPEC_FIELDS = (
     "image", "command", "args", "env", "cpu", "memory", "gpu_type", "gpu_zonal_redundancy", "task_timeout",
@@ -159,6 +170,8 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
         return {"job": job.name, "job_name": spec.name, "generation": int(job.generation), "action": action}
 
 
+
+
 class CloudRunGpuExecuteJobOperator(BaseOperator):
     """Run a Cloud Run GPU job until every task succeeds, re-running preempted executions.
 
@@ -167,32 +180,43 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     (:func:`~airflow_gpu_resilience.outcome.decide`):
 
     - all tasks SUCCEEDED: return the summary (below);
-    - only PREEMPTED / TIMED_OUT failures and re-runs left: start a new execution (the worker
-      resumes from its checkpoints) and keep waiting;
+    - only PREEMPTED / TIMED_OUT failures and re-runs left: start a new execution with the same
+      overrides (the worker resumes from its checkpoints) and keep waiting;
     - a FAILED task: raise :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuExecutionError`
       (an ``AirflowException``; Airflow's ``retries`` apply) naming exit code and log URI;
     - a FATAL task, a cancelled execution, or the preemption budget exhausted: raise
       :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (an
       ``AirflowFailException``: no Airflow retry).
 
-    Idempotent across Airflow retries: each execution carries the env var
-    ``AIRFLOW_GPU_RESILIENCE_RUN_KEY`` (a hash of dag id, run id, task id and map index); a new
-    try first attaches to a still-running execution with its key instead of starting another.
+    **State lives in Cloud Run, not in the operator.** Every execution carries container env
+    vars: ``AIRFLOW_GPU_RESILIENCE_RUN_KEY`` (a hash of dag id, run id, task id and map index,
+    the same for every try), ``AIRFLOW_GPU_RESILIENCE_RERUN`` (``0`` for the first execution
+    of a try, ``n`` for the n-th preemption re-run) and ``AIRFLOW_GPU_RESILIENCE_START_ID``
+    (one per RunJob request, so that a RunJob whose answer was lost is not sent twice). A new
+    try (Airflow retry, worker restart) first attaches to a still-running execution with its run
+    key instead of starting another, and the preemption budget counts the re-run executions with
+    that key: it is shared by all tries of the task instance (also after a clear of the task;
+    raise ``max_preemption_reruns`` to give a cleared task more).
 
     Summary (returned, so it is the ``return_value`` XCom)::
 
         {"job", "job_name", "task_count", "outcome": "SUCCEEDED", "reruns",
-         "executions": [{"name", "state", "action", "reason", "log_uri", "tasks": [TaskOutcome...]}],
+         "executions": [{"name", "state", "action", "reason", "log_uri", "duration_seconds",
+                         "tasks": [TaskOutcome...]}],
          "tasks": [{"index", "attempts", "exit_codes", "outcomes"}],
-         "preemptions": [{"execution", "task_index", "attempt", "exit_code", "term_signal",
-                          "outcome", "message"}]}
+         "attempts": [{"execution", "task_index", "attempt", "exit_code", "term_signal",
+                       "outcome", "message", "duration_seconds"}],
+         "preemptions": [the attempts classed PREEMPTED or TIMED_OUT],
+         "progress": {task index: TaskProgress...}, "lost_work": [...], "lost_steps_total"}
 
-    ``tasks[i].attempts`` counts every attempt across executions (Cloud Run's ``retried + 1``
-    per execution); ``exit_codes`` and ``outcomes`` list the attempts seen while polling, in
-    order (a signal death shows as ``-signal``). An attempt that starts and ends between two
-    polls is counted but not listed; the last attempt of each execution is always listed.
-    ``preemptions`` are the seen attempts classed PREEMPTED or TIMED_OUT, each also logged as a
-    warning. The budget is per Airflow try: a retry (or attach) starts again at 0 re-runs.
+    ``reruns`` counts every re-run execution of the task instance (all tries). ``tasks[i].attempts``
+    counts the attempts of this try's executions (Cloud Run's ``retried + 1`` each);
+    ``exit_codes`` and ``outcomes`` list the attempts seen while polling, in order (a signal
+    death shows as ``-signal``). An attempt that starts and ends between two polls is counted
+    but not listed; the last attempt of each execution is always listed. ``progress`` and
+    ``lost_work`` (``[{task_index, execution, attempt, resumed_from_step, lost_steps}]``) are
+    read from the worker's ``progress.json`` / ``metrics.json`` only when ``checkpoint_bucket``
+    is set; otherwise they are empty.
 
     :param job_name: job id (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
@@ -201,22 +225,38 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     :param impersonation_chain: service account (or chain) to impersonate (templated).
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
     :param overrides: ``RunJobRequest.Overrides`` in dict form (``container_overrides`` with
-        ``args``/``env``, ``task_count``, ``timeout``), applied to every execution (templated).
-    :param max_preemption_reruns: new executions allowed after preemptions or timeouts
-        (default 3; templated).
-    :param fatal_exit_codes: exit codes that fail without retry (default 64-78).
+        ``args``/``env``, ``task_count``, ``timeout``), applied to every execution, re-runs
+        included (templated; default ``None``).
+    :param max_preemption_reruns: new executions allowed after preemptions or task timeouts,
+        in total over all tries of the task instance; separate from Airflow's ``retries``
+        (default 3; an integer >= 0; templated).
+    :param fatal_exit_codes: exit codes that fail without retry (default 64-78, BSD sysexits).
     :param deferrable: wait in the triggerer (default ``True``); ``False`` polls in the worker.
     :param poll_interval: seconds between polls (default 10).
-    :param wait_timeout: seconds to wait for one execution before failing (retryable; the next
-        try attaches to it); default ``None`` waits as long as it runs.
+    :param wait_timeout: seconds to wait for one execution before failing this try without
+        cancelling it (retryable; the next try attaches to it); default ``None``: no limit.
+    :param timeout: total seconds for this try, across re-runs and deferrals, in both modes
+        (a ``timedelta`` is accepted); when it passes the running execution is cancelled and
+        :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuTimeoutError` is raised (Airflow's
+        ``retries`` apply). Default ``None``: Airflow's ``execution_timeout`` if set (which
+        Airflow itself does not apply across deferrals), else no limit.
+    :param checkpoint_bucket: the job's checkpoint bucket; when set, the worker's
+        ``progress.json`` is logged while waiting (with ETA) and the work lost to each
+        preemption is added to the summary. Unreadable files never fail the task (templated;
+        default ``None``).
+    :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name;
+        templated).
+    :raises ValueError: at construction for a negative ``max_preemption_reruns`` or ``timeout``.
     """
 
     template_fields: Sequence[str] = (
         "job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain", "overrides",
-        "max_preemption_reruns",
+        "max_preemption_reruns", "checkpoint_bucket", "checkpoint_prefix",
     )
     template_fields_renderers = {"overrides": "json"}
     operator_extra_links = (CloudRunGpuExecutionLink(), CloudRunGpuLogsLink())
+    #: Seconds between progress log lines while polling in the worker (sync mode).
+    progress_log_interval: float = 60.0
 
     def __init__(
         self,
@@ -233,6 +273,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         deferrable: bool = True,
         poll_interval: float = 10.0,
         wait_timeout: float | None = None,
+        timeout: float | timedelta | None = None,
+        checkpoint_bucket: str | None = None,
+        checkpoint_prefix: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -242,17 +285,30 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.max_preemption_reruns = max_preemption_reruns
         self.fatal_exit_codes = sorted(fatal_exit_codes if fatal_exit_codes is not None else DEFAULT_FATAL_EXIT_CODES)
         self.deferrable, self.poll_interval, self.wait_timeout = deferrable, poll_interval, wait_timeout
+        self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        self.checkpoint_bucket, self.checkpoint_prefix = checkpoint_bucket, checkpoint_prefix
         self._running_execution: str | None = None
+        self._last_progress_log = float("-inf")
         if not isinstance(max_preemption_reruns, str) and (
             isinstance(max_preemption_reruns, bool) or not isinstance(max_preemption_reruns, int)
             or max_preemption_reruns < 0
         ):
             raise ValueError(f"max_preemption_reruns={max_preemption_reruns!r} must be an integer >= 0")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
 
     # --- plumbing ------------------------------------------------------------------------
     def _hook(self) -> CloudRunGpuHook:
         return CloudRunGpuHook(
             gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
+        )
+
+    def _files(self) -> CheckpointFilesHook | None:
+        if not self.checkpoint_bucket:
+            return None
+        return CheckpointFilesHook(
+            self.checkpoint_bucket, self.checkpoint_prefix or self.job_name,
+            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
         )
 
     def _budget(self) -> int:
@@ -261,6 +317,22 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             raise ValueError(f"max_preemption_reruns={value} must be >= 0")
         return value
 
+    def _deadline(self) -> float | None:
+        """Epoch seconds when this try must end (``timeout``, else ``execution_timeout``)."""
+        limit = self.timeout
+        if limit is None and self.execution_timeout is not None:
+            limit = self.execution_timeout.total_seconds()
+        return None if limit is None else time.time() + limit
+
+    def _wait_limit(self, state: dict) -> tuple[float | None, bool]:
+        """``(seconds to wait now, whether that limit is the overall deadline)``."""
+        if state.get("deadline") is None:
+            return self.wait_timeout, False
+        left = max(0.0, state["deadline"] - time.time())
+        if self.wait_timeout is not None and self.wait_timeout < left:
+            return self.wait_timeout, False
+        return left, True
+
     @staticmethod
     def run_key(context: Context) -> str:
         """Stable id of this task instance (all tries): hash of dag id, run id, task id, map index."""
@@ -268,28 +340,28 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         raw = f"{ti.dag_id}|{ti.run_id}|{ti.task_id}|{getattr(ti, 'map_index', -1)}"
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
-    def _overrides_with_key(self, key: str) -> dict[str, Any]:
-        overrides = dict(self.overrides or {})
-        containers = [dict(c) for c in overrides.get("container_overrides", [])] or [{}]
-        containers[0]["env"] = [*containers[0].get("env", []), {"name": RUN_KEY_ENV, "value": key}]
-        overrides["container_overrides"] = containers
-        return overrides
-
     def _find_running(self, hook: CloudRunGpuHook, project_id: str, key: str) -> run_v2.Execution | None:
-        for execution in hook.list_executions(job_name=self.job_name, region=self.region, project_id=project_id):
-            if execution_state(execution) is not ExecutionState.RUNNING:
-                continue
-            env = {e.name: e.value for c in execution.template.containers for e in c.env}
-            if env.get(RUN_KEY_ENV) == key:
+        """The newest still-running execution that carries run key ``key``, or ``None``."""
+        found = hook.find_executions(job_name=self.job_name, region=self.region, env={RUN_KEY_ENV: key},
+                                     project_id=project_id)
+        for execution in found:
+            if execution_state(execution) is ExecutionState.RUNNING:
                 return execution
         return None
 
-    def _start(self, context: Context, hook: CloudRunGpuHook, project_id: str) -> str:
-        _, name = hook.run_job(
-            job_name=self.job_name, region=self.region, project_id=project_id,
-            overrides=self._overrides_with_key(self.run_key(context)),
+    def _reruns_used(self, hook: CloudRunGpuHook, state: dict) -> int:
+        """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
+        executions = hook.find_executions(job_name=self.job_name, region=self.region,
+                                          env={RUN_KEY_ENV: state["run_key"]}, project_id=state["project_id"])
+        return sum(1 for e in executions if execution_env(e).get(RERUN_ENV, "0") != "0")
+
+    def _start(self, context: Context, hook: CloudRunGpuHook, state: dict, rerun: int) -> str:
+        env = {RUN_KEY_ENV: state["run_key"], RERUN_ENV: str(rerun)}
+        name = hook.start_execution(
+            job_name=self.job_name, region=self.region, project_id=state["project_id"],
+            overrides=with_env_overrides(self.overrides, env),
         )
-        self.log.info("Started execution %s", name)
+        self.log.info("Started execution %s%s", name, f" (preemption re-run {rerun})" if rerun else "")
         self._remember(context, hook, name)
         return name
 
@@ -305,72 +377,113 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         """Attach to this task instance's running execution or start one, then wait.
 
         :return: the summary (see the class docstring).
-        :raises CloudRunGpuExecutionError: a task FAILED (retryable) or waiting timed out.
+        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value
+            (before any API call).
+        :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
+        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
+        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
         budget = self._budget()
         hook = self._hook()
         project_id = self.project_id or hook.project_id
-        running = self._find_running(hook, project_id, self.run_key(context))
+        state = {"project_id": project_id, "run_key": self.run_key(context), "budget": budget,
+                 "deadline": self._deadline(), "executions": [], "attempts": [], "progress": {}}
+        running = self._find_running(hook, project_id, state["run_key"])
         if running is not None:
             self.log.info("Attaching to execution %s started by an earlier try", running.name)
             self._remember(context, hook, running.name)
             execution = running.name
         else:
-            execution = self._start(context, hook, project_id)
-        state = {"project_id": project_id, "budget": budget, "reruns": 0, "executions": [], "attempts": []}
+            execution = self._start(context, hook, state, rerun=0)
         return self._wait(context, hook, state, execution)
 
     def _wait(self, context: Context, hook: CloudRunGpuHook, state: dict, execution: str) -> dict[str, Any]:
         while True:
+            limit, overall = self._wait_limit(state)
+            state["overall_limit"] = overall
             if self.deferrable:
                 self.defer(
                     trigger=CloudRunGpuExecutionTrigger(
                         execution=execution, gcp_conn_id=self.gcp_conn_id,
                         impersonation_chain=self.impersonation_chain, transport=self.transport,
-                        poll_interval=self.poll_interval, timeout=self.wait_timeout, carry=state,
+                        poll_interval=self.poll_interval, timeout=limit, carry=state,
                     ),
                     method_name="execute_complete",
+                    # The trigger's own timeout fires first; this one covers a lost triggerer.
+                    timeout=None if limit is None else timedelta(seconds=limit + DEFER_TIMEOUT_MARGIN),
                 )
-            attempts = self._poll_until_done(hook, execution)
+            attempts = self._poll_until_done(hook, state, execution, limit)
             result = self._after_finish(context, hook, state, execution, attempts)
             if isinstance(result, dict):
                 return result
             execution = result
 
-    def _poll_until_done(self, hook: CloudRunGpuHook, execution: str) -> list[dict]:
+    def _poll_until_done(self, hook: CloudRunGpuHook, state: dict, execution: str, limit: float | None) -> list:
         attempts: list[dict] = []
         seen: set[tuple[int, int]] = set()
+        files = self._files()
 
-        def on_poll(_: run_v2.Execution, tasks: list[run_v2.Task]) -> None:
+        def on_poll(current: run_v2.Execution, tasks: list[run_v2.Task]) -> None:
             for record in observe_attempts(tasks, seen):
                 seen.add(record.key)
                 attempts.append(record.to_dict())
+            if files is not None and time.monotonic() - self._last_progress_log >= self.progress_log_interval:
+                self._last_progress_log = time.monotonic()
+                self._log_progress(files, state, current.task_count)
 
         try:
-            hook.wait_for_execution(execution, poll_interval=self.poll_interval, timeout=self.wait_timeout,
-                                    on_poll=on_poll)
-        except TimeoutError as exc:
-            raise CloudRunGpuWaitTimeout(str(exc), execution=execution) from exc
+            hook.wait_for_execution(execution, poll_interval=self.poll_interval, timeout=limit, on_poll=on_poll)
+        except TimeoutError:
+            self._timed_out(hook, state, execution, f"still running after {limit:g} s")
         return attempts
+
+    def _log_progress(self, files: CheckpointFilesHook, state: dict, task_count: int) -> None:
+        """Read and log the tasks' ``progress.json`` (first :data:`MAX_PROGRESS_TASKS` tasks)."""
+        for index in range(min(task_count or 1, MAX_PROGRESS_TASKS)):
+            progress = files.progress(index)
+            if progress is not None:
+                state["progress"][str(index)] = progress.to_dict()
+                self.log.info("Progress %s", progress.describe())
+
+    def _timed_out(self, hook: CloudRunGpuHook, state: dict, execution: str, message: str) -> None:
+        """Raise for a wait that hit its limit; cancel the execution if it was the overall ``timeout``."""
+        self._running_execution = None
+        if not state.get("overall_limit"):
+            raise CloudRunGpuWaitTimeout(f"Execution {execution} {message}", execution=execution)
+        self.log.warning("Overall timeout passed: cancelling execution %s", execution)
+        try:
+            hook.cancel_execution(execution=execution)
+        except gexc.NotFound as exc:  # deleted meanwhile; a finished one is returned unchanged
+            self.log.info("Cancel of %s not needed: %s", execution, exc)
+        raise CloudRunGpuTimeoutError(
+            f"The task's overall timeout passed: execution {execution} {message} and was cancelled "
+            f"({len(state['executions'])} earlier execution(s) in this try)",
+            execution=execution,
+        )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger: decide on the finished execution with a fresh hook.
 
         :param event: the trigger's event (see :class:`CloudRunGpuExecutionTrigger`).
         :return: the summary, or defers again after starting a re-run.
-        :raises CloudRunGpuWaitTimeout: the trigger's ``timeout`` passed (retryable; the next try
-            attaches to the still-running execution).
+        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches
+            to the still-running execution).
+        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
         :raises CloudRunGpuExecutionError: a task FAILED, or the trigger hit an API error.
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
         execution, status = event["execution"], event["status"]
+        state = dict(event["carry"])
+        hook = self._hook()
+        self._running_execution = execution
+        files = self._files()
+        if files is not None:
+            self._log_progress(files, state, int(hook.get_execution(execution=execution).task_count))
         if status == ExecutionEventStatus.TIMEOUT.value:
-            raise CloudRunGpuWaitTimeout(f"Execution {execution} {event['message']}", execution=execution)
+            self._timed_out(hook, state, execution, event["message"])
         if status == ExecutionEventStatus.ERROR.value:
             raise CloudRunGpuExecutionError(f"Polling {execution} failed: {event['message']}", execution=execution)
-        hook = self._hook()
-        state = dict(event["carry"])
         result = self._after_finish(context, hook, state, execution, list(event.get("attempts") or []))
         if isinstance(result, dict):
             return result
@@ -386,17 +499,17 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         seen = {(a["task_index"], a["attempt"]) for a in attempts}
         attempts = attempts + [r.to_dict() for r in observe_attempts(tasks, seen)]
         outcomes = [classify_task(t, self.fatal_exit_codes) for t in tasks]
+        reruns_used = self._reruns_used(hook, state)
         decision = decide(
-            outcomes, state=execution_state(finished), reruns_used=state["reruns"], max_reruns=state["budget"]
+            outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=state["budget"]
         )
         self._record(state, finished, outcomes, attempts, decision)
         self.log.info("Execution %s: %s -> %s", execution, decision.reason, decision.action.value)
         if decision.action is Action.SUCCEED:
             self._running_execution = None
-            return self._summary(state, finished, len(tasks))
+            return self._summary(state, finished, len(tasks), reruns_used)
         if decision.action is Action.RERUN:
-            state["reruns"] += 1
-            return self._start(context, hook, state["project_id"])
+            return self._start(context, hook, state, rerun=reruns_used + 1)
         self._running_execution = None
         blamed = decision.blamed
         log_uri = (blamed.log_uri if blamed else "") or finished.log_uri
@@ -408,6 +521,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         )
 
     def _record(self, state: dict, execution: run_v2.Execution, outcomes: list, attempts: list[dict], decision) -> None:
+        """Add the finished execution and its attempts to ``state``; log every attempt."""
         state["executions"].append(
             {
                 "name": execution.name,
@@ -415,6 +529,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
                 "action": decision.action.value,
                 "reason": decision.reason,
                 "log_uri": execution.log_uri,
+                "duration_seconds": _duration(execution),
                 "tasks": [o.to_dict() for o in outcomes],
             }
         )
@@ -423,39 +538,59 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             outcome = record.classify(self.fatal_exit_codes)
             entry = {**record.to_dict(), "execution": execution.name, "outcome": outcome.value}
             state["attempts"].append(entry)
-            if outcome in RESUMABLE:
-                how = f"signal {record.term_signal}" if record.term_signal else f"exit code {record.exit_code}"
-                self.log.warning(
-                    "%s: task %s attempt %s in %s (%s): %s", outcome.value, record.task_index, record.attempt,
-                    execution.name, how, record.message,
-                )
+            how = f"signal {record.term_signal}" if record.term_signal else f"exit code {record.exit_code}"
+            took = "" if record.duration_seconds is None else f", {record.duration_seconds:g} s"
+            log = self.log.warning if outcome in RESUMABLE else self.log.info
+            log("Attempt: %s task %s attempt %s: %s (%s%s) %s", execution.name, record.task_index,
+                record.attempt, outcome.value, how, took, record.message)
 
-    def _summary(self, state: dict, execution: run_v2.Execution, task_count: int) -> dict[str, Any]:
+    def _summary(self, state: dict, execution: run_v2.Execution, task_count: int, reruns: int) -> dict[str, Any]:
         per_task: dict[int, dict[str, Any]] = {}
+
+        def entry(index: int) -> dict[str, Any]:
+            return per_task.setdefault(index, {"index": index, "attempts": 0, "exit_codes": [], "outcomes": []})
+
         for ex in state["executions"]:
             for task in ex["tasks"]:
-                entry = per_task.setdefault(task["index"], {"index": task["index"], "attempts": 0,
-                                                            "exit_codes": [], "outcomes": []})
-                entry["attempts"] += task["attempts"]
+                entry(task["index"])["attempts"] += task["attempts"]
         for attempt in state["attempts"]:
-            entry = per_task.setdefault(attempt["task_index"], {"index": attempt["task_index"], "attempts": 0,
-                                                                "exit_codes": [], "outcomes": []})
-            entry["exit_codes"].append(attempt["exit_code"] if attempt["term_signal"] is None
-                                       else -int(attempt["term_signal"]))
-            entry["outcomes"].append(attempt["outcome"])
-        preemptions = [
-            {k: a[k] for k in ("execution", "task_index", "attempt", "exit_code", "term_signal", "outcome", "message")}
-            for a in state["attempts"] if a["outcome"] in {c.value for c in RESUMABLE}
-        ]
+            item = entry(attempt["task_index"])
+            item["exit_codes"].append(attempt["exit_code"] if attempt["term_signal"] is None
+                                      else -int(attempt["term_signal"]))
+            item["outcomes"].append(attempt["outcome"])
+        resumable = {c.value for c in RESUMABLE}
+        lost = self._lost_work(state, task_count)
         job = execution.name.split("/executions/")[0]
         return {
             "job": job, "job_name": job.rsplit("/", 1)[-1], "task_count": task_count, "outcome": "SUCCEEDED",
-            "reruns": state["reruns"], "executions": state["executions"],
-            "tasks": [per_task[i] for i in sorted(per_task)], "preemptions": preemptions,
+            "reruns": reruns, "executions": state["executions"],
+            "tasks": [per_task[i] for i in sorted(per_task)], "attempts": state["attempts"],
+            "preemptions": [a for a in state["attempts"] if a["outcome"] in resumable],
+            "progress": state["progress"], "lost_work": lost,
+            "lost_steps_total": sum(item["lost_steps"] for item in lost),
         }
+
+    def _lost_work(self, state: dict, task_count: int) -> list[dict[str, Any]]:
+        """The work lost to each preemption, from the worker's files (empty without a bucket)."""
+        files = self._files()
+        if files is None:
+            return []
+        self._log_progress(files, state, task_count)
+        lost = [item for index in range(min(task_count, MAX_PROGRESS_TASKS)) for item in files.lost_work(index)]
+        for item in lost:
+            self.log.warning("Lost work: task %s lost %s steps (attempt %s of %s resumed from step %s)",
+                             item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
+                             item["resumed_from_step"])
+        return lost
 
     def on_kill(self) -> None:
         """Cancel the execution this operator is waiting for (the trigger does so when deferred)."""
         if self._running_execution:
             self.log.info("Cancelling execution %s", self._running_execution)
             self._hook().cancel_execution(execution=self._running_execution)
+
+
+def _duration(execution: run_v2.Execution) -> float | None:
+    if not (execution.start_time and execution.completion_time):
+        return None
+    return round(max(0.0, (execution.completion_time - execution.start_time).total_seconds()), 3)

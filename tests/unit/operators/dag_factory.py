@@ -38,8 +38,13 @@ def keep(summary):
 
 
 def execute_dag(dag_id: str, job_name: str, retries: int = 0, **op_kwargs: Any) -> DAG:
-    """``execute`` (the execute operator) -> ``keep`` (stores its summary)."""
+    """``execute`` (the execute operator) -> ``keep`` (stores its summary).
+
+    ``execution_timeout_seconds`` becomes the operator's ``execution_timeout`` (JSON has no timedelta).
+    """
     op_kwargs.setdefault("poll_interval", 0.2)
+    if "execution_timeout_seconds" in op_kwargs:
+        op_kwargs["execution_timeout"] = pendulum.duration(seconds=op_kwargs.pop("execution_timeout_seconds"))
     with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:
         op = CloudRunGpuExecuteJobOperator(
             task_id="execute", job_name=job_name, region=REGION, retries=retries,

@@ -14,10 +14,16 @@ from google.api import launch_stage_pb2
 
 from airflow.utils.state import TaskInstanceState
 
-from airflow_gpu_resilience.exceptions import CloudRunGpuExecutionError, CloudRunGpuFatalError
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.exceptions import (
+    CloudRunGpuExecutionError,
+    CloudRunGpuFatalError,
+    CloudRunGpuTimeoutError,
+)
+from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env, with_env_overrides
 from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from airflow_gpu_resilience.operators.cloud_run import (
+    RERUN_ENV,
     RUN_KEY_ENV,
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
@@ -149,8 +155,8 @@ def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
         dag_id, run_id, task_id, map_index = "d", "r", "execute", -1
 
     key = op.run_key({"ti": TI()})
-    _, started = hook.run_job(job_name=job_name, region=REGION, project_id=PROJECT,
-                              overrides=op._overrides_with_key(key))
+    started = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
+                                   overrides=with_env_overrides(None, {RUN_KEY_ENV: key}))
     try:
         found = op._find_running(hook, PROJECT, key)
         assert found is not None and found.name == started
@@ -191,7 +197,7 @@ def test_execute_operator_rejects_negative_budget():
 
 def test_injected_maintenance_preemption_is_retried_and_reported(gcp_conn, job_name, emulator, run_execute):
     """A real SIGTERM preemption (emulator admin endpoint) while the operator waits in the trigger."""
-    deploy(job_name, ["sleep-first", "60"], max_retries=1)
+    deploy(job_name, ["sleep-first", "60", "3"], max_retries=1)
     hook = CloudRunGpuHook()
     injected = []
 
@@ -272,7 +278,141 @@ def test_every_task_preempted_once_resumes_together(gcp_conn, job_name, run_exec
     assert ti.state == TaskInstanceState.SUCCESS
     [summary] = CAPTURED["summaries"]
     assert summary["reruns"] == 1 and summary["task_count"] == 2
-    assert [(t["index"], t["exit_codes"]) for t in summary["tasks"]] == [(0, [143, 0]), (1, [143, 0])]
+    # A sibling still running when the first 143 fails the execution is stopped by SIGTERM (-15).
+    assert [(t["index"], t["outcomes"]) for t in summary["tasks"]] == [(0, ["PREEMPTED", "SUCCEEDED"]),
+                                                                        (1, ["PREEMPTED", "SUCCEEDED"])]
+    assert all(t["exit_codes"][0] in (143, -15) for t in summary["tasks"])
     assert sorted(p["task_index"] for p in summary["preemptions"]) == [0, 1]
     for execution in executions(job_name):
         assert list(execution.template.containers[0].args) == ["preempt-once"]
+
+
+def envs(job_name: str, name: str) -> list[str]:
+    """The value of env var ``name`` on each execution of the job, newest first."""
+    return [execution_env(e).get(name) for e in executions(job_name)]
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_preemption_budget_survives_a_retry_that_attaches_to_a_rerun(gcp_conn, job_name, run_execute, deferrable):
+    """Try 1 re-runs once, then times out waiting; try 2 attaches to the re-run and finds the budget used."""
+    deploy(job_name, ["preempt-then-sleep", "3"], max_retries=0)
+    ti = run_execute(retries=1, wait_timeout=1.5, max_preemption_reruns=1, deferrable=deferrable)
+    assert ti.state == TaskInstanceState.FAILED and ti.try_number == 2
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "PREEMPTED"
+    assert "preemption budget exhausted (1 re-runs used)" in str(error)
+    assert envs(job_name, RERUN_ENV) == ["1", "0"]
+    assert len(set(envs(job_name, RUN_KEY_ENV))) == 1
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_overall_timeout_spans_reruns_and_cancels_the_execution(gcp_conn, job_name, run_execute, deferrable):
+    deploy(job_name, ["preempt-then-sleep", "60"], max_retries=0)
+    started = time.monotonic()
+    ti = run_execute(timeout=3.0, deferrable=deferrable)
+    assert time.monotonic() - started < 30
+    assert ti.state == TaskInstanceState.FAILED
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuTimeoutError) and "overall timeout passed" in str(error)
+    assert "1 earlier execution(s)" in str(error)
+    rerun, first = executions(job_name)
+    assert error.execution == rerun.name
+    final = CloudRunGpuHook().wait_for_execution(rerun.name, poll_interval=0.1, timeout=20)
+    assert execution_state(final) is ExecutionState.CANCELLED
+    assert execution_state(first) is ExecutionState.FAILED
+
+
+def test_execution_timeout_is_the_overall_timeout_when_deferred(gcp_conn, job_name, run_execute):
+    """Airflow does not apply ``execution_timeout`` across deferrals; the operator does."""
+    deploy(job_name, ["sleep", "60"], max_retries=0)
+    ti = run_execute(execution_timeout_seconds=2)
+    assert ti.state == TaskInstanceState.FAILED
+    assert isinstance(CAPTURED["errors"][-1], CloudRunGpuTimeoutError)
+    [execution] = executions(job_name)
+    final = CloudRunGpuHook().wait_for_execution(execution.name, poll_interval=0.1, timeout=20)
+    assert execution_state(final) is ExecutionState.CANCELLED
+
+
+class _TI:
+    """The few task-instance attributes ``execute`` reads, and an XCom store."""
+
+    dag_id, run_id, task_id, map_index = "kill_dag", "run-1", "execute", -1
+
+    def __init__(self):
+        self.xcom = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = value
+
+
+def test_on_kill_cancels_the_running_execution(gcp_conn, job_name):
+    deploy(job_name, ["sleep", "60"], max_retries=3)
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION, deferrable=False,
+                                       poll_interval=0.1)
+    outcome = {}
+
+    def run():
+        try:
+            op.execute({"ti": _TI()})
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not op._running_execution and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait_until_running(CloudRunGpuHook(), op._running_execution)
+    op.on_kill()
+    thread.join(timeout=30)
+    [execution] = executions(job_name)
+    assert execution_state(execution) is ExecutionState.CANCELLED
+    assert isinstance(outcome["error"], CloudRunGpuFatalError) and outcome["error"].outcome == "CANCELLED"
+
+
+@pytest.mark.parametrize(("args", "expected"), [(["sleep", "2"], 1), (["preempt-once"], 2)])
+def test_no_duplicate_execution_with_503s_and_a_retry_mid_execution(
+    gcp_conn, job_name, run_execute, faults, args, expected
+):
+    """A third of the API calls fail (503/429) and try 1 gives up waiting while the execution runs."""
+    deploy(job_name, args, max_retries=0)
+    faults(errorRate=0.33, codes=[503, 429], seed=7)
+    ti = run_execute(retries=2, wait_timeout=1.0, poll_interval=0.1)
+    faults()
+    assert ti.state == TaskInstanceState.SUCCESS
+    assert len(executions(job_name)) == expected
+    assert len(set(envs(job_name, START_ID_ENV))) == expected
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_progress_eta_and_lost_work_from_the_worker_files(
+    gcp_conn, gcs_emulator_host, job_name, run_execute, monkeypatch, capfd, deferrable
+):
+    monkeypatch.setattr(CloudRunGpuExecuteJobOperator, "progress_log_interval", 0.0)
+    deploy(job_name, ["progress", "1.5"], max_retries=0)
+    ti = run_execute(checkpoint_bucket=BUCKET, deferrable=deferrable)
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    second = summary["executions"][1]["name"].rsplit("/", 1)[-1]  # the worker writes the short id
+    assert summary["lost_work"] == [
+        {"task_index": 0, "execution": second, "attempt": 0, "resumed_from_step": 20, "lost_steps": 10}
+    ]
+    assert summary["lost_steps_total"] == 10
+    assert summary["progress"]["0"]["step"] == 100 and summary["progress"]["0"]["eta_seconds"] == 0.0
+    out = capfd.readouterr().out
+    assert "Lost work: task 0 lost 10 steps" in out
+    if not deferrable:  # while waiting in the worker; the deferred operator logs at resume
+        assert "Progress task 0: step 30/100 (30%), 10 steps/s, ETA 7 s, loss 0.5 [running]" in out
+
+
+def test_unreadable_progress_files_never_fail_the_task(gcp_conn, gcs_emulator_host, job_name, run_execute):
+    deploy(job_name, ["ok"])
+    ti = run_execute(checkpoint_bucket="no-such-bucket", deferrable=False)
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    assert summary["lost_work"] == [] and summary["progress"] == {} and summary["lost_steps_total"] == 0
+
+
+def test_execute_operator_rejects_a_bad_timeout():
+    with pytest.raises(ValueError, match="timeout=0 must be a positive number of seconds"):
+        CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", timeout=0)
