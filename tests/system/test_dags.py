@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.cloud import run_v2
 from google.protobuf import json_format
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,13 +29,15 @@ IMAGE = "us-central1-docker.pkg.dev/local-project/ml/airflow-gpu-resilience-work
 def _dagbag():
     from airflow.dag_processing.dagbag import DagBag
 
-    bag = DagBag(dag_folder=str(DAGS), include_examples=False)
+    bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}
     return bag
 
 
 def _rendered(dag_id: str, task_id: str, **context):
-    dag = _dagbag().dags[dag_id]
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(DAGS / f"{dag_id}.py")).dags[dag_id]
     task = dag.get_task(task_id)
     task.render_template_fields({"params": dag.params.dump(), **context}, jinja_env=dag.get_template_env())
     return task
@@ -69,7 +72,7 @@ def test_deploy_renders_the_job_gcloud_deploys() -> None:
     --set-env-vars CHECKPOINT_DIR=/checkpoints``, field by field (a GPU task timeout over 1 h is
     a preview feature: gcloud beta sets the BETA launch stage)."""
     task = _rendered("gpu_resilient_training", "deploy_job")
-    job = json_format.MessageToDict(task.build_spec().to_job())
+    job = json_format.MessageToDict(run_v2.Job.pb(task.build_spec().to_job()))
 
     assert job["launchStage"] == "BETA"
     execution = job["template"]
