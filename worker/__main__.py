@@ -1,11 +1,13 @@
 """``python -m worker train [flags]``: the container entry point.
 
-Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data (both
-non-retryable, with a ``FATAL`` marker in the namespace), 1 any other error (retryable).
+Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data, 73 the
+checkpoint folder cannot be written (all three non-retryable, with a ``FATAL`` marker in the
+namespace when it can be written), 1 any other error (retryable).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -13,7 +15,7 @@ from typing import Mapping, Sequence
 
 from worker.config import WorkerConfig, config_from_args, guess_namespace
 from worker.checkpoint import CheckpointManager
-from worker.errors import EXIT_FAILURE, EXIT_OK, WorkerError
+from worker.errors import EXIT_FAILURE, EXIT_OK, OutputError, WorkerError
 from worker.files import FATAL, METRICS, read_json, write_json
 from worker.logs import StructuredLogger, utc_now
 from worker.preemption import PreemptionWatcher
@@ -21,18 +23,39 @@ from worker.storage import LocalStorage
 
 
 def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger) -> int:
-    """Log a non-retryable error and record it in ``{namespace}/FATAL``.
+    """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line.
 
     :return: the error's exit code.
     """
-    logger.error(f"fatal: {error.reason}", exit_code=error.exit_code, reason=error.reason)
+    marker = "not written: no namespace"
     if namespace is not None:
         record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now()}
+        path = os.path.join(namespace, FATAL)
         try:
-            write_json(LocalStorage(), os.path.join(namespace, FATAL), record)
+            write_json(LocalStorage(), path, record)
+            marker = path
         except OSError as exc:
-            logger.error("could not write the FATAL marker", error=str(exc), namespace=namespace)
+            marker = f"not written: {exc}"
+    logger.error(f"fatal: {error.reason}", exit_code=error.exit_code, reason=error.reason,
+                 fatal_marker=marker)
     return error.exit_code
+
+
+def check_writable(namespace: str) -> None:
+    """Create the namespace and write (then remove) a probe file in it.
+
+    :raises OutputError: when it cannot be created or written for good (permission, read-only
+        file system, a file in the way). Other ``OSError`` (e.g. EIO) propagate: retryable.
+    """
+    probe = os.path.join(namespace, ".write-probe")
+    try:
+        os.makedirs(namespace, exist_ok=True)
+        LocalStorage().write(probe, b"probe")
+        os.remove(probe)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+            raise OutputError(f"checkpoint folder {namespace} is not writable: {exc.strerror or exc}") from None
+        raise
 
 
 def fatal_marker_code(namespace: str, logger: StructuredLogger) -> int | None:
@@ -54,6 +77,8 @@ def run_is_complete(config: WorkerConfig, logger: StructuredLogger) -> bool:
     metrics = read_json(storage, os.path.join(config.namespace, METRICS))
     if metrics is None or metrics.get("steps") != config.train.steps:
         return False
+    if not config.checkpoint.enabled:  # no checkpoints to check: the metrics are the record
+        return True
     with CheckpointManager(config.checkpoint, {}, storage=storage, logger=logger) as manager:
         return manager.latest_step() == config.train.steps
 
@@ -62,12 +87,14 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
     if run_is_complete(config, logger):
         logger.info("run already complete; nothing to do", step=config.train.steps)
         return EXIT_OK
+    check_writable(config.namespace)
     from worker.train import Trainer  # torch is imported only when there is work to do
 
     watcher.grace_seconds = config.grace_seconds
     if config.task_timeout_seconds is not None:
         margin = min(config.grace_seconds, config.task_timeout_seconds / 2)
-        watcher.deadline = watcher.started_at + config.task_timeout_seconds - margin
+        watcher.timeout_at = watcher.started_at + config.task_timeout_seconds
+        watcher.deadline = watcher.timeout_at - margin
     return Trainer(config, logger, watcher).run()
 
 

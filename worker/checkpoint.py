@@ -19,11 +19,13 @@ import enum
 import hashlib
 import io
 import json
+import math
 import re
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from worker.fastio import HashingWriter, SnapshotBuffers, hash_stream, save_without_crc32
 from worker.logs import StructuredLogger, utc_now
 from worker.storage import LocalStorage, Storage
 
@@ -135,20 +137,54 @@ class FixedIntervalPolicy:
 
     interval: int
 
-    def should_save(self, step: int) -> bool:
-        """:return: whether ``step`` is a multiple of the interval."""
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``step`` is a multiple of the interval (``elapsed``, ``cost`` unused)."""
         return step > 0 and step % self.interval == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeIntervalPolicy:
+    """Save when ``seconds`` have passed since the last save (or the start).
+
+    :param seconds: wall seconds between checkpoints (> 0).
+    """
+
+    seconds: float
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``elapsed`` (seconds since the last save) reached the interval."""
+        return step > 0 and elapsed >= self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class YoungDalyPolicy:
+    """Save at the Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after the last save.
+
+    :param mtbi: mean time between interruptions, in seconds (> 0).
+    :param floor: never save more often than this, in seconds; default 0.
+    """
+
+    mtbi: float
+    floor: float = 0.0
+
+    def interval(self, cost: float) -> float:
+        """:return: the interval in seconds for a checkpoint costing ``cost`` seconds."""
+        return max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``elapsed`` seconds since the last save reached the optimum."""
+        return step > 0 and elapsed >= self.interval(cost)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnySavePolicy:
     """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`save`)."""
 
-    policies: tuple[FixedIntervalPolicy, ...]
+    policies: tuple[Any, ...]
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
         """:return: whether any policy wants a checkpoint at ``step``."""
-        return any(policy.should_save(step) for policy in self.policies)
+        return any(policy.should_save(step, elapsed, cost) for policy in self.policies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,30 +230,42 @@ class CheckpointConfig:
     """Configuration of a :class:`CheckpointManager`.
 
     :param folder: the task's checkpoint namespace (a plain path string).
-    :param interval: save every this many optimizer steps; default 50.
+    :param interval: save every this many optimizer steps; default 50; 0: no step interval.
     :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
         may be incomplete when the process is killed, and the previous one must still exist.
-    :param async_mode: :attr:`AsyncMode.DISABLED` (default) or :attr:`AsyncMode.ASYNC`.
+    :param async_mode: :attr:`AsyncMode.ASYNC` (default) or :attr:`AsyncMode.DISABLED`.
     :param load_step: step to load, or -1 for the newest valid one.
+    :param interval_seconds: also save when this many seconds passed since the last save;
+        default 0 (off).
+    :param auto_interval: save at the Young/Daly optimum from the measured save cost and
+        ``mtbi_seconds``; default off.
+    :param mtbi_seconds: mean time between interruptions for ``auto_interval``, in seconds;
+        default 3600.
     :param pause_before_commit_s: testing only: sleep this long (seconds) between the data
         write and the commit record, so tests can kill the process there; default 0.
     :param pause_mid_write_s: testing only: write half the data, sleep this long (seconds),
         then write all of it, so tests can leave a torn data file; default 0.
+
+    With ``interval`` 0, ``interval_seconds`` 0 and no ``auto_interval``, checkpointing is off
+    (:attr:`enabled` is false): only forced saves write.
     """
 
     folder: str
     interval: int = 50
     keep_latest_k: int = 2
-    async_mode: AsyncMode = AsyncMode.DISABLED
+    async_mode: AsyncMode = AsyncMode.ASYNC
     load_step: int = -1
+    interval_seconds: float = 0.0
+    auto_interval: bool = False
+    mtbi_seconds: float = 3600.0
     pause_before_commit_s: float = 0.0
     pause_mid_write_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.folder:
             raise ValueError("checkpoint folder must not be empty")
-        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"checkpoint interval must be an int >= 1, got {self.interval!r}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
+            raise ValueError(f"checkpoint interval must be an int >= 0 (0: never), got {self.interval!r}")
         if self.keep_latest_k == 1:
             raise ValueError(
                 "keep_latest_k=1 is refused: the newest checkpoint may still be in flight "
@@ -229,12 +277,32 @@ class CheckpointConfig:
             raise ValueError(f"async_mode must be an AsyncMode, got {self.async_mode!r}")
         if not isinstance(self.load_step, int) or self.load_step < -1:
             raise ValueError(f"load_step must be -1 or a step >= 0, got {self.load_step!r}")
+        if not self.interval_seconds >= 0:
+            raise ValueError(f"checkpoint interval seconds must be >= 0, got {self.interval_seconds!r}")
+        if not self.mtbi_seconds > 0:
+            raise ValueError(f"mean time between interruptions must be > 0 s, got {self.mtbi_seconds!r}")
         if self.pause_before_commit_s < 0 or self.pause_mid_write_s < 0:
             raise ValueError("test pauses must be >= 0 seconds")
 
+    @property
+    def enabled(self) -> bool:
+        """Whether any save policy is on (else only forced saves write)."""
+        return self.interval > 0 or self.interval_seconds > 0 or self.auto_interval
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    def save_policy(self) -> AnySavePolicy:
+        """:return: the combination of the configured step, time and Young/Daly policies."""
+        policies: list[Any] = []
+        if self.interval:
+            policies.append(FixedIntervalPolicy(self.interval))
+        if self.interval_seconds:
+            policies.append(TimeIntervalPolicy(self.interval_seconds))
+        if self.auto_interval:
+            policies.append(YoungDalyPolicy(self.mtbi_seconds))
+        return AnySavePolicy(tuple(policies))
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed (raised for a background save by the next wait or save)."""
 
 
 def _serialize(state: dict[str, Any]) -> bytes:
@@ -245,30 +313,49 @@ def _serialize(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """:return: ``obj`` with every tensor copied to CPU memory, containers rebuilt."""
-    import torch
+@dataclasses.dataclass
+class SaveStats:
+    """Measurements of the saves of one manager (for intervals and deadline decisions).
 
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: _cpu_copy(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(value) for value in obj)
-    return obj
+    :param blocking: seconds the caller was blocked per save (the snapshot, for async saves).
+    :param durations: seconds from start to commit per save.
+    :param sizes: bytes per save.
+    """
+
+    blocking: list[float] = dataclasses.field(default_factory=list)
+    durations: list[float] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+
+    def cost(self, default: float = 1.0) -> float:
+        """:return: the median blocking time of the last five saves, seconds (``default`` before any)."""
+        recent = sorted(self.blocking[-5:])
+        return recent[len(recent) // 2] if recent else default
+
+    def bytes_per_second(self) -> float | None:
+        """:return: the slowest write throughput of the last five saves, or ``None``."""
+        rates = [size / max(d, 1e-6) for size, d in zip(self.sizes[-5:], self.durations[-5:])]
+        return min(rates) if rates else None
+
+    def estimated_seconds(self, default: float = 1.0) -> float:
+        """:return: seconds a synchronous save of the last size takes at the measured throughput."""
+        rate = self.bytes_per_second()
+        return self.sizes[-1] / rate if rate and self.sizes else default
 
 
 class CheckpointManager:
     """Saves, discovers, verifies, loads and purges the checkpoints of one task.
 
-    Saves are synchronous unless ``config.async_mode`` is :attr:`AsyncMode.ASYNC`. Use it as a
-    context manager; :meth:`close` waits for the save in flight.
+    Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
+    the caller blocks only while the state is copied into reused host buffers (pinned when the
+    state is on CUDA); serialization, hashing, the write and the commit run on one background
+    thread. Forced saves (final, preemption) are synchronous. Use it as a context manager;
+    :meth:`close` waits for the save in flight.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
     :param storage: the storage backend; default :class:`~worker.storage.LocalStorage`.
     :param logger: structured logger; default one on stdout.
-    :param clock: monotonic clock in seconds, for save timings.
+    :param clock: monotonic clock in seconds, for save timings and time-based intervals.
     """
 
     def __init__(
@@ -285,17 +372,22 @@ class CheckpointManager:
         self._storage = storage or LocalStorage()
         self._log = logger or StructuredLogger()
         self._clock = clock
-        self._save_policy = AnySavePolicy((FixedIntervalPolicy(config.interval),))
+        self._save_policy = config.save_policy()
         self._keep_policy = KeepLatestN(config.keep_latest_k)
-        self._save_seconds: list[float] = []
+        self._snapshots = SnapshotBuffers()
+        self.stats = SaveStats()
         self._verified: dict[int, str] = {}  # step -> sha256 verified (or written) by this process
+        self._last_save_at = clock()
+        self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
         self.checkpoints_written = 0
+        self.failed_saves = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
         self.cleanup_stale()
+        self._log_auto_interval()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -315,8 +407,33 @@ class CheckpointManager:
 
     @property
     def estimated_save_seconds(self) -> float:
-        """The longest of the last five save durations, in seconds (1.0 before any save)."""
-        return max(self._save_seconds[-5:], default=1.0)
+        """Seconds a synchronous save takes at the slowest measured throughput of the last
+        five saves (1.0 before any save)."""
+        return self.stats.estimated_seconds()
+
+    def auto_interval_seconds(self) -> float | None:
+        """:return: the Young/Daly interval now, in seconds, or ``None`` when not ``auto``.
+
+        The cost is the median blocking time of recent saves; the interval is at least the last
+        save's full duration, so an async save is never queued behind the previous one.
+        """
+        if not self.config.auto_interval:
+            return None
+        floor = self.stats.durations[-1] if self.stats.durations else 0.0
+        return YoungDalyPolicy(self.config.mtbi_seconds, floor).interval(self.stats.cost())
+
+    def _log_auto_interval(self) -> None:
+        interval = self.auto_interval_seconds()
+        if interval is None:
+            return
+        previous = self._logged_interval
+        if previous is None or abs(interval - previous) > 0.1 * previous:
+            self._logged_interval = interval
+            self._log.info(
+                f"checkpoint interval: {interval:.1f} s (Young/Daly)",
+                interval_seconds=round(interval, 3), save_cost_seconds=round(self.stats.cost(), 4),
+                mtbi_seconds=self.config.mtbi_seconds, measured=bool(self.stats.blocking),
+            )
 
     def present_steps(self) -> list[int]:
         """:return: every step with a data file or commit record, newest first."""
@@ -344,26 +461,27 @@ class CheckpointManager:
         record, _ = self._record(step)
         if record is not None and self._verified.get(step) == record.sha256:
             return True
-        return self.verify(step)[0] is not None
+        return self.verify(step)[0]
 
-    def verify(self, step: int) -> tuple[bytes | None, str]:
-        """Check one checkpoint against its commit record, reading all of its data.
+    def verify(self, step: int) -> tuple[bool, str]:
+        """Check one checkpoint against its commit record, reading (and hashing) all its data.
 
-        :return: ``(data, "")`` when valid, else ``(None, reason)``.
+        :return: ``(True, "")`` when valid, else ``(False, reason)``.
         """
         record, reason = self._record(step)
         if record is None:
-            return None, reason
+            return False, reason
         try:
-            data = self._storage.read(self.path(step, DATA))
+            with self._storage.open_read(self.path(step, DATA)) as handle:
+                size, digest = hash_stream(handle)
         except OSError as exc:
-            return None, f"unreadable data file: {exc}"
-        if len(data) != record.size:
-            return None, f"size {len(data)} bytes, commit record says {record.size}"
-        if _sha256(data) != record.sha256:
-            return None, "sha256 does not match the commit record"
+            return False, f"unreadable data file: {exc}"
+        if size != record.size:
+            return False, f"size {size} bytes, commit record says {record.size}"
+        if digest != record.sha256:
+            return False, "sha256 does not match the commit record"
         self._verified[step] = record.sha256
-        return data, ""
+        return True, ""
 
     def valid_steps(self) -> list[int]:
         """:return: the steps of committed, verified checkpoints, newest first."""
@@ -385,32 +503,45 @@ class CheckpointManager:
                 self._storage.remove(f"{self.config.folder.rstrip('/')}/{name}")
                 self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
 
+    def due(self, step: int) -> bool:
+        """:return: whether the save policy wants a checkpoint at ``step`` now."""
+        elapsed = self._clock() - self._last_save_at
+        return self._save_policy.should_save(step, elapsed, self.stats.cost())
+
     def save(self, step: int, *, force: bool = False) -> bool:
         """Save and commit a checkpoint of all states at ``step`` when the policy says so.
 
-        In :attr:`AsyncMode.ASYNC`, an interval save copies the state to CPU here and writes and
-        commits it on a background thread; forced saves are always synchronous. At most one save
-        is in flight: a new one first waits for the previous one (and re-raises its error).
+        In :attr:`AsyncMode.ASYNC`, an interval save copies the state to host memory here and
+        writes and commits it on a background thread; forced saves are always synchronous. At
+        most one save is in flight: a new one first waits for the previous one.
 
         :param step: the number of optimizer steps done.
         :param force: save regardless of the interval, synchronously (final step, preemption).
         :return: whether a checkpoint was written (or, in async mode, started).
+        :raises CheckpointSaveError: when the previous background save failed (this save is
+            then not started), or when a synchronous save fails.
         """
-        if step == self.last_saved_step or not (force or self._save_policy.should_save(step)):
+        if step == self.last_saved_step or not (force or self.due(step)):
             return False
         self.wait_until_finished()
         if step == self.last_saved_step:
             return False
-        started = self._clock()
+        started = self._last_save_at = self._clock()
         if self.config.async_mode is AsyncMode.ASYNC and not force:
-            snapshot = _cpu_copy(self._state_dicts())
+            snapshot = self._snapshots.copy(self._state_dicts())
+            self.stats.blocking.append(self._clock() - started)
             self._thread = threading.Thread(
                 target=self._save_in_background, args=(step, snapshot, started),
                 name=f"checkpoint-{step}", daemon=True,
             )
             self._thread.start()
             return True
-        self._commit(step, _serialize(self._state_dicts()), started)
+        try:
+            self._commit(step, self._state_dicts(), started)
+        except Exception as exc:
+            self.failed_saves += 1
+            raise CheckpointSaveError(f"checkpoint save of step {step} failed: {exc!r}") from exc
+        self.stats.blocking.append(self._clock() - started)
         return True
 
     def _state_dicts(self) -> dict[str, Any]:
@@ -418,35 +549,53 @@ class CheckpointManager:
 
     def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
         try:
-            self._commit(step, _serialize(snapshot), started)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait_until_finished
+            self._commit(step, snapshot, started)
+        except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
+            self.failed_saves += 1
             self._error = exc
+            self._log.error("background checkpoint save failed", step=step, error=repr(exc),
+                            file=self.path(step))
 
-    def _commit(self, step: int, payload: bytes, started: float) -> None:
+    def _commit(self, step: int, state: dict[str, Any], started: float) -> None:
         data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
         self._storage.remove(commit_path)
         self._verified.pop(step, None)
-        self._write_data(data_path, payload)
+        size, digest = self._write_data(data_path, state)
         self._log.debug("checkpoint data written", step=step, file=data_path)
         if self.config.pause_before_commit_s:
             time.sleep(self.config.pause_before_commit_s)
-        record = CommitRecord(step, len(payload), _sha256(payload), utc_now())
+        record = CommitRecord(step, size, digest, utc_now())
         self._storage.write(commit_path, record.to_bytes(), atomic=True)
         self._verified[step] = record.sha256
         seconds = self._clock() - started
-        self._save_seconds.append(seconds)
+        self.stats.durations.append(seconds)
+        self.stats.sizes.append(size)
         self.last_saved_step = step
         self.checkpoints_written += 1
-        self._log.info("checkpoint saved", step=step, bytes=len(payload), seconds=round(seconds, 4),
-                       file=data_path, mode="async" if threading.current_thread() is self._thread else "sync")
+        mode = "async" if threading.current_thread() is self._thread else "sync"
+        self._log.info("checkpoint saved", step=step, bytes=size, seconds=round(seconds, 4),
+                       file=data_path, mode=mode)
         self._purge()
+        self._log_auto_interval()
 
-    def _write_data(self, path: str, payload: bytes) -> None:
+    def _write_data(self, path: str, state: dict[str, Any]) -> tuple[int, str]:
+        """Serialize ``state`` straight into ``path``. :return: ``(size, sha256)``."""
         if self.config.pause_mid_write_s:
+            payload = _serialize(state)
             self._storage.write(path, payload[: len(payload) // 2])
             self._log.debug("checkpoint data half written", file=path)
             time.sleep(self.config.pause_mid_write_s)
-        self._storage.write(path, payload)
+            self._storage.write(path, payload)
+            return len(payload), hashlib.sha256(payload).hexdigest()
+        result: dict[str, Any] = {}
+
+        def produce(handle: Any) -> None:
+            writer = HashingWriter(handle)
+            save_without_crc32(state, writer)
+            result["size"], result["sha256"] = writer.size, writer.hexdigest()
+
+        self._storage.write(path, produce)
+        return result["size"], result["sha256"]
 
     def _purge(self) -> None:
         doomed = self._keep_policy.to_delete(self.present_steps(), self.valid_steps())
@@ -478,13 +627,24 @@ class CheckpointManager:
             return True
         return False
 
-    def _read_state(self, step: int) -> dict[str, Any] | None:
+    def _deserialize(self, step: int) -> Any:
+        """Load a verified data file with the ``weights_only`` unpickler (no code runs).
+
+        Local files are memory-mapped (no copy beyond the one into the states); other storage
+        is read into memory.
+        """
         import torch
 
-        data, reason = self.verify(step)
-        if data is not None:
+        path = self.path(step, DATA)
+        if isinstance(self._storage, LocalStorage):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(io.BytesIO(self._storage.read(path)), map_location="cpu", weights_only=True)
+
+    def _read_state(self, step: int) -> dict[str, Any] | None:
+        ok, reason = self.verify(step)
+        if ok:
             try:
-                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                state = self._deserialize(step)
                 missing = [key for key in self._states if key not in state]
                 if not missing:
                     return state
@@ -506,6 +666,7 @@ class CheckpointManager:
 
         :param timeout: seconds to wait at most; default no limit.
         :return: ``False`` when the save is still running after ``timeout``, else ``True``.
+        :raises CheckpointSaveError: when the background save failed (raised once).
         """
         if self._thread is not None:
             self._thread.join(timeout)
@@ -514,7 +675,7 @@ class CheckpointManager:
             self._thread = None
         error, self._error = self._error, None
         if error is not None:
-            raise RuntimeError(f"background checkpoint save failed: {error!r}") from error
+            raise CheckpointSaveError(f"background checkpoint save failed: {error!r}") from error
         return True
 
     def abandon(self) -> None:
@@ -527,4 +688,3 @@ class CheckpointManager:
         if not self._closed:
             self._closed = True
             self.wait_until_finished()
-

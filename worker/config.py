@@ -12,6 +12,18 @@ from worker.checkpoint import AsyncMode, CheckpointConfig
 from worker.errors import ConfigError
 from worker.preemption import DEFAULT_GRACE_SECONDS
 
+#: Hyper-parameter sweep of multi-task executions: with ``CLOUD_RUN_TASK_COUNT`` > 1 (and
+#: ``--sweep auto``), task ``i`` trains member ``i mod len(SWEEP)``, replacing ``--lr`` and
+#: ``--hidden``. A grid of learning rate x hidden units.
+SWEEP: tuple[dict[str, float | int], ...] = (
+    {"lr": 3e-3, "hidden": 128},
+    {"lr": 1e-3, "hidden": 128},
+    {"lr": 3e-3, "hidden": 256},
+    {"lr": 1e-3, "hidden": 256},
+)
+#: ``--preemption-save`` choices: save at the stop only when the measured throughput says it
+#: commits before the kill (``deadline``), always (``always``, the common recipe), or never.
+PREEMPTION_SAVES = ("deadline", "always", "never")
 DEFAULT_ROOT = "/checkpoints"
 DEFAULT_DATA = "data/digits.npz"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -143,6 +155,9 @@ class WorkerConfig:
     :param grace_seconds: ``PREEMPTION_GRACE_SECONDS``, SIGTERM to SIGKILL; default 10.
     :param task_timeout_seconds: ``TASK_TIMEOUT_SECONDS``, the attempt deadline; default none.
     :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
+    :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``. With
+        checkpointing off (``--checkpoint-every 0``) nothing is saved at a stop either.
+    :param sweep_member: the :data:`SWEEP` member this task trains, or ``None``.
     """
 
     train: TrainConfig
@@ -152,6 +167,8 @@ class WorkerConfig:
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     task_timeout_seconds: float | None = None
     progress_interval: float = 1.0
+    preemption_save: str = "deadline"
+    sweep_member: int | None = None
 
     @property
     def namespace(self) -> str:
@@ -182,10 +199,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hidden", type=int, default=defaults.hidden, help="hidden units per layer")
     add("--dropout", type=float, default=defaults.dropout)
     add("--seed", type=int, default=defaults.seed)
-    add("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    add("--checkpoint-every", type=int, default=50,
+        help="steps between checkpoints; 0: no checkpoints at all (not even at a stop)")
+    add("--checkpoint-interval", default=None, metavar="N|Ns|auto",
+        help="N steps, N seconds ('30s'), or 'auto' (Young/Daly); overrides --checkpoint-every")
+    add("--mtbi", type=float, default=3600.0,
+        help="mean time between interruptions, seconds, for --checkpoint-interval auto")
     add("--keep", type=int, default=2, help="valid checkpoints to keep (>= 2)")
-    add("--async-save", action="store_true",
-        help="write interval checkpoints on a background thread (final/preemption saves stay sync)")
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument("--async-save", dest="sync_save", action="store_false",
+                      help="interval checkpoints on a background thread (the default)")
+    mode.add_argument("--sync-save", dest="sync_save", action="store_true",
+                      help="interval checkpoints on the training thread")
+    train.set_defaults(sync_save=False)
+    add("--preemption-save", choices=PREEMPTION_SAVES, default="deadline",
+        help="checkpoint at SIGTERM/deadline: if it fits (deadline), always, or never")
+    add("--sweep", choices=("auto", "off"), default="auto",
+        help="auto: with CLOUD_RUN_TASK_COUNT > 1 task i trains sweep member i mod 4")
     add("--step-delay", type=float, default=0.0, help="seconds to sleep per step (demos)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--threads", type=int, default=None, help="torch CPU threads; default unchanged")
@@ -210,6 +240,38 @@ def guess_namespace(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
         return None
 
 
+def parse_interval(spec: str | None, every: int) -> dict[str, object]:
+    """Turn ``--checkpoint-interval`` (or ``--checkpoint-every``) into checkpoint settings.
+
+    :param spec: ``N`` steps, ``Ns`` seconds, ``auto``, or ``None`` to use ``every``.
+    :param every: ``--checkpoint-every`` steps (0: never).
+    :return: ``interval``, ``interval_seconds`` and ``auto_interval`` for :class:`CheckpointConfig`.
+    :raises ConfigError: when ``spec`` is none of these.
+    """
+    settings: dict[str, object] = {"interval": every, "interval_seconds": 0.0, "auto_interval": False}
+    if spec is None:
+        return settings
+    text = spec.strip().lower()
+    try:
+        if text == "auto":
+            return {**settings, "interval": 0, "auto_interval": True}
+        if text.endswith("s"):
+            seconds = float(text[:-1])
+            if not seconds > 0:
+                raise ValueError
+            return {**settings, "interval": 0, "interval_seconds": seconds}
+        return {**settings, "interval": int(text)}
+    except ValueError:
+        raise ConfigError(f"--checkpoint-interval {spec!r}: expected N (steps), Ns (seconds) or auto") from None
+
+
+def sweep_member(identity: TaskIdentity, mode: str) -> int | None:
+    """:return: the :data:`SWEEP` member of this task, or ``None`` for a single-task run."""
+    if mode == "off" or identity.task_count <= 1:
+        return None
+    return identity.task_index % len(SWEEP)
+
+
 def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
     """Parse flags and environment into a validated :class:`WorkerConfig`.
 
@@ -220,15 +282,18 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
     root = args.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
     run_id = args.run_id or env.get("CHECKPOINT_RUN_ID") or None
     namespace = identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
+    member = sweep_member(identity, args.sweep)
+    hyper = SWEEP[member] if member is not None else {"lr": args.lr, "hidden": args.hidden}
     try:
         train = TrainConfig(
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, hidden=args.hidden,
-            dropout=args.dropout, seed=args.seed, step_delay=args.step_delay,
-            device=args.device, threads=args.threads,
+            steps=args.steps, batch_size=args.batch_size, lr=float(hyper["lr"]),
+            hidden=int(hyper["hidden"]), dropout=args.dropout, seed=args.seed,
+            step_delay=args.step_delay, device=args.device, threads=args.threads,
         )
         checkpoint = CheckpointConfig(
-            folder=namespace, interval=args.checkpoint_every, keep_latest_k=args.keep,
-            async_mode=AsyncMode.ASYNC if args.async_save else AsyncMode.DISABLED,
+            folder=namespace, keep_latest_k=args.keep, mtbi_seconds=args.mtbi,
+            **parse_interval(args.checkpoint_interval, args.checkpoint_every),  # type: ignore[arg-type]
+            async_mode=AsyncMode.DISABLED if args.sync_save else AsyncMode.ASYNC,
             pause_before_commit_s=_env_float(env, "WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", 0.0) or 0.0,
             pause_mid_write_s=_env_float(env, "WORKER_TEST_PAUSE_MID_WRITE_SECONDS", 0.0) or 0.0,
         )
@@ -241,5 +306,6 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
         data_path=os.path.join(root, args.data),
         grace_seconds=_env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS),
         task_timeout_seconds=_env_float(env, "TASK_TIMEOUT_SECONDS", None),
-        progress_interval=args.progress_interval,
+        progress_interval=args.progress_interval, preemption_save=args.preemption_save,
+        sweep_member=member,
     )

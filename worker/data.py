@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import zipfile
 from typing import Any
 
@@ -11,6 +12,9 @@ import torch
 from worker.errors import DataError
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+#: ``OSError`` numbers that mean the input is absent or not a readable file: exit 65. Any other
+#: ``OSError`` (EIO, ESTALE, ENOTCONN, a timeout of the mount) is transient: exit 1, retried.
+MISSING_INPUT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,11 @@ def _read_arrays(path: str) -> dict[str, Any]:
             return {name: archive[name] for name in REQUIRED_ARRAYS}
     except DataError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except OSError as exc:
+        if exc.errno in MISSING_INPUT_ERRNOS:
+            raise DataError(f"{path}: cannot open the .npz file: {exc.strerror or exc}") from None
+        raise  # transient (I/O error of the mount): retryable
+    except (ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: cannot read the .npz file: {exc}") from None
 
 
@@ -69,7 +77,8 @@ def load_dataset(path: str) -> Dataset:
     """Read, validate and standardize the data (per-feature mean/std of the training split).
 
     :param path: the ``.npz`` file with ``x_train`` [N,F], ``y_train`` [N], ``x_test``, ``y_test``.
-    :raises DataError: when the file is unreadable or the arrays are invalid.
+    :raises DataError: when the file is missing, not an ``.npz`` or the arrays are invalid.
+    :raises OSError: on a transient read error (e.g. EIO of a mount), which is retryable.
     """
     arrays = _read_arrays(path)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_DATAERR = 65
+EXIT_CANTCREAT = 73
 EXIT_CONFIG = 78
 EXIT_PREEMPTED = 143
 
@@ -32,3 +33,10 @@ class DataError(WorkerError):
     """Unreadable or invalid input data: not retryable, exit 65."""
 
     exit_code = EXIT_DATAERR
+
+
+class OutputError(WorkerError):
+    """The checkpoint folder cannot be created or written (permission, read-only, a file in
+    the way): not retryable, exit 73 (``EX_CANTCREAT``)."""
+
+    exit_code = EXIT_CANTCREAT

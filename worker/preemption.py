@@ -20,6 +20,8 @@ class PreemptionWatcher:
 
     :param grace_seconds: time between SIGTERM and SIGKILL, in seconds; default 10.
     :param deadline: monotonic time (seconds) at which to stop as if preempted; default none.
+        Set :attr:`timeout_at` too (the monotonic time the task timeout kills the attempt),
+        so that the time left after a deadline stop is counted to it, not by the grace.
     :param signals: the signals to handle; default SIGTERM and SIGINT.
     :param clock: monotonic clock in seconds.
     """
@@ -34,6 +36,7 @@ class PreemptionWatcher:
     ) -> None:
         self.grace_seconds = grace_seconds
         self.deadline = deadline
+        self.timeout_at: float | None = None
         self._signals = signals
         self._clock = clock
         self._event = threading.Event()
@@ -86,6 +89,8 @@ class PreemptionWatcher:
         """:return: seconds left before the expected SIGKILL (the full grace before a notice)."""
         if self.received_at is None:
             return self.grace_seconds
+        if self.signal_name == "DEADLINE" and self.timeout_at is not None:
+            return self.timeout_at - self._clock()
         return self.grace_seconds - (self._clock() - self.received_at)
 
     def final_save_fits(self, estimated_save_seconds: float, margin: float = 0.5) -> bool:

@@ -1,4 +1,4 @@
-"""Storage behind a four-method protocol on ``str`` paths.
+"""Storage behind a small protocol on ``str`` paths.
 
 Only a local (or FUSE-mounted) file system is implemented. Nothing here assumes that rename is
 atomic: on a GCS FUSE mount it is a copy followed by a delete, so readers must validate what they
@@ -8,17 +8,24 @@ read (see :mod:`worker.checkpoint`).
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import BinaryIO, Callable, Protocol, Union
+
+#: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an
+#: unbuffered binary file (so big checkpoints stream to storage without an in-memory copy).
+Payload = Union[bytes, Callable[[BinaryIO], None]]
 
 
 class Storage(Protocol):
     """What the checkpoint manager needs from a storage backend."""
 
-    def write(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+    def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
         """Write ``data`` durably to ``path``, creating parent folders."""
 
     def read(self, path: str) -> bytes:
         """:return: the whole content of ``path``; raises ``OSError`` when unreadable."""
+
+    def open_read(self, path: str) -> BinaryIO:
+        """:return: ``path`` opened for unbuffered binary reading; raises ``OSError``."""
 
     def list(self, folder: str) -> list[str]:
         """:return: the names (not paths) directly in ``folder``; empty when it is missing."""
@@ -44,20 +51,24 @@ def _fsync_dir(folder: str) -> None:
 class LocalStorage:
     """:class:`Storage` on a local or FUSE-mounted POSIX file system."""
 
-    def write(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+    def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
         """Write, flush and fsync ``data`` to ``path``.
 
         :param path: destination file.
-        :param data: the bytes to write.
+        :param data: the bytes to write, or a function writing them into the open file.
         :param atomic: write to ``path + ".tmp"`` first, then rename it over ``path``. The rename
             is only atomic on local disks; readers still validate the content.
         """
         folder = os.path.dirname(path) or "."
         os.makedirs(folder, exist_ok=True)
         target = path + ".tmp" if atomic else path
-        with open(target, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        with open(target, "wb", buffering=0) as handle:
+            if callable(data):
+                data(handle)
+            else:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[handle.write(view):]
             os.fsync(handle.fileno())
         if atomic:
             os.replace(target, path)
@@ -67,6 +78,10 @@ class LocalStorage:
         """:return: the bytes of ``path``."""
         with open(path, "rb") as handle:
             return handle.read()
+
+    def open_read(self, path: str) -> BinaryIO:
+        """:return: ``path`` opened for unbuffered binary reading."""
+        return open(path, "rb", buffering=0)
 
     def list(self, folder: str) -> list[str]:
         """:return: sorted entry names in ``folder`` (empty if it does not exist)."""

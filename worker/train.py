@@ -98,6 +98,10 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((predicted == y).float().mean().item())
 
 
+#: Consecutive failed checkpoint saves after which the attempt fails (exit 1, retryable).
+MAX_FAILED_SAVES_IN_A_ROW = 3
+
+
 class Trainer:
     """Runs one attempt of the task.
 
@@ -117,6 +121,8 @@ class Trainer:
         self._storage = storage or LocalStorage()
         self._started = time.monotonic()
         self._attempts: list[dict[str, Any]] = []
+        self._failed_in_a_row = 0
+        self._failed_total = 0
 
     def _path(self, name: str) -> str:
         return os.path.join(self.config.namespace, name)
@@ -132,6 +138,7 @@ class Trainer:
         data = load_dataset(self.config.data_path)
         data = Dataset(*(t.to(device) for t in dataclasses.astuple(data)))
         parts = build_components(self.config, data, device)
+        self._log_setup(device)
         with ckpt.CheckpointManager(self.config.checkpoint, parts.stateful(), storage=self._storage,
                                     logger=self._log) as manager:
             self._resume(manager, parts)
@@ -145,10 +152,22 @@ class Trainer:
             self._finish(manager, parts, data, progress)
         return EXIT_OK
 
+    def _log_setup(self, device: torch.device) -> None:
+        config, train = self.config, self.config.train
+        checkpoint = config.checkpoint
+        self._log.info(
+            "training setup", device=str(device), lr=train.lr, hidden=train.hidden,
+            sweep_member=config.sweep_member, task_count=config.identity.task_count,
+            checkpoint_every_steps=checkpoint.interval or None,
+            checkpoint_every_seconds=checkpoint.interval_seconds or None,
+            checkpoint_interval_auto=checkpoint.auto_interval, checkpointing=checkpoint.enabled,
+            save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
+        )
+
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
         previous = read_json(self._storage, self._path(PROGRESS)) or {}
         reported = previous.get("step") if isinstance(previous.get("step"), int) else None
-        if manager.load():
+        if self.config.checkpoint.enabled and manager.load():
             step = parts.state.step
             parts.state.checkpoints += 1  # the loaded checkpoint itself
             self._log.info(f"resuming from step {step}", resumed_from_step=step,
@@ -196,9 +215,21 @@ class Trainer:
 
     def _save(self, manager: ckpt.CheckpointManager, parts: Components, step: int,
               force: bool = False) -> bool:
-        saved = manager.save(step, force=force)
-        if saved:
+        """Save through ``manager``; a failed save is logged and training goes on, until
+        :data:`MAX_FAILED_SAVES_IN_A_ROW` fail in a row (then the error propagates: exit 1)."""
+        try:
+            saved = manager.save(step, force=force)
+        except ckpt.CheckpointSaveError as exc:
+            self._failed_in_a_row += 1
+            self._log.error("checkpoint save failed; training goes on", step=step, error=str(exc),
+                            failed_in_a_row=self._failed_in_a_row, failed_saves=manager.failed_saves)
+            if self._failed_in_a_row >= MAX_FAILED_SAVES_IN_A_ROW:
+                raise
+            return False
+        if saved:  # the previous background save, if any, committed too
             parts.state.checkpoints += 1
+            self._failed_in_a_row = 0
+        self._failed_total = manager.failed_saves
         return saved
 
     def _settle_in_flight(self, manager: ckpt.CheckpointManager, step: int) -> bool:
@@ -228,10 +259,13 @@ class Trainer:
 
     def _final_save(self, manager: ckpt.CheckpointManager, parts: Components, step: int) -> None:
         """Best-effort synchronous save at ``step`` if it fits in the rest of the grace period."""
-        watcher = self._watcher
-        if manager.last_saved_step == step or step == 0:
+        watcher, policy = self._watcher, self.config.preemption_save
+        if not self.config.checkpoint.enabled or policy == "never":
+            self._log.info("no checkpoint at the stop (checkpointing off)", step=step,
+                           preemption_save=policy)
+        elif manager.last_saved_step == step or step == 0:
             self._log.info("nothing new to checkpoint", step=step)
-        elif watcher.final_save_fits(manager.estimated_save_seconds):
+        elif policy == "always" or watcher.final_save_fits(manager.estimated_save_seconds):
             self._save(manager, parts, step, force=True)
         else:
             self._log.warning("final checkpoint skipped: it would not fit in the grace period",
@@ -241,8 +275,13 @@ class Trainer:
     def _finish(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
                 progress: ProgressReporter) -> None:
         total = self.config.train.steps
-        self._save(manager, parts, total, force=True)
-        manager.wait_until_finished()
+        if self.config.checkpoint.enabled:
+            try:
+                manager.wait_until_finished()
+            except ckpt.CheckpointSaveError as exc:
+                self._log.error("background checkpoint save failed", error=str(exc), step=total)
+            if not self._save(manager, parts, total, force=True) and manager.last_saved_step != total:
+                raise ckpt.CheckpointSaveError(f"the final checkpoint of step {total} was not written")
         metrics = self.final_metrics(parts, data)
         write_json(self._storage, self._path(METRICS), metrics)
         progress.update(total, parts.state.loss_ema, status="completed", force=True)
@@ -260,6 +299,7 @@ class Trainer:
             "wall_seconds": round(parts.state.elapsed_seconds, 3),
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": parts.state.checkpoints,
+            "failed_saves": self._failed_total,
             "history": parts.state.history,
             "attempts": self._attempts,
             "lost_steps_total": sum(int(a.get("lost_steps", 0)) for a in self._attempts),

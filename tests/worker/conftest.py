@@ -54,10 +54,10 @@ def worker_env(**extra: str) -> dict[str, str]:
 class WorkerProcess:
     """A ``python -m worker train`` child whose JSON log lines are collected as they arrive."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], *, new_group: bool = False) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "worker", *args], cwd=REPO_ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_group,
         )
         self.records: list[dict] = []
         self.raw: list[str] = []
@@ -99,6 +99,10 @@ class WorkerProcess:
         """Send ``signum`` to the child."""
         self.proc.send_signal(signum)
 
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the child's whole process group (started with ``new_group``)."""
+        os.killpg(self.proc.pid, signum)
+
     def wait(self, timeout: float = 60.0) -> int:
         """:return: the exit code (negative for a signal), after the log reader drained."""
         code = self.proc.wait(timeout=timeout)
@@ -126,7 +130,8 @@ class Task:
     def namespace(self) -> Path:
         return self.root / self.job / "task-0"
 
-    def start(self, *extra: str, env: dict[str, str] | None = None, flags=TRAIN_FLAGS) -> WorkerProcess:
+    def start(self, *extra: str, env: dict[str, str] | None = None, flags=TRAIN_FLAGS,
+              new_group: bool = False) -> WorkerProcess:
         """Start the next attempt (``CLOUD_RUN_TASK_ATTEMPT`` increments like a Cloud Run retry)."""
         identity = {
             "CLOUD_RUN_JOB": self.job, "CLOUD_RUN_EXECUTION": f"{self.job}-exec",
@@ -136,7 +141,7 @@ class Task:
         environment = worker_env(**{**identity, **(env or {})})
         self.attempt += 1
         args = ["train", "--checkpoint-dir", str(self.root), "--data", str(self.data), *flags, *extra]
-        return WorkerProcess(args, environment)
+        return WorkerProcess(args, environment, new_group=new_group)
 
     def run(self, *extra: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> WorkerProcess:
         """Run one attempt to its end."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from worker.checkpoint import (
+    AsyncMode,
     COMMIT,
     DATA,
     CheckpointConfig,
@@ -93,7 +94,9 @@ def test_fixed_interval_policy(interval: int, step: int, expected: bool) -> None
     [
         ({"keep_latest_k": 1}, "in flight"),
         ({"keep_latest_k": 0}, ">= 2"),
-        ({"interval": 0}, "interval"),
+        ({"interval": -1}, "interval"),
+        ({"interval_seconds": -1.0}, "seconds"),
+        ({"mtbi_seconds": 0.0}, "interruptions"),
         ({"load_step": -2}, "load_step"),
         ({"folder": ""}, "folder"),
         ({"pause_before_commit_s": -1.0}, "pauses"),
@@ -139,7 +142,7 @@ class ListLog:
 
 
 def _manager(folder: Path, box: Box, stream: ListLog | None = None, keep: int = 2) -> CheckpointManager:
-    config = CheckpointConfig(folder=str(folder), interval=10, keep_latest_k=keep)
+    config = CheckpointConfig(folder=str(folder), interval=10, keep_latest_k=keep, async_mode=AsyncMode.DISABLED)
     return CheckpointManager(config, {"box": box}, logger=StructuredLogger(stream or ListLog()))
 
 
