@@ -249,7 +249,7 @@ class CloudRunBackend:
         quota = self.registry.config.policy.gpu_quota
         if quota <= 0:
             return 1 << 30
-        return quota - sum(len(s.running) for s in self.supervisors.values() if s.gpu)
+        return quota - sum(len(s.running) + len(s.starting) for s in self.supervisors.values() if s.gpu)
 
     def _on_finish(self, op: Operation, execution: Execution) -> None:
         op.done = True

@@ -1,9 +1,11 @@
 """The per-execution supervisor thread: the only writer of an execution's state once created.
 
 Loop (every ``poll_seconds``, under the backend's lock): reap finished attempts, enforce
-timeouts and SIGKILL deadlines, stop work when cancelling or failing, start pending tasks up to
-``parallelism``, and finish the execution when nothing runs any more. HTTP handlers only read,
-or post requests (cancel, preempt) that this loop carries out.
+timeouts and SIGKILL deadlines, stop work when cancelling or failing, claim pending tasks up to
+``parallelism``, and finish the execution when nothing runs any more. The claimed attempts'
+processes are then spawned *outside* the lock (a fork-exec costs milliseconds, and a step may
+start dozens), and registered under it again. HTTP handlers only read, or post requests
+(cancel, preempt) that this loop carries out.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ExecutionSupervisor(threading.Thread):
         self.gpu = uses_gpu(execution.template)
         self._gpu_slots_left = gpu_slots_left
         self.running: dict = {}  # task index -> Attempt
+        self.starting: dict = {}  # task index -> attempt number, claimed but not yet spawned
         self._shutdown = False
 
     # --- requests from other threads (caller holds cond) -------------------------------
@@ -90,7 +93,45 @@ class ExecutionSupervisor(threading.Thread):
                     self.cond.notify_all()
                 if self.execution.done:
                     return
-            time.sleep(self.config.policy.poll_seconds)
+                claimed = [(self._task(i), n) for i, n in self.starting.items()]
+            if claimed:
+                self._spawn(claimed)
+            else:
+                time.sleep(self.config.policy.poll_seconds)
+
+    def _task(self, index: int):
+        return self.execution.tasks[index]
+
+    def _spawn(self, claimed: list) -> None:
+        """Start the claimed attempts' processes without the lock, then register them."""
+        outcomes = []
+        for task, number in claimed:
+            try:
+                outcomes.append((task, launch(task, number, self.execution.task_count, self.config)))
+            except (LookupError, OSError) as exc:
+                outcomes.append((task, exc))
+        with self.cond:
+            for task, outcome in outcomes:
+                del self.starting[task.index]
+                self._register(task, outcome)
+            self.cond.notify_all()
+
+    def _register(self, task, outcome) -> None:
+        """Record a spawned attempt (stopped at once if the execution is winding down or the
+        emulator shutting down meanwhile), or the failure to spawn it."""
+        if isinstance(outcome, LookupError):  # image not in the table: not retryable
+            task.last_result = AttemptResult(5, str(outcome))
+            self._fail_attempt(task, task.last_result, retryable=False)
+        elif isinstance(outcome, OSError):
+            task.last_result = AttemptResult(2, f"The container failed to start: {outcome}", exit_code=127)
+            self._fail_attempt(task, task.last_result)
+        elif self._shutdown:  # terminate() and reap() have run already: nobody else will reap it
+            outcome.signal_group(signal.SIGKILL)
+            outcome.popen.wait()
+        else:
+            self.running[task.index] = outcome
+            if self.execution.state in (ExecutionState.CANCELLING, ExecutionState.FAILING):
+                outcome.stop("cancelled", self.config.policy.grace_seconds)
 
     def _step(self) -> bool:
         changed = self._reap()
@@ -99,7 +140,7 @@ class ExecutionSupervisor(threading.Thread):
             changed |= self._wind_down()
         else:
             changed |= self._start_pending()
-        if not self.running and all(t.state in TERMINAL_TASK for t in self.execution.tasks):
+        if not self.running and not self.starting and all(t.state in TERMINAL_TASK for t in self.execution.tasks):
             self._finish()
             changed = True
         return changed
@@ -177,28 +218,18 @@ class ExecutionSupervisor(threading.Thread):
         return changed
 
     def _start_pending(self) -> bool:
+        """Claim pending tasks up to ``parallelism`` (and the GPU quota): RUNNING, to be spawned."""
         limit = self.execution.parallelism or self.execution.task_count
         changed = False
         for task in self.execution.tasks:
-            if len(self.running) >= limit or (self.gpu and self._gpu_slots_left() <= 0):
+            if len(self.running) + len(self.starting) >= limit or (self.gpu and self._gpu_slots_left() <= 0):
                 break
             if task.state is TaskState.PENDING and time.monotonic() >= task.not_before:
-                self._start(task)
+                transition(task, TaskState.RUNNING, TASK_TRANSITIONS)
+                task.start_time = utcnow()
+                self.starting[task.index] = task.retried
                 changed = True
         return changed
-
-    def _start(self, task) -> None:
-        number = task.retried
-        transition(task, TaskState.RUNNING, TASK_TRANSITIONS)
-        task.start_time = utcnow()
-        try:
-            self.running[task.index] = launch(task, number, self.execution.task_count, self.config)
-        except LookupError as exc:  # image not in the table: not retryable
-            task.last_result = AttemptResult(5, str(exc))
-            self._fail_attempt(task, task.last_result, retryable=False)
-        except OSError as exc:
-            task.last_result = AttemptResult(2, f"The container failed to start: {exc}", exit_code=127)
-            self._fail_attempt(task, task.last_result)
 
     def _finish(self) -> None:
         ex = self.execution
