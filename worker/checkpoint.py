@@ -542,6 +542,7 @@ class CheckpointManager:
             self.failed_saves += 1
             raise CheckpointSaveError(f"checkpoint save of step {step} failed: {exc!r}") from exc
         self.stats.blocking.append(self._clock() - started)
+        self._log_auto_interval()
         return True
 
     def _state_dicts(self) -> dict[str, Any]:

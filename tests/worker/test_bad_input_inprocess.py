@@ -1,0 +1,137 @@
+"""Bad input through ``worker.__main__.main`` in this process (no process start per case):
+ONE clear error line, the sysexits code, existing checkpoints untouched."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker import __main__ as cli
+from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
+from worker.data import load_dataset
+from worker.errors import DataError
+from worker.logs import StructuredLogger
+from worker.storage import LocalStorage
+
+from tests.worker.test_checkpoint_unit import Box, ListLog
+
+ENV = {"CLOUD_RUN_JOB": "job", "CLOUD_RUN_TASK_INDEX": "0", "CLOUD_RUN_TASK_COUNT": "1"}
+
+
+def _existing_checkpoint(namespace: Path) -> dict[str, bytes]:
+    config = CheckpointConfig(folder=str(namespace), interval=10, async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, {"box": Box(1.0)}, logger=StructuredLogger(ListLog())) as manager:
+        manager.save(10)
+    return {p.name: p.read_bytes() for p in namespace.iterdir()}
+
+
+def _run(capsys, root: Path, data: Path, *extra: str, env: dict | None = None) -> tuple[int, list[dict]]:
+    argv = ["train", "--checkpoint-dir", str(root), "--data", str(data), "--steps", "5", *extra]
+    code = cli.main(argv, {**ENV, **(env or {})})
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    return code, [r for r in lines if r["severity"] == "ERROR"]
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "reason"),
+    [
+        ("missing data file", 65, "cannot open"),
+        ("wrong shape", 65, "shape"),
+        ("unknown option", 78, "unrecognized arguments: --bogus"),
+        ("bad value", 78, "--steps"),
+        ("bad environment", 78, "PREEMPTION_GRACE_SECONDS"),
+        ("unwritable checkpoint dir", 73, "not writable"),
+    ],
+)
+def test_bad_input_one_error_line_sysexits_code_checkpoints_untouched(
+    capsys, monkeypatch, tmp_path: Path, digits_npz: Path, case: str, code: int, reason: str
+) -> None:
+    root, data, extra, env = tmp_path / "ckpt", digits_npz, [], {}
+    namespace = root / "job" / "task-0"
+    before = _existing_checkpoint(namespace)
+    if case == "missing data file":
+        data = tmp_path / "nowhere.npz"
+    elif case == "wrong shape":
+        data = tmp_path / "flat.npz"
+        np.savez(data, x_train=np.ones(8, np.float32), y_train=np.zeros(8, np.int64),
+                 x_test=np.ones((2, 4), np.float32), y_test=np.zeros(2, np.int64))
+    elif case == "unknown option":
+        extra = ["--bogus"]
+    elif case == "bad value":
+        extra = ["--steps", "0"]
+    elif case == "bad environment":
+        env = {"PREEMPTION_GRACE_SECONDS": "soon"}
+    else:  # root ignores file modes: refuse the probe write as a read-only mount would
+        real_write = LocalStorage.write
+
+        def refuse(self, path, payload, *, atomic=False):
+            if path.endswith(".write-probe"):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real_write(self, path, payload, atomic=atomic)
+
+        monkeypatch.setattr(LocalStorage, "write", refuse)
+    exit_code, errors = _run(capsys, root, data, *extra, env=env)
+    assert exit_code == code
+    assert len(errors) == 1 and reason in errors[0]["message"], errors
+    after = {p.name: p.read_bytes() for p in namespace.iterdir() if p.name != "FATAL"}
+    assert after == before
+    if code != 73:  # a writable namespace holds the marker: the next attempt exits at once
+        assert json.loads((namespace / "FATAL").read_text())["exit_code"] == code
+        assert cli.main(["train", "--checkpoint-dir", str(root)], ENV) == code
+
+
+def test_checkpoint_root_that_is_a_file_exits_73(capsys, tmp_path: Path, digits_npz: Path) -> None:
+    root = tmp_path / "a-file"
+    root.write_text("not a folder")
+    exit_code, errors = _run(capsys, root, digits_npz)
+    assert exit_code == 73 and len(errors) == 1 and "not writable" in errors[0]["message"]
+    assert errors[0]["fatal_marker"].startswith("not written")
+
+
+def test_transient_read_error_is_retryable_missing_file_is_not(monkeypatch, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="cannot open"):
+        load_dataset(str(tmp_path / "missing.npz"))
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(np, "load", eio)
+    with pytest.raises(OSError) as raised:
+        load_dataset(str(tmp_path / "any.npz"))
+    assert not isinstance(raised.value, DataError)  # exit 1, retried; no FATAL marker
+
+
+class _Exploit:
+    """Pickles to ``open(marker, "w")``: a full unpickler would create the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickled_payload_is_refused_not_executed(tmp_path: Path) -> None:
+    folder, marker = tmp_path / "ns", tmp_path / "executed"
+    config = CheckpointConfig(folder=str(folder), interval=10, async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, {"box": Box(2.0)}, logger=StructuredLogger(ListLog())) as manager:
+        manager.save(10)
+    buffer = io.BytesIO()
+    torch.save({"box": {"t": torch.zeros(1)}, "evil": _Exploit(marker)}, buffer)
+    payload = buffer.getvalue()
+    (folder / "ckpt-00000020.pt").write_bytes(payload)
+    record = CommitRecord(20, len(payload), hashlib.sha256(payload).hexdigest(), "now")
+    (folder / "ckpt-00000020.commit.json").write_bytes(record.to_bytes())
+    log, restored = ListLog(), Box()
+    with CheckpointManager(config, {"box": restored}, logger=StructuredLogger(log)) as manager:
+        assert manager.load() and manager.loaded_step == 10
+    assert not marker.exists() and restored.tensor.item() == 2.0
+    skipped = [r for r in log.records if r["message"] == "skipping invalid checkpoint"]
+    assert skipped[0]["step"] == 20 and "torch.load failed" in skipped[0]["reason"]

@@ -1,0 +1,152 @@
+"""Unit tests: time and Young/Daly intervals, strategy flags, the sweep, snapshot buffers and
+overlapped hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.checkpoint import (
+    AsyncMode,
+    CheckpointConfig,
+    CheckpointManager,
+    TimeIntervalPolicy,
+    YoungDalyPolicy,
+)
+from worker.config import SWEEP, config_from_args, parse_interval
+from worker.errors import ConfigError
+from worker.fastio import HashingWriter, SnapshotBuffers, hash_stream
+from worker.logs import StructuredLogger
+
+from tests.worker.test_checkpoint_unit import Box, ListLog
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_time_and_young_daly_policies() -> None:
+    assert not TimeIntervalPolicy(30).should_save(5, elapsed=29.9)
+    assert TimeIntervalPolicy(30).should_save(5, elapsed=30.0)
+    policy = YoungDalyPolicy(mtbi=3600)
+    assert policy.interval(0.5) == pytest.approx(math.sqrt(2 * 0.5 * 3600))  # 60 s
+    assert not policy.should_save(1, elapsed=59.0, cost=0.5) and policy.should_save(1, elapsed=60.0, cost=0.5)
+    assert YoungDalyPolicy(mtbi=1, floor=5.0).interval(0.01) == 5.0
+
+
+def test_auto_interval_is_logged_and_follows_the_measured_cost(tmp_path: Path) -> None:
+    clock, log = FakeClock(), ListLog()
+    config = CheckpointConfig(folder=str(tmp_path), interval=0, auto_interval=True, mtbi_seconds=200,
+                              async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, {"box": Box()}, logger=StructuredLogger(log), clock=clock) as manager:
+        chosen = [r for r in log.records if r["message"].startswith("checkpoint interval:")]
+        assert chosen[0]["interval_seconds"] == pytest.approx(20.0) and chosen[0]["measured"] is False
+        clock.now += 19.0
+        assert manager.save(1) is False
+        clock.now += 1.0
+        assert manager.save(2) is True  # 20 s after the start, with the assumed 1 s cost
+        assert manager.auto_interval_seconds() == pytest.approx(0.0)  # measured cost: 0 s (fake clock)
+    chosen = [r for r in log.records if r["message"].startswith("checkpoint interval:")]
+    assert chosen[-1]["measured"] is True
+
+
+@pytest.mark.parametrize(
+    ("spec", "every", "expected"),
+    [
+        (None, 50, {"interval": 50, "interval_seconds": 0.0, "auto_interval": False}),
+        (None, 0, {"interval": 0, "interval_seconds": 0.0, "auto_interval": False}),
+        ("25", 50, {"interval": 25, "interval_seconds": 0.0, "auto_interval": False}),
+        ("30s", 50, {"interval": 0, "interval_seconds": 30.0, "auto_interval": False}),
+        ("auto", 50, {"interval": 0, "interval_seconds": 0.0, "auto_interval": True}),
+    ],
+)
+def test_parse_interval(spec, every: int, expected: dict) -> None:
+    assert parse_interval(spec, every) == expected
+
+
+@pytest.mark.parametrize("spec", ["soon", "-5s", "0s", "1.5"])
+def test_parse_interval_refuses_nonsense(spec: str) -> None:
+    with pytest.raises(ConfigError, match="checkpoint-interval"):
+        parse_interval(spec, 50)
+
+
+def test_strategy_flags() -> None:
+    """The goodput benchmark's three strategies through the same worker."""
+    none = config_from_args(["train", "--checkpoint-every", "0"], {})
+    assert not none.checkpoint.enabled
+    common = config_from_args(["train", "--checkpoint-every", "5", "--sync-save", "--preemption-save", "always"], {})
+    assert common.checkpoint.interval == 5 and common.checkpoint.async_mode is AsyncMode.DISABLED
+    assert common.preemption_save == "always"
+    ours = config_from_args(["train", "--checkpoint-interval", "auto", "--mtbi", "600"], {})
+    assert ours.checkpoint.auto_interval and ours.checkpoint.mtbi_seconds == 600
+    assert ours.checkpoint.async_mode is AsyncMode.ASYNC and ours.preemption_save == "deadline"
+    with pytest.raises(ConfigError):
+        config_from_args(["train", "--sync-save", "--async-save"], {})
+
+
+def test_multi_task_executions_train_the_sweep_members() -> None:
+    env = {"CLOUD_RUN_TASK_COUNT": "6"}
+    members = [config_from_args(["train"], {**env, "CLOUD_RUN_TASK_INDEX": str(i)}) for i in range(6)]
+    assert [m.sweep_member for m in members] == [0, 1, 2, 3, 0, 1]
+    assert [(m.train.lr, m.train.hidden) for m in members[:4]] == [(s["lr"], s["hidden"]) for s in SWEEP]
+    assert len({m.namespace for m in members}) == 6  # each task in its own namespace
+    single = config_from_args(["train", "--lr", "0.01"], {})
+    assert single.sweep_member is None and single.train.lr == 0.01
+    off = config_from_args(["train", "--sweep", "off", "--lr", "0.01"], {**env, "CLOUD_RUN_TASK_INDEX": "3"})
+    assert off.sweep_member is None and off.train.lr == 0.01
+
+
+def test_snapshot_buffers_are_reused_and_hold_the_values_at_copy_time() -> None:
+    buffers = SnapshotBuffers()
+    state = {"w": torch.arange(6.0).reshape(2, 3).t(), "meta": [1, "x"], "step": torch.tensor(3)}
+    first = buffers.copy(state)
+    assert torch.equal(first["w"], state["w"]) and first["meta"] == [1, "x"]
+    pointer = first["w"].data_ptr()
+    state["w"].add_(1)  # the source changes, the snapshot does not
+    assert first["w"][0, 0].item() == 0.0
+    second = buffers.copy(state)
+    assert second["w"].data_ptr() == pointer and second["w"][0, 0].item() == 1.0
+    assert buffers.nbytes == 6 * 4 + 8
+
+
+@pytest.mark.parametrize("sizes", [[10, 3, 0], [3 << 20, 5, 9 << 20, 7], [40 << 20]])
+def test_hashing_writer_and_hash_stream_match_hashlib(tmp_path: Path, sizes: list[int]) -> None:
+    parts = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    path = tmp_path / "f.bin"
+    with open(path, "wb", buffering=0) as handle:
+        writer = HashingWriter(handle)
+        for part in parts:
+            assert writer.write(part) == len(part)
+        digest = writer.hexdigest()
+    expected = hashlib.sha256(b"".join(parts)).hexdigest()
+    assert digest == expected and path.read_bytes() == b"".join(parts)
+    with open(path, "rb", buffering=0) as handle:
+        assert hash_stream(handle) == (sum(sizes), expected)
+    assert hash_stream(io.BytesIO(b"")) == (0, hashlib.sha256(b"").hexdigest())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_snapshots_into_pinned_buffers_and_round_trips(tmp_path: Path) -> None:
+    from worker.state import capture_rng
+
+    box = Box()
+    box.tensor = torch.randn(1 << 20, device="cuda")
+    snapshot = SnapshotBuffers().copy({"t": box.tensor})
+    assert snapshot["t"].is_pinned() and torch.equal(snapshot["t"].cuda(), box.tensor)
+    assert len(capture_rng()["cuda"]) == torch.cuda.device_count()
+    config = CheckpointConfig(folder=str(tmp_path), interval=1)
+    with CheckpointManager(config, {"box": box}, logger=StructuredLogger(ListLog())) as manager:
+        assert manager.save(1)
+    restored = Box()
+    with CheckpointManager(config, {"box": restored}, logger=StructuredLogger(ListLog())) as manager:
+        assert manager.load()
+    assert torch.equal(restored.tensor, box.tensor.cpu())
