@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import warnings
 
@@ -128,3 +129,13 @@ def test_on_kill_leaves_a_watched_execution_alone(hook, job_name):
         assert run_trigger(execution, timeout=0.3)["status"] == "timeout"
     finally:
         hook.cancel_execution(execution=execution, wait=True)
+
+
+def test_run_keeps_polling_through_errors_that_outlast_the_hooks_retries(hook, job_name, faults, monkeypatch):
+    """Transient errors never end the wait, also when the per-call retry deadline passes."""
+    from airflow_gpu_resilience.hooks import cloud_run
+
+    execution = start(hook, job_name, ["sleep", "1"])
+    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, deadline=0.2))
+    faults(failNext=8, codes=[503, 429])
+    assert run_trigger(execution)["status"] == "succeeded"
