@@ -1,9 +1,11 @@
 """Emulator scale benchmark: executions of 1, 100 and 1,000 short tasks.
 
-For each size it creates a job of a short shell command, runs it, and while it runs polls
-``get_execution`` and ``list_tasks`` (first page, 100 tasks) from two client threads, back to
-back with a short pause. It reports the wall time from ``RunJob`` to the observed completion,
-the task throughput, and p50/p95/p99/max latency of both calls; prints a table; writes
+For each size it creates a job of a short shell command (``echo``, then ``sleep`` 0.2 s), runs
+it, and while it runs polls ``get_execution`` and ``list_tasks`` (first page, 100 tasks) from
+two client threads, each call 20 ms after the previous answer. It reports the wall time from
+``RunJob`` to the observed completion (and the ideal, ``ceil(tasks / parallelism) * 0.2 s``),
+the task throughput, the most tasks seen running at once, and p50/p95/p99/max latency of both
+calls; prints a table; writes
 ``benchmarks/results/emulator_scale.json`` and, when matplotlib is installed,
 ``benchmarks/results/emulator_scale.png``.
 
@@ -12,7 +14,7 @@ Run::
     .venv/bin/python benchmarks/bench_emulator.py [--sizes 1:1,100:10,1000:50] [--out DIR]
 
 Defaults (``size:parallelism``) are 1:1, 100:10 and 1000:50; on a 2-core machine the whole run
-takes well under 3 minutes. Not a timed test: numbers depend on the machine and its load.
+takes well under a minute (emulator start included). Not a timed test: numbers depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from airflow_gpu_resilience.emulator.process import EmulatorProcess
 
 PARENT = "projects/bench/locations/us-central1"
 IMAGE = "bench/short:latest"
-SHORT_COMMAND = 'echo "task $CLOUD_RUN_TASK_INDEX attempt $CLOUD_RUN_TASK_ATTEMPT"'
+SHORT_COMMAND = 'echo "task $CLOUD_RUN_TASK_INDEX attempt $CLOUD_RUN_TASK_ATTEMPT"; sleep "$TASK_SECONDS"'
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -68,12 +70,13 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.call, self.pause = call, pause
         self.latencies: list = []
+        self.answers: list = []
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             started = time.perf_counter()
-            self.call()
+            self.answers.append(self.call())
             self.latencies.append(time.perf_counter() - started)
             self.stopped.wait(self.pause)
 
@@ -84,11 +87,12 @@ def clients(endpoint: str) -> tuple:
     return run_v2.JobsClient(**opts), run_v2.ExecutionsClient(**opts), run_v2.TasksClient(**opts)
 
 
-def run_size(endpoint: str, task_count: int, parallelism: int) -> dict:
+def run_size(endpoint: str, task_count: int, parallelism: int, task_seconds: float) -> dict:
     """One execution of ``task_count`` short tasks; its wall time, counters and API latencies."""
     jobs, executions, tasks = clients(endpoint)
     job_id = f"bench-{task_count}-{int(time.time() * 1000) % 100000}"
-    template = run_v2.TaskTemplate(containers=[run_v2.Container(image=IMAGE)], max_retries=0)
+    container = run_v2.Container(image=IMAGE, env=[run_v2.EnvVar(name="TASK_SECONDS", value=f"{task_seconds:g}")])
+    template = run_v2.TaskTemplate(containers=[container], max_retries=0)
     spec = run_v2.Job(template=run_v2.ExecutionTemplate(task_count=task_count, parallelism=parallelism,
                                                         template=template))
     jobs.create_job(parent=PARENT, job=spec, job_id=job_id).result(timeout=30)
@@ -105,9 +109,11 @@ def run_size(endpoint: str, task_count: int, parallelism: int) -> dict:
     for poller in polls.values():
         poller.stopped.set()
         poller.join()
-    return {"tasks": task_count, "parallelism": parallelism, "wall_seconds": round(wall, 3),
-            "tasks_per_second": round(task_count / wall, 1), "succeeded": execution.succeeded_count,
-            "failed": execution.failed_count,
+    peak = max((e.running_count for e in polls["get_execution"].answers), default=0)
+    return {"tasks": task_count, "parallelism": parallelism, "task_seconds": task_seconds,
+            "wall_seconds": round(wall, 3), "ideal_seconds": round(-(-task_count // parallelism) * task_seconds, 3),
+            "tasks_per_second": round(task_count / wall, 1), "peak_running_seen": peak,
+            "succeeded": execution.succeeded_count, "failed": execution.failed_count,
             "latency_ms": {call: summary_ms(p.latencies) for call, p in polls.items()}}
 
 
@@ -118,8 +124,8 @@ def write_images(directory: Path) -> Path:
 
 
 def print_table(rows: list) -> None:
-    head = (f"{'tasks':>6} {'par':>4} {'wall s':>8} {'tasks/s':>8} | {'get_execution ms p50/p95/p99 (n)':>34} | "
-            f"{'list_tasks ms p50/p95/p99 (n)':>34}")
+    head = (f"{'tasks':>6} {'par':>4} {'wall s':>7} {'ideal s':>7} {'tasks/s':>7} {'peak':>4} | "
+            f"{'get_execution ms p50/p95/p99 (n)':>32} | {'list_tasks ms p50/p95/p99 (n)':>30}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -127,8 +133,8 @@ def print_table(rows: list) -> None:
         for call in ("get_execution", "list_tasks"):
             s = r["latency_ms"][call]
             cells.append(f"{s['p50']:.1f}/{s['p95']:.1f}/{s['p99']:.1f} ({s['count']})")
-        print(f"{r['tasks']:>6} {r['parallelism']:>4} {r['wall_seconds']:>8.2f} {r['tasks_per_second']:>8.1f} | "
-              f"{cells[0]:>34} | {cells[1]:>34}")
+        print(f"{r['tasks']:>6} {r['parallelism']:>4} {r['wall_seconds']:>7.2f} {r['ideal_seconds']:>7.2f} "
+              f"{r['tasks_per_second']:>7.1f} {r['peak_running_seen']:>4} | {cells[0]:>32} | {cells[1]:>30}")
 
 
 def plot(rows: list, path: Path) -> bool:
@@ -163,12 +169,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1:1,100:10,1000:50"),
                         help="comma-separated task_count:parallelism (default 1:1,100:10,1000:50)")
+    parser.add_argument("--task-seconds", type=float, default=0.2, help="how long each task sleeps (default 0.2)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-emulator-") as tmp:
         with EmulatorProcess(Path(tmp) / "emu", images_file=write_images(Path(tmp)), grace_seconds=1.0) as emu:
-            rows = [run_size(emu.endpoint, count, parallelism) for count, parallelism in args.sizes]
+            rows = [run_size(emu.endpoint, count, parallelism, args.task_seconds) for count, parallelism in args.sizes]
     print_table(rows)
     report = {"benchmark": "emulator_scale", "command": SHORT_COMMAND, "python": platform.python_version(),
               "machine": {"system": platform.system(), "cpus": _cpus()}, "runs": rows}
