@@ -4,7 +4,8 @@ Start it::
 
     python -m airflow_gpu_resilience.emulator serve --port 8123 --gcs-port 9023 \\
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
-        [--no-preemption-consumes-retry] [--failed-execution-code 9]
+        [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] \\
+        [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]]
 
 It binds 127.0.0.1 only and prints one JSON ready line,
 ``{"ready": true, "endpoint": "http://127.0.0.1:PORT", "gcsEndpoint": "http://127.0.0.1:PORT2",
@@ -20,8 +21,21 @@ Served (``/v2``, see :mod:`.urls`): CreateJob, GetJob, ListJobs, UpdateJob, Dele
 GetExecution, ListExecutions, CancelExecution, DeleteExecution, GetTask, ListTasks, and the
 operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
 ``$alt=json;enum-encoding=int``. Admin endpoints (``/_emulator``: health, reset, preempt,
-faults, transitions, logs) are listed in :mod:`.app`; the image table format is in
-:mod:`.images`.
+preemptions/schedule, faults, transitions, logs) are listed in :mod:`.app`; the image table
+format is in :mod:`.images`.
+
+Fault injection: ``POST /_emulator/preempt`` (or ``python -m airflow_gpu_resilience.emulator
+preempt``) preempts one running task (SIGTERM, grace, SIGKILL, a failed attempt with the
+maintenance status, retried per ``maxRetries``); ``POST /_emulator/preemptions/schedule`` or
+``serve --preempt-every`` preempts random running tasks at seeded exponential intervals;
+``POST /_emulator/faults`` fails or delays API requests (see :mod:`.faults`).
+
+Each attempt's stdout and stderr go to their own file; ``logUri`` of an execution or task is
+``{endpoint}/_emulator/logs/{name}``, which serves the attempts' logs one after another.
+
+The Airflow google provider's own ``CloudRunHook`` reaches the emulator when a subclass
+overrides ``_get_api_endpoint`` (returning the endpoint) and forces ``transport="rest"``; see
+``tests/emulator/google_provider_dags.py``.
 
 Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend` (state per
 project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
@@ -35,7 +49,13 @@ Known differences from Cloud Run:
 - GCS volume paths are rewritten in env values, args and command (see :mod:`.runtime`);
   the GCS emulator re-indexes a bucket's files before each Storage API request (see
   :mod:`.gcs`), so writes through a mount are visible at once.
-- REST only (no gRPC); no IAM, secrets, probes, VPC, ``showDeleted``, execution tokens.
+- REST only (no gRPC, so no ``JobsAsyncClient``); no IAM, secrets, probes, VPC,
+  ``showDeleted``, execution tokens, Cloud Logging (``logUri`` points at the emulator).
+- Preemption is an emulator event only: nothing in the v2 API models it; a preempted attempt
+  gets ``status.code`` 14 and a maintenance message (the real text is unconfirmed).
+- Attempts start through ``setpriv --pdeathsig KILL`` (util-linux) when it exists, so they die
+  with a hard-killed emulator; without it a ``preexec_fn`` does the same, more slowly. On two
+  cores about 75-100 short attempts start per second (``benchmarks/bench_emulator.py``).
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and
   ALREADY_EXISTS raises ``Conflict``. A failed execution's LRO carries gRPC code 9 (so

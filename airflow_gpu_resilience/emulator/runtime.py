@@ -3,7 +3,10 @@
 Each attempt runs in its own process group (``start_new_session=True``) with the container's
 argv from the :mod:`images` table, its env plus ``CLOUD_RUN_JOB``, ``CLOUD_RUN_EXECUTION``,
 ``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and ``CLOUD_RUN_TASK_COUNT``.
-stdout and stderr go to ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``.
+stdout and stderr go to ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt
+gets the parent-death signal SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has
+it, which keeps ``subprocess`` on its vfork path; else with a ``preexec_fn``), so attempts die
+with a hard-killed emulator.
 
 The supervisor is the only writer of execution and task state after creation: it starts up to
 ``parallelism`` tasks, reaps attempts, enforces the per-attempt timeout (SIGTERM, grace,

@@ -316,3 +316,33 @@ def test_preemption_schedule_preempts_running_tasks_on_its_seeded_times(backend,
     _wait_for(lambda: sum(t.retried for t in op.target.tasks) == 3)  # each hit is a retried attempt
     assert spared.target.tasks[0].retried == 0  # outside namePrefix
     assert {t.last_result.status_code for t in op.target.tasks if t.retried} == {14}
+
+
+def _all_processes_gone() -> bool:
+    """No live attempt of the ``slow`` image among this process's children (the registry's
+    attempts are; a session emulator subprocess may be too)."""
+    import psutil
+
+    def slow_attempt(proc) -> bool:
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE and "time.sleep(30)" in " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            return False
+
+    return not any(slow_attempt(p) for p in psutil.Process().children(recursive=True))
+
+
+def test_cancel_while_attempts_are_being_spawned(backend, tmp_path):
+    op = _slow(backend, tmp_path, "slow", task_count=30, parallelism=30)
+    _wait_for(lambda: op.target.tasks[-1].state is TaskState.RUNNING)  # all claimed in one step
+    backend.cancel_execution(op.target.name)  # most are not spawned yet
+    assert backend.wait_operation(op.name, 20).done and op.target.state is ExecutionState.CANCELLED
+    assert op.target.to_proto().cancelled_count == 30
+    _wait_for(_all_processes_gone)
+
+
+def test_reset_while_attempts_are_being_spawned(registry, tmp_path):
+    op = _slow(registry.for_name(PARENT), tmp_path, "slow", task_count=30, parallelism=30)
+    _wait_for(lambda: op.target.tasks[-1].state is TaskState.RUNNING)
+    registry.reset()
+    _wait_for(_all_processes_gone)
