@@ -16,6 +16,10 @@ Admin endpoints:
   effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
   preemption, timeout and cancel).
 - ``GET /_emulator/logs/{execution or task name}`` -> the attempts' combined logs (text).
+- ``GET /_emulator/attempts/{execution or task name}`` -> ``{"attempts": [{"task", "index",
+  "attempt", "startTime", "endTime", "seconds", "exitCode", "termSignal", "statusCode",
+  "message", "stopReason", "log"}]}``: every ended attempt (``stopReason`` is ``preempted``,
+  ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure.
 
 Errors from the backend are serialized here, once, into Google's JSON error shape.
 """
@@ -176,6 +180,10 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/_emulator/preempt")
     async def preempt(request: HttpRequest):
         return await run_in_threadpool(_preempt, state, await _json_body(request))
+
+    @app.get("/_emulator/attempts/{name:path}")
+    def attempts(name: str):
+        return {"attempts": state.registry.for_name(name).attempts(name)}
 
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):

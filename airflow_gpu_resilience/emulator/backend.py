@@ -395,6 +395,15 @@ class CloudRunBackend:
             self._get(self.operations, name, "Operation")
             del self.operations[name]
 
+    def attempts(self, name: str) -> list:
+        """Every ended attempt of an execution's tasks (or of one task, given a task name), by
+        task index and attempt: the task's name and index plus its history entry."""
+        with self.cond:
+            execution_name, _, _ = name.partition("/tasks/")
+            execution = self._get(self.executions, execution_name, "Execution")
+            tasks = [self.get_task(name)] if "/tasks/" in name else execution.tasks
+            return [{"task": t.name, "index": t.index, **entry} for t in tasks for entry in t.history]
+
     # --- faults and lifecycle ------------------------------------------------------------
     def preempt(self, execution_name: str, index: int, grace_s: float, wait_s: float = 10.0) -> dict:
         """Simulate maintenance on task ``index``: SIGTERM its running attempt, SIGKILL after

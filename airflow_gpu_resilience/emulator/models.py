@@ -94,6 +94,15 @@ class AttemptResult:
     exit_code: Optional[int] = None
     term_signal: Optional[int] = None
 
+    def record(self, attempt: int, started: Optional[dt.datetime], ended: dt.datetime,
+               stop_reason: Optional[str], log: str) -> dict:
+        """This result as one entry of a task's attempt history (``/_emulator/attempts``)."""
+        seconds = (ended - started).total_seconds() if started else 0.0
+        return {"attempt": attempt, "startTime": started.isoformat() if started else None,
+                "endTime": ended.isoformat(), "seconds": round(seconds, 3), "exitCode": self.exit_code,
+                "termSignal": self.term_signal, "statusCode": self.status_code, "message": self.message,
+                "stopReason": stop_reason, "log": log}
+
     def to_proto(self) -> run_v2.TaskAttemptResult:
         res = run_v2.TaskAttemptResult(status=status_pb2.Status(code=self.status_code, message=self.message))
         if self.term_signal is not None:
@@ -108,7 +117,7 @@ class Task:
     """One task of an execution.
 
     ``retried`` counts attempts after the first (it is ``CLOUD_RUN_TASK_ATTEMPT`` of the next
-    one); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
+    one); ``history`` keeps every ended attempt (see :meth:`AttemptResult.record`); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
     free, see ``RuntimePolicy.preemption_consumes_retry``); ``not_before`` is the monotonic time
     the next attempt may start (start delay).
     """
@@ -130,6 +139,7 @@ class Task:
     start_time: Optional[dt.datetime] = None
     completion_time: Optional[dt.datetime] = None
     last_result: Optional[AttemptResult] = None
+    history: list = dataclasses.field(default_factory=list)  # one dict per ended attempt
 
     def to_proto(self) -> run_v2.Task:
         t = self.template

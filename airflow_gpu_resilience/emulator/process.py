@@ -110,6 +110,10 @@ class EmulatorProcess:
         """The schedule's status and preemptions so far; ``stop=True`` stops it first."""
         return self._admin("DELETE" if stop else "GET", "/_emulator/preemptions/schedule", None)
 
+    def attempts(self, name: str) -> list:
+        """Every ended attempt of an execution (or task): see ``/_emulator/attempts`` in :mod:`.app`."""
+        return self._admin("GET", f"/_emulator/attempts/{name}", None)["attempts"]
+
     def _admin(self, method: str, path: str, payload: Optional[dict]) -> dict:
         answer = post_json(self.endpoint + path, payload, method=method)
         if "error" in answer:

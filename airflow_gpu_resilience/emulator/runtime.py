@@ -24,6 +24,7 @@ Known differences from Cloud Run:
 from __future__ import annotations
 
 import ctypes
+import datetime as dt
 import ctypes.util
 import dataclasses
 import os
@@ -38,7 +39,7 @@ from typing import Optional
 from google.cloud import run_v2
 
 from .images import ImageEntry, ImageTable
-from .models import PREEMPTION_MESSAGE, AttemptResult, Task
+from .models import PREEMPTION_MESSAGE, AttemptResult, Task, utcnow
 
 
 def _load_prctl():
@@ -167,6 +168,7 @@ class Attempt:
     deadline: float  # monotonic time the task timeout expires
     stop_reason: Optional[str] = None  # "preempted" | "timeout" | "cancelled"
     kill_at: Optional[float] = None  # monotonic time SIGKILL is due
+    started: dt.datetime = dataclasses.field(default_factory=utcnow)
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the attempt's process group, ignoring a group already gone."""

@@ -119,12 +119,12 @@ class ExecutionSupervisor(threading.Thread):
     def _register(self, task, outcome) -> None:
         """Record a spawned attempt (stopped at once if the execution is winding down or the
         emulator shutting down meanwhile), or the failure to spawn it."""
-        if isinstance(outcome, LookupError):  # image not in the table: not retryable
-            task.last_result = AttemptResult(5, str(outcome))
-            self._fail_attempt(task, task.last_result, retryable=False)
-        elif isinstance(outcome, OSError):
-            task.last_result = AttemptResult(2, f"The container failed to start: {outcome}", exit_code=127)
-            self._fail_attempt(task, task.last_result)
+        if isinstance(outcome, (LookupError, OSError)):
+            retryable = isinstance(outcome, OSError)  # an image not in the table is not retryable
+            task.last_result = (AttemptResult(2, f"The container failed to start: {outcome}", exit_code=127)
+                                if retryable else AttemptResult(5, str(outcome)))
+            task.history.append(task.last_result.record(task.retried, None, utcnow(), None, ""))
+            self._fail_attempt(task, task.last_result, retryable=retryable)
         elif self._shutdown:  # terminate() and reap() have run already: nobody else will reap it
             outcome.signal_group(signal.SIGKILL)
             outcome.popen.wait()
@@ -166,6 +166,8 @@ class ExecutionSupervisor(threading.Thread):
     def _record(self, attempt: Attempt, result: AttemptResult) -> None:
         task = attempt.task
         task.last_result = result
+        task.history.append(result.record(attempt.number, attempt.started, utcnow(), attempt.stop_reason,
+                                          attempt.log_path.name))
         if result.status_code == 0:
             self._end_task(task, TaskState.SUCCEEDED)
         elif attempt.stop_reason == "cancelled":

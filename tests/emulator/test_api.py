@@ -92,7 +92,7 @@ def test_gpu_job_with_gcs_volume_runs_to_success(jobs, executions, tasks, emulat
         assert b"attempt 0 exiting 0" in response.read()
 
 
-def test_failing_task_is_retried_then_fails_the_execution(jobs, executions, tasks, job_id):
+def test_failing_task_is_retried_then_fails_the_execution(jobs, executions, tasks, emulator, job_id):
     job = create(jobs, job_id, make_job("local/exit:latest", env={"CODE": "1"}, max_retries=1))
     op = jobs.run_job(name=job.name)
     with pytest.raises(gexc.FailedPrecondition, match="task0 failed with message"):
@@ -107,6 +107,7 @@ def test_failing_task_is_retried_then_fails_the_execution(jobs, executions, task
     task = tasks.get_task(name=task_name(execution.name, 0))
     assert task.retried == 1
     assert task.last_attempt_result.exit_code == 1 and task.last_attempt_result.status.code != 0
+    assert [(a["attempt"], a["exitCode"]) for a in emulator.attempts(task.name)] == [(0, 1), (1, 1)]
     assert jobs.get_job(name=job.name).latest_created_execution.completion_status == \
         run_v2.ExecutionReference.CompletionStatus.EXECUTION_FAILED
 
@@ -127,6 +128,11 @@ def test_preemption_exit_143_is_retried_into_success(jobs, tasks, emulator, buck
     first, second_log = logs.split("==> task0-attempt1.log <==")
     assert first.startswith("==> task0-attempt0.log <==") and "SIGTERM received, exiting 143" in first
     assert "done" in second_log and "SIGTERM" not in second_log
+    first_attempt, second_attempt = emulator.attempts(execution.name)
+    assert (first_attempt["attempt"], first_attempt["exitCode"], first_attempt["stopReason"]) == (0, 143, "preempted")
+    assert first_attempt["statusCode"] == 14 and first_attempt["log"] == "task0-attempt0.log"
+    assert (second_attempt["attempt"], second_attempt["exitCode"], second_attempt["statusCode"]) == (1, 0, 0)
+    assert second_attempt["stopReason"] is None and first_attempt["endTime"] <= second_attempt["startTime"]
     second = json.loads((root / "attempt-1.json").read_text())
     assert second["CLOUD_RUN_TASK_ATTEMPT"] == "1" and second["interrupted"] is False
 

@@ -68,3 +68,4 @@ def test_bad_admin_requests_use_google_shape(tmp_path):
     missing = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e"})
     assert missing.json()["error"]["status"] == "NOT_FOUND"
     assert client.get(f"/_emulator/logs/{P}/jobs/j/executions/e").status_code == 404
+    assert client.get(f"/_emulator/attempts/{P}/jobs/j/executions/e").json()["error"]["status"] == "NOT_FOUND"
