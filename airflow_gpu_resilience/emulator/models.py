@@ -117,9 +117,10 @@ class Task:
     """One task of an execution.
 
     ``retried`` counts attempts after the first (it is ``CLOUD_RUN_TASK_ATTEMPT`` of the next
-    one); ``history`` keeps every ended attempt (see :meth:`AttemptResult.record`); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
+    one); ``retries_charged`` counts those charged against ``max_retries`` (a preemption may be
     free, see ``RuntimePolicy.preemption_consumes_retry``); ``not_before`` is the monotonic time
-    the next attempt may start (start delay).
+    the next attempt may start (start delay); ``history`` keeps every ended attempt (see
+    :meth:`AttemptResult.record`).
     """
 
     name: str
@@ -140,8 +141,17 @@ class Task:
     completion_time: Optional[dt.datetime] = None
     last_result: Optional[AttemptResult] = None
     history: list = dataclasses.field(default_factory=list)  # one dict per ended attempt
+    _rendered: tuple = dataclasses.field(default=(None, None), repr=False, compare=False)
 
     def to_proto(self) -> run_v2.Task:
+        """The ``run_v2.Task``; re-rendered only when a field it shows has changed (a list of
+        1,000 tasks is polled far more often than its tasks change). Treat it as read-only."""
+        key = (self.state, self.retried, self.start_time, self.completion_time, self.last_result)
+        if self._rendered[0] != key:
+            self._rendered = (key, self._render())
+        return self._rendered[1]
+
+    def _render(self) -> run_v2.Task:
         t = self.template
         msg = run_v2.Task(
             name=self.name, uid=self.uid, generation=1, job=self.job, execution=self.execution,
