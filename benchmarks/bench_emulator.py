@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -173,12 +174,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    load = round(os.getloadavg()[0], 2)  # other work on the machine skews every number
     with tempfile.TemporaryDirectory(prefix="bench-emulator-") as tmp:
         with EmulatorProcess(Path(tmp) / "emu", images_file=write_images(Path(tmp)), grace_seconds=1.0) as emu:
             rows = [run_size(emu.endpoint, count, parallelism, args.task_seconds) for count, parallelism in args.sizes]
     print_table(rows)
     report = {"benchmark": "emulator_scale", "command": SHORT_COMMAND, "python": platform.python_version(),
-              "machine": {"system": platform.system(), "cpus": _cpus()}, "runs": rows}
+              "machine": {"system": platform.system(), "cpus": _cpus(), "load_average_1m": load},
+              "runs": rows}
     (args.out / "emulator_scale.json").write_text(json.dumps(report, indent=2) + "\n")
     png = args.out / "emulator_scale.png"
     print(f"wrote {args.out / 'emulator_scale.json'}" + (f" and {png}" if plot(rows, png) else
@@ -187,8 +190,6 @@ def main(argv=None) -> int:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
