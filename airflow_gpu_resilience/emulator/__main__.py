@@ -3,8 +3,10 @@
 ``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]``
 starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
 which); ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts
-a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`). ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]``
-asks a running emulator for a maintenance preemption and prints its JSON answer.
+a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`).
+
+``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]`` asks a running
+emulator for a maintenance preemption and prints its JSON answer.
 """
 
 from __future__ import annotations
