@@ -96,3 +96,16 @@ class PreemptionWatcher:
     def final_save_fits(self, estimated_save_seconds: float, margin: float = 0.5) -> bool:
         """:return: whether a save taking ``estimated_save_seconds`` (x1.5 + ``margin`` s) fits."""
         return estimated_save_seconds * 1.5 + margin < self.remaining_grace()
+
+
+def ignore_termination_signals(worker_id: int | None = None) -> None:
+    """Make this process ignore SIGTERM and SIGINT; use it as a DataLoader ``worker_init_fn``.
+
+    Cloud Run signals the whole process group. DataLoader worker processes that died of that
+    SIGTERM would break the main process's next batch while it is still saving its final
+    checkpoint; ignoring it lets the main process finish, and the workers end with it.
+
+    :param worker_id: the DataLoader worker index (unused).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

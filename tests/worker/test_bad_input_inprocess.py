@@ -44,6 +44,7 @@ def _run(capsys, root: Path, data: Path, *extra: str, env: dict | None = None) -
     [
         ("missing data file", 65, "cannot open"),
         ("wrong shape", 65, "shape"),
+        ("not an npz", 65, "cannot read"),
         ("unknown option", 78, "unrecognized arguments: --bogus"),
         ("bad value", 78, "--steps"),
         ("bad environment", 78, "PREEMPTION_GRACE_SECONDS"),
@@ -62,6 +63,9 @@ def test_bad_input_one_error_line_sysexits_code_checkpoints_untouched(
         data = tmp_path / "flat.npz"
         np.savez(data, x_train=np.ones(8, np.float32), y_train=np.zeros(8, np.int64),
                  x_test=np.ones((2, 4), np.float32), y_test=np.zeros(2, np.int64))
+    elif case == "not an npz":
+        data = tmp_path / "bad.npz"
+        data.write_bytes(b"this is not an npz file")
     elif case == "unknown option":
         extra = ["--bogus"]
     elif case == "bad value":

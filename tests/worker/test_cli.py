@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -66,14 +65,3 @@ def test_bad_task_index_exits_78(task: Task) -> None:
     process = task.run(env={"CLOUD_RUN_TASK_INDEX": "abc"})
     assert process.proc.returncode == 78
     assert any("CLOUD_RUN_TASK_INDEX" in r["message"] for r in process.records)
-
-
-def test_unreadable_data_exits_65(task: Task, tmp_path: Path) -> None:
-    bad = tmp_path / "bad.npz"
-    bad.write_bytes(b"this is not an npz file")
-    task.data = bad
-    process = task.run()
-    assert process.proc.returncode == 65, process.output
-    assert json.loads((task.namespace / "FATAL").read_text())["exit_code"] == 65
-    again = task.run()
-    assert again.proc.returncode == 65
