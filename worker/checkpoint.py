@@ -631,14 +631,21 @@ class CheckpointManager:
     def _deserialize(self, step: int) -> Any:
         """Load a verified data file with the ``weights_only`` unpickler (no code runs).
 
-        Local files are memory-mapped (no copy beyond the one into the states); other storage
-        is read into memory.
+        Local files are memory-mapped privately (copy-on-write: training never writes back into
+        the checkpoint; no copy beyond the one into the states). Other storage, a mapping that
+        fails, or a process whose torch mmap default is not ``MAP_PRIVATE`` read into memory.
         """
+        import mmap
+
         import torch
 
         path = self.path(step, DATA)
-        if isinstance(self._storage, LocalStorage):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        flags = getattr(torch.serialization, "get_default_mmap_options", lambda: mmap.MAP_PRIVATE)()
+        if isinstance(self._storage, LocalStorage) and flags == mmap.MAP_PRIVATE:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except (OSError, RuntimeError) as exc:
+                self._log.debug("memory-mapped load failed; reading into memory", error=str(exc))
         return torch.load(io.BytesIO(self._storage.read(path)), map_location="cpu", weights_only=True)
 
     def _read_state(self, step: int) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
+from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError
 from worker.logs import StructuredLogger
 from worker.storage import LocalStorage
 
@@ -30,9 +30,9 @@ class GatedStorage(LocalStorage):
         super().write(path, data, atomic=atomic)
 
 
-def _manager(folder: Path, box: Box, storage: GatedStorage) -> CheckpointManager:
+def _manager(folder: Path, box: Box, storage: GatedStorage, log: ListLog | None = None) -> CheckpointManager:
     config = CheckpointConfig(folder=str(folder), interval=10, async_mode=AsyncMode.ASYNC)
-    return CheckpointManager(config, {"box": box}, storage=storage, logger=StructuredLogger(ListLog()))
+    return CheckpointManager(config, {"box": box}, storage=storage, logger=StructuredLogger(log or ListLog()))
 
 
 def test_async_save_snapshots_state_at_call_time(tmp_path: Path) -> None:
@@ -66,12 +66,19 @@ def test_background_error_is_reraised(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.fail = True
     storage.gate.set()
-    manager = _manager(tmp_path, Box(), storage)
+    log = ListLog()
+    manager = _manager(tmp_path, Box(), storage, log)
     manager.save(10)
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(CheckpointSaveError, match="disk full"):
         manager.wait_until_finished()
-    assert manager.latest_step() is None
+    # logged by the background thread when it failed, not only when re-raised
+    failed = [r for r in log.records if r["message"] == "background checkpoint save failed"]
+    assert failed and failed[0]["severity"] == "ERROR" and failed[0]["step"] == 10
+    assert manager.failed_saves == 1 and manager.latest_step() is None
+    storage.fail = False
+    assert manager.save(20) is True  # the next save goes ahead
     manager.close()
+    assert manager.latest_step() == 20
 
 
 def test_forced_save_is_synchronous(tmp_path: Path) -> None:
@@ -80,3 +87,27 @@ def test_forced_save_is_synchronous(tmp_path: Path) -> None:
     with _manager(tmp_path, Box(torch.pi), storage) as manager:
         assert manager.save(7, force=True) is True
         assert not manager.in_flight and manager.latest_step() == 7
+
+
+def test_trainer_goes_on_after_a_failed_save_and_stops_after_three_in_a_row() -> None:
+    from types import SimpleNamespace
+
+    from worker.config import config_from_args
+    from worker.preemption import PreemptionWatcher
+    from worker.train import MAX_FAILED_SAVES_IN_A_ROW, Trainer
+
+    class Failing:
+        failed_saves = 0
+
+        def save(self, step: int, *, force: bool = False) -> bool:
+            self.failed_saves += 1
+            raise CheckpointSaveError("disk full")
+
+    log = ListLog()
+    trainer = Trainer(config_from_args(["train"], {}), StructuredLogger(log), PreemptionWatcher())
+    parts, manager = SimpleNamespace(state=SimpleNamespace(checkpoints=0)), Failing()
+    for step in range(1, MAX_FAILED_SAVES_IN_A_ROW):
+        assert trainer._save(manager, parts, step) is False  # logged, training goes on
+    with pytest.raises(CheckpointSaveError):
+        trainer._save(manager, parts, MAX_FAILED_SAVES_IN_A_ROW)
+    assert [r["failed_in_a_row"] for r in log.records if r["message"].startswith("checkpoint save failed")] == [1, 2, 3]
