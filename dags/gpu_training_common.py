@@ -12,7 +12,10 @@ import json
 import re
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
+from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
 from airflow.sdk import Param, task
+
+from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator
 
 #: Object name of the full dataset inside the checkpoint bucket: the worker's default ``--data``,
 #: resolved against the mounted bucket.
@@ -64,6 +67,39 @@ WORKER_ARGS = [
     "--hidden={{ params.hidden_units }}",
     "--seed={{ params.seed }}",
 ]
+
+
+def create_bucket_operator() -> GCSCreateBucketOperator:
+    """:return: the ``create_bucket`` task: the checkpoint bucket, regional (in the job's region),
+    standard storage class; an existing bucket is left as it is."""
+    return GCSCreateBucketOperator(
+        task_id="create_bucket",
+        bucket_name="{{ params.bucket }}",
+        location="{{ params.region }}",
+        storage_class="STANDARD",
+        project_id="{{ params.project_id }}",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+    )
+
+
+def deploy_operator() -> CloudRunGpuDeployJobOperator:
+    """:return: the ``deploy_job`` task: the GPU job from the params (L4 by default, no zonal
+    redundancy, task timeout, max retries, service account, the bucket mounted at
+    ``/checkpoints``); deploying an unchanged spec changes nothing."""
+    return CloudRunGpuDeployJobOperator(
+        task_id="deploy_job",
+        gcp_conn_id="{{ params.gcp_conn_id }}",
+        project_id="{{ params.project_id }}",
+        region="{{ params.region }}",
+        job_name="{{ params.job_name }}",
+        image="{{ params.image }}",
+        args=WORKER_ARGS,
+        gpu_type="{{ params.gpu_type }}",
+        task_timeout="{{ params.task_timeout_seconds }}",
+        max_retries="{{ params.max_retries }}",
+        service_account="{{ params.service_account }}",
+        checkpoint_bucket="{{ params.bucket }}",
+    )
 
 
 def namespace_for(run_id: str) -> str:

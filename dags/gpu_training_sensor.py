@@ -15,14 +15,17 @@ the retries run out: use the execute operator when you want that.
 from __future__ import annotations
 
 import pendulum
-from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
 from airflow.sdk import DAG
-from gpu_training_common import WORKER_ARGS, common_params, grant_bucket_access, report, upload_dataset
-
-from airflow_gpu_resilience.operators.cloud_run import (
-    CloudRunGpuDeployJobOperator,
-    CloudRunGpuExecuteJobOperator,
+from gpu_training_common import (
+    common_params,
+    create_bucket_operator,
+    deploy_operator,
+    grant_bucket_access,
+    report,
+    upload_dataset,
 )
+
+from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
 
 with DAG(
@@ -35,28 +38,8 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "sensor"],
 ) as dag:
-    create_bucket = GCSCreateBucketOperator(
-        task_id="create_bucket",
-        bucket_name="{{ params.bucket }}",
-        location="{{ params.region }}",
-        storage_class="STANDARD",
-        project_id="{{ params.project_id }}",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
-    )
-    deploy = CloudRunGpuDeployJobOperator(
-        task_id="deploy_job",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
-        project_id="{{ params.project_id }}",
-        region="{{ params.region }}",
-        job_name="{{ params.job_name }}",
-        image="{{ params.image }}",
-        args=WORKER_ARGS,
-        gpu_type="{{ params.gpu_type }}",
-        task_timeout="{{ params.task_timeout_seconds }}",
-        max_retries="{{ params.max_retries }}",
-        service_account="{{ params.service_account }}",
-        checkpoint_bucket="{{ params.bucket }}",
-    )
+    create_bucket = create_bucket_operator()
+    deploy = deploy_operator()
     start = CloudRunGpuExecuteJobOperator(
         task_id="start_execution",
         gcp_conn_id="{{ params.gcp_conn_id }}",
