@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from worker.fastio import HashingWriter, SnapshotBuffers, hash_stream, save_without_crc32
+from worker.fastio import HashingWriter, SnapshotBuffers, hash_file, hash_stream, save_without_crc32
 from worker.logs import StructuredLogger, utc_now
 from worker.storage import LocalStorage, Storage
 
@@ -472,9 +472,8 @@ class CheckpointManager:
         if record is None:
             return False, reason
         try:
-            with self._storage.open_read(self.path(step, DATA)) as handle:
-                size, digest = hash_stream(handle)
-        except OSError as exc:
+            size, digest = self._hash_data(step)
+        except (OSError, ValueError) as exc:
             return False, f"unreadable data file: {exc}"
         if size != record.size:
             return False, f"size {size} bytes, commit record says {record.size}"
@@ -482,6 +481,14 @@ class CheckpointManager:
             return False, "sha256 does not match the commit record"
         self._verified[step] = record.sha256
         return True, ""
+
+    def _hash_data(self, step: int) -> tuple[int, str]:
+        """:return: ``(size, sha256)`` of the data file: memory-mapped when local, else streamed."""
+        path = self.path(step, DATA)
+        if isinstance(self._storage, LocalStorage):
+            return hash_file(path)
+        with self._storage.open_read(path) as handle:
+            return hash_stream(handle)
 
     def valid_steps(self) -> list[int]:
         """:return: the steps of committed, verified checkpoints, newest first."""

@@ -8,6 +8,7 @@ their sum.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -66,13 +67,19 @@ class HashingWriter:
         return view.nbytes
 
     def _overlapped(self, view: memoryview) -> None:
-        pool = _pool()
-        for offset in range(0, view.nbytes, CHUNK):
-            chunk = view[offset : offset + CHUNK]
-            hashed = pool.submit(self._digest.update, chunk)
-            try:
+        """Write ``view`` chunk by chunk while the helper thread hashes them in order; the
+        hasher always has the next chunk queued, and all of them are hashed before returning
+        (``view`` is only guaranteed valid during this call)."""
+        pool, pending = _pool(), []
+        try:
+            for offset in range(0, view.nbytes, CHUNK):
+                chunk = view[offset : offset + CHUNK]
+                pending.append(pool.submit(self._digest.update, chunk))
                 _write_all(self._handle, chunk)
-            finally:
+                if len(pending) > 2:
+                    pending.pop(0).result()
+        finally:
+            for hashed in pending:
                 hashed.result()
 
     def _drain(self) -> None:
@@ -112,6 +119,33 @@ def hash_stream(handle: BinaryIO) -> tuple[int, str]:
         size += count
         pending = pool.submit(digest.update, buffer[:count])
         index += 1
+
+
+def hash_file(path: str) -> tuple[int, str]:
+    """sha256 of a local file through a read-only memory map: no copy into user buffers, and
+    the pages stay cached for a memory-mapped ``torch.load`` right after.
+
+    :param path: a local (or FUSE-mounted) file.
+    :return: ``(size in bytes, sha256 hex digest)``.
+    :raises OSError: when the file cannot be opened or mapped.
+    """
+    import mmap
+
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return 0, digest.hexdigest()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mapped, "madvise"):
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mapped)
+            try:
+                for offset in range(0, size, CHUNK):
+                    digest.update(view[offset : offset + CHUNK])
+            finally:
+                view.release()
+    return size, digest.hexdigest()
 
 
 class SnapshotBuffers:

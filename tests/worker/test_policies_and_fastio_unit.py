@@ -20,7 +20,7 @@ from worker.checkpoint import (
 )
 from worker.config import SWEEP, config_from_args, parse_interval
 from worker.errors import ConfigError
-from worker.fastio import HashingWriter, SnapshotBuffers, hash_stream
+from worker.fastio import HashingWriter, SnapshotBuffers, hash_file, hash_stream
 from worker.logs import StructuredLogger
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
@@ -131,6 +131,9 @@ def test_hashing_writer_and_hash_stream_match_hashlib(tmp_path: Path, sizes: lis
     assert digest == expected and path.read_bytes() == b"".join(parts)
     with open(path, "rb", buffering=0) as handle:
         assert hash_stream(handle) == (sum(sizes), expected)
+    assert hash_file(str(path)) == (sum(sizes), expected)
+    (tmp_path / "empty").write_bytes(b"")
+    assert hash_file(str(tmp_path / "empty")) == (0, hashlib.sha256(b"").hexdigest())
     assert hash_stream(io.BytesIO(b"")) == (0, hashlib.sha256(b"").hexdigest())
 
 
