@@ -349,5 +349,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except (KeyboardInterrupt, Interrupted) as exc:
-        print(f"[demo] interrupted ({exc}); every process it started has been stopped", file=sys.stderr)
+        print(f"[demo] interrupted ({exc or type(exc).__name__}); every process it started has been stopped",
+              file=sys.stderr)
         sys.exit(130)

@@ -6,10 +6,13 @@ are in place for every import.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="agr-airflow-home-")
+atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
 
 _OFFLINE_ENV = {
     # google-auth must never probe the metadata server: nothing here reaches Google Cloud.
