@@ -57,14 +57,20 @@ START_ID_ENV = "AIRFLOW_GPU_RESILIENCE_START_ID"
 _Client = TypeVar("_Client")
 
 
-def default_retry(errors: tuple[type[Exception], ...] = TRANSIENT_ERRORS, deadline: float = 120.0) -> Retry:
-    """Exponential backoff retry (1 s, x2, capped at 20 s) on the given transient errors.
+def default_retry(
+    errors: tuple[type[Exception], ...] = TRANSIENT_ERRORS, deadline: float = 120.0, initial: float = 1.0
+) -> Retry:
+    """Exponential backoff retry (``initial`` s, x2, capped at 20 s, with jitter) on transient errors.
 
     :param errors: exception types to retry.
-    :param deadline: give up after this many seconds in total (default 120).
+    :param deadline: give up after this many seconds in total (default 120), raising
+        ``google.api_core.exceptions.RetryError``.
+    :param initial: first delay in seconds (default 1).
     :return: a ``google.api_core.retry.Retry``.
     """
-    return Retry(predicate=if_exception_type(*errors), initial=1.0, multiplier=2.0, maximum=20.0, timeout=deadline)
+    return Retry(
+        predicate=if_exception_type(*errors), initial=initial, multiplier=2.0, maximum=20.0, timeout=deadline
+    )
 
 
 def location_of(resource_name: str) -> str:

@@ -194,9 +194,13 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     of a try, ``n`` for the n-th preemption re-run) and ``AIRFLOW_GPU_RESILIENCE_START_ID``
     (one per RunJob request, so that a RunJob whose answer was lost is not sent twice). A new
     try (Airflow retry, worker restart) first attaches to a still-running execution with its run
-    key instead of starting another, and the preemption budget counts the re-run executions with
-    that key: it is shared by all tries of the task instance (also after a clear of the task;
-    raise ``max_preemption_reruns`` to give a cleared task more).
+    key instead of starting another; an execution that finished while no try was waiting (after
+    ``wait_timeout``) is adopted if it succeeded or was only preempted. The preemption budget
+    counts the re-run executions with that key: it is shared by all tries of the task instance.
+    This holds after a clear of the task too: a cleared task whose newest execution succeeded
+    returns that execution's summary without running the job again (trigger a new DAG run to
+    run it again), and a cleared task shares the budget (raise ``max_preemption_reruns`` to give
+    it more).
 
     Summary (returned, so it is the ``return_value`` XCom)::
 
@@ -340,15 +344,6 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         raw = f"{ti.dag_id}|{ti.run_id}|{ti.task_id}|{getattr(ti, 'map_index', -1)}"
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
-    def _find_running(self, hook: CloudRunGpuHook, project_id: str, key: str) -> run_v2.Execution | None:
-        """The newest still-running execution that carries run key ``key``, or ``None``."""
-        found = hook.find_executions(job_name=self.job_name, region=self.region, env={RUN_KEY_ENV: key},
-                                     project_id=project_id)
-        for execution in found:
-            if execution_state(execution) is ExecutionState.RUNNING:
-                return execution
-        return None
-
     def _reruns_used(self, hook: CloudRunGpuHook, state: dict) -> int:
         """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
         executions = hook.find_executions(job_name=self.job_name, region=self.region,
@@ -389,14 +384,37 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         project_id = self.project_id or hook.project_id
         state = {"project_id": project_id, "run_key": self.run_key(context), "budget": budget,
                  "deadline": self._deadline(), "executions": [], "attempts": [], "progress": {}}
-        running = self._find_running(hook, project_id, state["run_key"])
-        if running is not None:
-            self.log.info("Attaching to execution %s started by an earlier try", running.name)
-            self._remember(context, hook, running.name)
-            execution = running.name
-        else:
-            execution = self._start(context, hook, state, rerun=0)
-        return self._wait(context, hook, state, execution)
+        result = self._attach_or_start(context, hook, state)
+        return result if isinstance(result, dict) else self._wait(context, hook, state, result)
+
+    def _attach_or_start(self, context: Context, hook: CloudRunGpuHook, state: dict) -> dict[str, Any] | str:
+        """Carry on with an earlier try's newest execution, or start one.
+
+        A still-running execution is attached to. A finished one that no try has acted on yet
+        (it ended after a try gave up waiting) is adopted when it succeeded or only lost tasks to
+        preemptions: its summary is returned, or it is re-run. A failed one was already acted on
+        (the earlier try raised): a new execution starts.
+
+        :return: the summary, or the name of the execution to wait for.
+        """
+        found = hook.find_executions(job_name=self.job_name, region=self.region,
+                                     env={RUN_KEY_ENV: state["run_key"]}, project_id=state["project_id"])
+        newest = found[0] if found else None
+        if newest is not None and execution_state(newest) is ExecutionState.RUNNING:
+            self.log.info("Attaching to execution %s started by an earlier try", newest.name)
+            self._remember(context, hook, newest.name)
+            return newest.name
+        if newest is not None and self._adoptable(hook, state, newest):
+            self.log.info("Adopting execution %s: it finished while no try was waiting", newest.name)
+            self._remember(context, hook, newest.name)
+            return self._after_finish(context, hook, state, newest.name, [])
+        return self._start(context, hook, state, rerun=0)
+
+    def _adoptable(self, hook: CloudRunGpuHook, state: dict, execution: run_v2.Execution) -> bool:
+        outcomes = [classify_task(t, self.fatal_exit_codes) for t in hook.list_tasks(execution=execution.name)]
+        decision = decide(outcomes, state=execution_state(execution), reruns_used=self._reruns_used(hook, state),
+                          max_reruns=state["budget"])
+        return decision.action in (Action.SUCCEED, Action.RERUN)
 
     def _wait(self, context: Context, hook: CloudRunGpuHook, state: dict, execution: str) -> dict[str, Any]:
         while True:
