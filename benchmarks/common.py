@@ -1,0 +1,265 @@
+"""Helpers shared by ``bench_goodput.py`` and ``bench_orchestration.py``.
+
+Machine description and load, the offline google-auth environment, ``run_v2`` / Storage
+clients on the emulator, the digits dataset, worker log parsing, a counting HTTP proxy (the
+emulator keeps no request counts), text tables and result files. Nothing here imports Airflow.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import http.server
+import io
+import json
+import os
+import platform
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Optional
+from urllib.parse import urlsplit
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+PROJECT = "bench-project"
+REGION = "us-central1"
+PARENT = f"projects/{PROJECT}/locations/{REGION}"
+
+#: google-auth must never probe a metadata server (no network here).
+OFFLINE_ENV = {
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "CLOUDSDK_CONFIG": "",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
+
+
+def apply_offline_env() -> None:
+    """Set :data:`OFFLINE_ENV` in this process (task processes inherit the emulator's env)."""
+    os.environ.update(OFFLINE_ENV)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM, so that every ``with`` block stops what it started."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into :class:`Stopped` (emulators and DAG runs are then stopped on the way out)."""
+    import signal
+
+    def _raise(signum, _frame):
+        raise Stopped(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
+def join_all(threads: list) -> None:
+    """Join ``threads`` in short waits, so that Ctrl-C and SIGTERM reach the main thread."""
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.5)
+
+
+def cpu_model() -> str:
+    """:return: the CPU model name from ``/proc/cpuinfo`` (or :func:`platform.processor`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load() -> list:
+    """:return: ``os.getloadavg()`` rounded, as a list (1, 5, 15 minutes)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_info() -> dict:
+    """:return: date (UTC), host CPU count and model, Python version and the load now."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "nproc": os.cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
+        "load_at_start": load(),
+    }
+
+
+def machine_lines(info: dict) -> list:
+    """:return: the header lines every benchmark prints (date, machine, load)."""
+    return [f"date: {info['date']}",
+            f"machine: {info['nproc']} CPUs, {info['cpu_model']}, Python {info['python']}",
+            f"load average (1/5/15 min): start {info['load_at_start']}, end {info.get('load_at_end')}"]
+
+
+def run_clients(endpoint: str) -> dict:
+    """:return: ``{"jobs", "executions", "tasks"}`` REST clients on ``endpoint``."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import run_v2
+
+    options = {"credentials": AnonymousCredentials(), "transport": "rest",
+               "client_options": {"api_endpoint": endpoint}}
+    return {"jobs": run_v2.JobsClient(**options), "executions": run_v2.ExecutionsClient(**options),
+            "tasks": run_v2.TasksClient(**options)}
+
+
+def storage_client(gcs_endpoint: str):
+    """:return: a ``google-cloud-storage`` client on the emulator's GCS endpoint."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": gcs_endpoint})
+
+
+def digits_npz() -> bytes:
+    """scikit-learn's digits as the worker's ``.npz`` (80/20 stratified split, seed 0)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype("float32"), digits.target.astype("int64")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    buffer = io.BytesIO()
+    np.savez(buffer, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+    return buffer.getvalue()
+
+
+def parse_time(stamp: str) -> float:
+    """:return: seconds since the epoch of an ISO-8601 UTC stamp like ``2026-12-01T07:38:00.23Z``."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def read_log_events(path: Path) -> list:
+    """:return: the worker's JSON log lines in ``path`` as dicts with ``t`` (epoch seconds) added;
+    other lines (tracebacks, emulator notes) are skipped."""
+    events = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return events
+    for line in lines:
+        try:
+            event = json.loads(line)
+            event["t"] = parse_time(event["time"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        events.append(event)
+    return events
+
+
+def median(values: Iterable[float]) -> Optional[float]:
+    """:return: the median of ``values``, or ``None`` when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def table(headers: list, rows: list) -> str:
+    """:return: ``rows`` (lists of cells) under ``headers`` as a Markdown table."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict, limit: int = 100_000) -> int:
+    """Write ``data`` as indented JSON; :return: its size. :raises ValueError: over ``limit`` bytes."""
+    text = json.dumps(data, indent=1, sort_keys=False) + "\n"
+    if len(text) > limit:
+        raise ValueError(f"{path.name} would be {len(text)} bytes (limit {limit}); trim the data")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return len(text)
+
+
+class CountingProxy:
+    """A loopback HTTP proxy in front of the emulator that counts the requests it forwards.
+
+    The emulator logs no requests, so clients are pointed at :attr:`endpoint` instead; every
+    request is forwarded unchanged to ``target`` and counted by ``(method, kind)``, where kind
+    is the resource the ``/v2`` path names (``executions``, ``tasks``, ``jobs``, ``operations``).
+
+    :param target: the emulator's endpoint, ``http://127.0.0.1:PORT``.
+    """
+
+    def __init__(self, target: str) -> None:
+        self._target = urlsplit(target).netloc
+        self._lock = threading.Lock()
+        self.counts: Counter = Counter()
+        self.requests: list = []  # (epoch seconds, method, path)
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)
+
+    def __enter__(self) -> "CountingProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def record(self, method: str, path: str) -> None:
+        with self._lock:
+            self.counts[(method, classify_path(path))] += 1
+            self.requests.append((time.time(), method, path))
+
+    def count(self, predicate) -> Counter:
+        """:return: the requests whose path satisfies ``predicate``, as ``"METHOD kind"`` counts."""
+        with self._lock:
+            return Counter(f"{m} {classify_path(p)}" for _t, m, p in self.requests if predicate(p))
+
+    def _handler_class(self):
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.record(self.command, self.path)
+                upstream = http.client.HTTPConnection(proxy._target, timeout=120)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream.request(self.command, self.path, body=body or None, headers=headers)
+                answer = upstream.getresponse()
+                payload = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                upstream.close()
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _forward
+
+        return Handler
+
+
+def classify_path(path: str) -> str:
+    """:return: the resource kind of a ``/v2`` request path: its last collection name, singular
+    for one resource, plus any custom verb (``.../jobs/j/executions/e`` -> ``execution``,
+    ``.../executions/e/tasks`` -> ``tasks``, ``.../jobs/j:run`` -> ``job:run``)."""
+    parts = [p for p in urlsplit(path).path.split("/") if p]
+    if not parts or parts[0] != "v2":
+        return "admin"
+    last, _, verb = parts[-1].partition(":")
+    parts[-1] = last
+    if len(parts) % 2 == 0:  # /v2 + name/id pairs ... + collection: a list request
+        kind = parts[-1]
+    else:
+        kind = parts[-2].rstrip("s")
+    return f"{kind}:{verb}" if verb else kind
