@@ -447,3 +447,21 @@ def test_unreadable_progress_files_never_fail_the_task(gcp_conn, gcs_emulator_ho
 def test_execute_operator_rejects_a_bad_timeout():
     with pytest.raises(ValueError, match="timeout=0 must be a positive number of seconds"):
         CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gpu_type": "nvidia-h100"}, r"gpu_type='nvidia-h100' is not supported; allowed: \['nvidia-l4', 'nvidia-rtx-pro-6000'\]"),
+        ({"max_retries": 11}, r"max_retries=11 is out of range: allowed integers are 0-10"),
+        ({"task_timeout": 168 * 3600 + 1}, r"task_timeout=604801 s is out of range: allowed 1-604800 seconds \(168 h\)"),
+        ({"memory": "8Gi"}, r"memory='8Gi' is below the nvidia-l4 minimum of 16 GiB"),
+        ({"image": ""}, r"image must be a non-empty container image URI"),
+        ({"checkpoint_bucket": "Bad_Bucket"}, r"checkpoint_bucket='Bad_Bucket' is not a valid Cloud Storage bucket name"),
+    ],
+)
+def test_deploy_operator_rejects_bad_parameters_when_the_dag_is_parsed(kwargs, match):
+    """The issue's six bad parameters: no operator (and so no API call) is ever built."""
+    base = {"task_id": "d", "job_name": "train", "image": "img", "checkpoint_bucket": BUCKET}
+    with pytest.raises(ValueError, match=match):
+        CloudRunGpuDeployJobOperator(**{**base, **kwargs})
