@@ -34,6 +34,7 @@ from airflow_gpu_resilience.outcome import (
     Action,
     AttemptRecord,
     ExecutionState,
+    OutcomeClass,
     classify_task,
     decide,
     execution_state,
@@ -392,8 +393,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
         A still-running execution is attached to. A finished one that no try has acted on yet
         (it ended after a try gave up waiting) is adopted when it succeeded or only lost tasks to
-        preemptions: its summary is returned, or it is re-run. A failed one was already acted on
-        (the earlier try raised): a new execution starts.
+        preemptions or task timeouts: its summary is returned, it is re-run, or the budget is
+        reported exhausted. A FAILED, FATAL or CANCELLED one was already acted on (the earlier
+        try raised): a new execution starts.
 
         :return: the summary, or the name of the execution to wait for.
         """
@@ -414,7 +416,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         outcomes = [classify_task(t, self.fatal_exit_codes) for t in hook.list_tasks(execution=execution.name)]
         decision = decide(outcomes, state=execution_state(execution), reruns_used=self._reruns_used(hook, state),
                           max_reruns=state["budget"])
-        return decision.action in (Action.SUCCEED, Action.RERUN)
+        # A FAILED, FATAL or CANCELLED outcome was raised by an earlier try; the others never are
+        # before the decision is acted on (a re-run, a summary, or "budget exhausted").
+        return decision.outcome in (OutcomeClass.SUCCEEDED, *RESUMABLE)
 
     def _wait(self, context: Context, hook: CloudRunGpuHook, state: dict, execution: str) -> dict[str, Any]:
         while True:
