@@ -70,6 +70,8 @@ with DAG(
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
         max_preemption_reruns="{{ params.max_preemption_reruns }}",
+        checkpoint_bucket="{{ params.bucket }}",
+        poll_interval="{{ params.poll_interval_seconds }}",
     )
     done = cleanup()
     create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute

@@ -47,6 +47,7 @@ with DAG(
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
         wait_for_completion=False,
+        poll_interval="{{ params.poll_interval_seconds }}",
     )
     wait = CloudRunGpuExecutionSensor(
         task_id="wait_for_execution",

@@ -58,6 +58,9 @@ with DAG(
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
         max_preemption_reruns="{{ params.max_preemption_reruns }}",
+        checkpoint_bucket="{{ params.bucket }}",
+        poll_interval="{{ params.poll_interval_seconds }}",
+        checkpoint_prefix="{{ params.job_name }}/{{ namespace_for(run_id) }}",
         overrides={
             "container_overrides": [
                 {

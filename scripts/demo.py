@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     log_path = workdir / "airflow-dags-test.log"
     conf = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "step_delay_seconds": args.step_delay,
-            "hidden_units": args.hidden, "seed": args.seed}
+            "hidden_units": args.hidden, "seed": args.seed, "poll_interval_seconds": 2.0}
     with EmulatorProcess(
         data_dir=workdir / "emulator", images_file=REPO / "worker" / "emulator-image.json",
         grace_seconds=args.grace_seconds,

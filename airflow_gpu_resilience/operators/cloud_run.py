@@ -237,7 +237,11 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         (default 3; an integer >= 0; templated).
     :param fatal_exit_codes: exit codes that fail without retry (default 64-78, BSD sysexits).
     :param deferrable: wait in the triggerer (default ``True``); ``False`` polls in the worker.
-    :param poll_interval: seconds between polls (default 10).
+    :param poll_interval: seconds between polls (default 10; templated).
+    :param wait_for_completion: wait for the execution and act on its outcome (default ``True``);
+        ``False`` starts the execution (or attaches to this task instance's running one), pushes
+        ``execution_name`` and returns ``{"execution", "job_name"}`` at once, for an execution
+        sensor downstream. Then nothing is re-run after preemptions.
     :param wait_timeout: seconds to wait for one execution before failing this try without
         cancelling it (retryable; the next try attaches to it); default ``None``: no limit.
     :param timeout: total seconds for this try, across re-runs and deferrals, in both modes
@@ -256,7 +260,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain", "overrides",
-        "max_preemption_reruns", "checkpoint_bucket", "checkpoint_prefix",
+        "max_preemption_reruns", "checkpoint_bucket", "checkpoint_prefix", "poll_interval",
     )
     template_fields_renderers = {"overrides": "json"}
     operator_extra_links = (CloudRunGpuExecutionLink(), CloudRunGpuLogsLink())
@@ -276,7 +280,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         max_preemption_reruns: int | str = 3,
         fatal_exit_codes: Collection[int] | None = None,
         deferrable: bool = True,
-        poll_interval: float = 10.0,
+        poll_interval: float | str = 10.0,
+        wait_for_completion: bool = True,
         wait_timeout: float | None = None,
         timeout: float | timedelta | None = None,
         checkpoint_bucket: str | None = None,
@@ -290,6 +295,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.max_preemption_reruns = max_preemption_reruns
         self.fatal_exit_codes = sorted(fatal_exit_codes if fatal_exit_codes is not None else DEFAULT_FATAL_EXIT_CODES)
         self.deferrable, self.poll_interval, self.wait_timeout = deferrable, poll_interval, wait_timeout
+        self.wait_for_completion = wait_for_completion
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         self.checkpoint_bucket, self.checkpoint_prefix = checkpoint_bucket, checkpoint_prefix
         self._running_execution: str | None = None
@@ -373,20 +379,37 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         """Attach to this task instance's running execution or start one, then wait.
 
         :return: the summary (see the class docstring).
-        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value
-            (before any API call).
+        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value,
+            or ``poll_interval`` to a non-positive one (before any API call).
         :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
         :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
         :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
         budget = self._budget()
+        self.poll_interval = self._seconds("poll_interval", self.poll_interval)
         hook = self._hook()
         project_id = self.project_id or hook.project_id
         state = {"project_id": project_id, "run_key": self.run_key(context), "budget": budget,
                  "deadline": self._deadline(), "executions": [], "attempts": [], "progress": {}}
         result = self._attach_or_start(context, hook, state)
-        return result if isinstance(result, dict) else self._wait(context, hook, state, result)
+        if isinstance(result, dict):
+            return result
+        if not self.wait_for_completion:
+            self.log.info("Not waiting for %s (wait_for_completion=False)", result)
+            return {"execution": result, "job_name": self.job_name}
+        return self._wait(context, hook, state, result)
+
+    @staticmethod
+    def _seconds(name: str, value: float | str) -> float:
+        """A rendered number of seconds; :raises ValueError: naming ``name`` unless it is > 0."""
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = float("nan")
+        if not seconds > 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        return seconds
 
     def _attach_or_start(self, context: Context, hook: CloudRunGpuHook, state: dict) -> dict[str, Any] | str:
         """Carry on with an earlier try's newest execution, or start one.
