@@ -63,7 +63,7 @@ _COMMIT = re.compile(r"^ckpt-(\d+)\.commit\.json$")
 def parse_args(argv=None) -> argparse.Namespace:
     """:return: the command-line options (``--quick`` replaces the sizes by small ones)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps of the job")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps of the job")
     p.add_argument("--hidden", type=int, default=4096, help="worker --hidden (state ~ 12*hidden^2 bytes)")
     p.add_argument("--batch-size", type=int, default=8, help="worker --batch-size")
     p.add_argument("--step-delay", type=float, default=0.2, help="worker --step-delay: emulated GPU step seconds")
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="preemption schedule seeds")
     p.add_argument("--grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace seconds")
     p.add_argument("--max-retries", type=int, default=10, help="Cloud Run maxRetries of the job")
-    p.add_argument("--cap", type=float, default=2.0, help="stop a run after this many uninterrupted walls")
+    p.add_argument("--cap", type=float, default=1.8, help="stop a run after this many uninterrupted walls")
     p.add_argument("--quick", action="store_true", help="small sizes, one M, one seed: a smoke check")
     p.add_argument("--out", type=Path, default=common.RESULTS, help="results folder")
     p.add_argument("--workdir", type=Path, default=None, help="emulator state (default: a temp folder)")
@@ -383,7 +383,13 @@ def targets(runs: list, ceilings: dict, save_cost: float) -> dict:
     near = min((r["mtbi_over_save_cost"] for r in mine), key=lambda m: abs(m - 20), default=None)
     at20 = [r for r in mine if r["mtbi_over_save_cost"] == near]
     goodput = common.median(r["goodput"] for r in at20)
+    down = common.median(r["downtime_s_per_preemption"] for r in mine)
     return {
+        "extrapolation": {
+            "note": "goodput ~ ceiling * (1 - (downtime + lost) / M); with no work lost, 95 % of the "
+                    "uninterrupted goodput needs M >= 20 * downtime",
+            "downtime_s_per_preemption_median": down, "M_for_95pct_of_ceiling_s": round(down / 0.05, 1) if down else None,
+            "ceiling_uninterrupted": ceilings.get("this-worker")},
         "lost_work_within_one_interval": {
             "met": lost_ok, "max_lost_s": max((r["max_lost_s"] for r in mine), default=None),
             "intervals_s": sorted({r["interval_s"] for r in mine if r["interval_s"] is not None})},
@@ -425,14 +431,15 @@ def plot(path: Path, rows: list, ceilings: dict, save_cost: float) -> bool:
         xs = [r["mtbi_s"] for r in mine]
         left.plot(xs, [100 * r["goodput"] for r in mine], "o-", color=color, label=strategy)
         left.axhline(100 * ceilings[strategy], color=color, linestyle=":", linewidth=1)
-        right.plot(xs, [r["lost_s_per_preemption"] for r in mine], "o-", color=color, label=strategy)
+        right.plot(xs, [r["lost_s_per_preemption"] for r in mine], "o-", color=color, label=f"{strategy}: lost")
+        right.plot(xs, [r["downtime_s_per_preemption"] for r in mine], "s--", color=color, label=f"{strategy}: down")
     if save_cost:
         left.axvline(20 * save_cost, color="grey", linestyle="--", linewidth=1, label="M = 20 C")
     left.axhline(95, color="black", linestyle="--", linewidth=0.8)
     left.set(xscale="log", xlabel="mean time between preemptions M (s)", ylabel="goodput (%)", ylim=(0, 100),
              title="Goodput (dotted: uninterrupted)")
-    right.set(xscale="log", xlabel="mean time between preemptions M (s)", ylabel="seconds of compute",
-              title="Work lost per preemption")
+    right.set(xscale="log", xlabel="mean time between preemptions M (s)", ylabel="seconds",
+              title="Per preemption: work lost (solid), downtime (dashed)")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     fig.tight_layout()
@@ -499,6 +506,9 @@ def report_lines(report: dict) -> list:
         f"target: this worker's goodput >= 95% at M = 20 C: {verdict[good['met']]} (M/C {good['M_over_C']}: "
         f"goodput {good['goodput']}, uninterrupted ceiling {good['ceiling_uninterrupted']}, "
         f"downtime {good['downtime_s_per_preemption']} s per preemption)",
+        f"extrapolation: 95% of the uninterrupted goodput ({t['extrapolation']['ceiling_uninterrupted']}) needs "
+        f"M >= 20 x downtime = {t['extrapolation']['M_for_95pct_of_ceiling_s']} s (median downtime "
+        f"{t['extrapolation']['downtime_s_per_preemption_median']} s per preemption)",
     ]
 
 
