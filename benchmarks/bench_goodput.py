@@ -32,7 +32,7 @@ Definitions (all from the worker's own JSON logs, the emulator's API and its sch
 
 Run::
 
-    .venv/bin/python benchmarks/bench_goodput.py            # full run, about 6 minutes
+    .venv/bin/python benchmarks/bench_goodput.py            # full run, about 5-6 minutes
     .venv/bin/python benchmarks/bench_goodput.py --quick    # smoke check, under a minute
 
 Writes ``benchmarks/results/goodput.json`` and ``goodput.png`` (``--out`` to change).
