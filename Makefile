@@ -5,14 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench-checkpoint clean
+.PHONY: venv demo test bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[worker,dev]'
+	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[worker,dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,8 +21,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Benchmarks print tables and write JSON (and PNG plots) under benchmarks/results/.
+bench: bench-checkpoint bench-goodput bench-orchestration bench-emulator
+
 bench-checkpoint: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py $(BENCH_ARGS)
+
+bench-goodput: $(STAMP)
+	$(PY) benchmarks/bench_goodput.py $(BENCH_ARGS)
+
+bench-orchestration: $(STAMP)
+	$(PY) benchmarks/bench_orchestration.py $(BENCH_ARGS)
+
+bench-emulator: $(STAMP)
+	$(PY) benchmarks/bench_emulator.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
