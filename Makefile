@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
+.PHONY: venv demo test test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fault-injection suite at full size (CI runs it bounded, as part of `make test`).
+test-faults-long: $(STAMP)
+	FAULTS_N=200 $(PY) -m pytest -m faults $(PYTEST_ARGS)
 
 # Benchmarks print tables and write JSON (and PNG plots) under benchmarks/results/.
 bench: bench-checkpoint bench-goodput bench-orchestration bench-emulator
