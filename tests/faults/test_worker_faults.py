@@ -1,0 +1,269 @@
+"""Worker faults: FAULTS_N random SIGKILL/SIGTERM points across one long run, disk full during a
+save, a vanishing checkpoint directory, corrupt and malicious newest checkpoints.
+
+Every lineage must end in a correct resume (model and optimizer sha256 equal to an uninterrupted
+run with the same flags) or a clear sysexits error, and never load a checkpoint whose commit
+record does not match its data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import faults_n
+from tests.worker.conftest import REPO_ROOT, SIGKILL, SIGTERM, Task, WorkerProcess
+
+pytestmark = pytest.mark.faults
+
+N = faults_n()
+#: A small, fast model; long enough that N interruptions land before the end.
+STEPS = max(400, 50 * N)
+FLAGS = ("--steps", str(STEPS), "--hidden", "32", "--batch-size", "32", "--seed", "3", "--threads", "1",
+         "--checkpoint-every", "10", "--keep", "3", "--step-delay", "0.004")
+SHORT = ("--steps", "120", "--hidden", "32", "--batch-size", "32", "--seed", "5", "--threads", "1",
+         "--checkpoint-every", "10", "--keep", "3", "--step-delay", "0.004")
+
+
+def hashes(metrics: dict) -> tuple[str, str]:
+    return metrics["model_sha256"], metrics["optimizer_sha256"]
+
+
+def resumed_step(process: WorkerProcess) -> int | None:
+    for record in process.records:
+        if "resumed_from_step" in record:
+            return record["resumed_from_step"]
+    return None
+
+
+def run_to_end(task: Task, flags, attempts: int = 3) -> WorkerProcess:
+    """Restart until the run completes (a retryable exit 1 is allowed, a sysexits code is not)."""
+    for _ in range(attempts):
+        process = task.start(flags=flags)
+        code = process.wait(timeout=300)
+        assert code in (0, 1), process.output[-4000:]
+        if code == 0:
+            return process
+    pytest.fail(f"no completion in {attempts} attempts:\n{process.output[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory, digits_npz) -> dict[str, tuple[str, str]]:
+    """Uninterrupted runs with :data:`FLAGS` and :data:`SHORT`; their hashes are the reference."""
+    out = {}
+    for name, flags in (("long", FLAGS), ("short", SHORT)):
+        task = Task(root=tmp_path_factory.mktemp(f"baseline-{name}"), data=digits_npz)
+        process = task.start(flags=flags)
+        process.wait(timeout=600)
+        assert process.proc.returncode == 0, process.output[-4000:]
+        out[name] = hashes(task.metrics())
+    return out
+
+
+@pytest.fixture
+def task(tmp_path: Path, digits_npz: Path) -> Task:
+    return Task(root=tmp_path / "checkpoints", data=digits_npz)
+
+
+#: Interruption kinds, cycled: (signal, test pause env, what to wait for before the signal).
+KINDS = {
+    "term": (SIGTERM, None, "started"),
+    "kill": (SIGKILL, None, "started"),
+    "kill-at-start": (SIGKILL, None, None),  # no waiting at all: startup, resume, first steps
+    "kill-before-commit": (SIGKILL, {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "0.4"}, "checkpoint data written"),
+    "kill-mid-write": (SIGKILL, {"WORKER_TEST_PAUSE_MID_WRITE_SECONDS": "0.4"}, "checkpoint data half written"),
+    "term-mid-write": (SIGTERM, {"WORKER_TEST_PAUSE_MID_WRITE_SECONDS": "0.4"}, "checkpoint data half written"),
+    "term-before-commit": (SIGTERM, {"WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS": "0.4"}, "checkpoint data written"),
+}
+
+
+def _awaited(what: str | None):
+    if what == "started":
+        return lambda r: "resumed_from_step" in r or r.get("message") == "no checkpoint found"
+    return lambda r: r.get("message") == what
+
+
+def test_random_kills_across_one_long_run_end_bit_identical(task: Task, baselines) -> None:
+    """``FAULTS_N`` SIGKILL/SIGTERM points, inside saves and commits and at random times, each
+    followed by a restart like a Cloud Run retry; the last good checkpoint never goes away and
+    every resume starts from the newest checkpoint valid when the attempt began."""
+    rng = random.Random(int(os.environ.get("FAULTS_SEED", "20261201")))
+    kinds = list(KINDS)
+    delivered, completed = 0, None
+    newest_valid = 0
+    for index in range(N):
+        kind = kinds[index % len(kinds)] if index < len(kinds) else rng.choice(kinds)
+        signum, env, what = KINDS[kind]
+        mode = ("--async-save",) if rng.random() < 0.5 else ("--sync-save",)
+        valid_before = task.valid_steps()
+        process = task.start(*mode, env=env, flags=FLAGS)
+        if what is None:
+            time.sleep(rng.uniform(0.0, 3.0))
+        elif process.wait_for(_awaited(what), timeout=120, allow_exit=True) is None:
+            completed = process
+        if completed is None:
+            time.sleep(rng.uniform(0.0, 0.5) if what == "started" else rng.uniform(0.0, 0.2))
+            if process.proc.poll() is None:
+                process.signal(signum)
+                delivered += 1
+        code = process.wait(timeout=120)
+        allowed = {0, 143, -SIGTERM} if signum == SIGTERM else {0, -SIGKILL}
+        assert code in allowed, f"{kind}: exit {code}\n{process.output[-4000:]}"
+        assert not process.messages("ERROR"), process.output[-4000:]
+        step = resumed_step(process)
+        if step is not None:
+            expected = max(valid_before, default=0)  # the newest valid one; nothing here is damaged
+            assert step == expected, f"{kind}: resumed from {step}, valid were {valid_before}"
+        valid = task.valid_steps()
+        assert not valid or valid[-1] >= newest_valid, f"{kind}: last good checkpoint lost: {valid}"
+        newest_valid = valid[-1] if valid else newest_valid
+        if code == 0:
+            completed = process
+            break
+    assert delivered >= min(N, len(KINDS)), f"only {delivered} of {N} interruptions landed"
+    if completed is None:
+        completed = run_to_end(task, FLAGS)
+    metrics = task.metrics()
+    assert hashes(metrics) == baselines["long"]
+    assert [a["attempt"] for a in metrics["attempts"]] == sorted(a["attempt"] for a in metrics["attempts"])
+
+
+class LimitedWorker(WorkerProcess):
+    """A worker whose files may not grow beyond ``fsize`` bytes (writes past it fail with EFBIG)."""
+
+    def __init__(self, args, env, fsize: int) -> None:  # noqa: D107 - same as the parent, plus the limit
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, preexec_fn=limit,
+        )
+        self._init_reader()
+
+    def _init_reader(self) -> None:
+        import queue
+        import threading
+
+        self.records, self.raw, self._queue = [], [], queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+
+def start_limited(task: Task, fsize: int, flags) -> LimitedWorker:
+    """Start the task's next attempt under ``RLIMIT_FSIZE``; same args and env as :meth:`Task.start`."""
+    from tests.worker.conftest import worker_env
+
+    env = worker_env(CLOUD_RUN_JOB=task.job, CLOUD_RUN_EXECUTION=f"{task.job}-exec", CLOUD_RUN_TASK_INDEX="0",
+                     CLOUD_RUN_TASK_COUNT="1", CLOUD_RUN_TASK_ATTEMPT=str(task.attempt))
+    task.attempt += 1
+    args = ["train", "--checkpoint-dir", str(task.root), "--data", str(task.data), *flags]
+    return LimitedWorker(args, env, fsize)
+
+
+@pytest.mark.parametrize("mode", ["--async-save", "--sync-save"])
+def test_disk_full_during_saves_keeps_the_last_good_checkpoint(task: Task, baselines, mode) -> None:
+    """Every checkpoint write fails partway (EFBIG at half its size): the saves fail, the torn
+    files are never valid, the attempt ends with a retryable error, and a retry with room resumes."""
+    first = task.start(mode, flags=SHORT)
+    first.wait_for(lambda r: r.get("message") == "checkpoint saved" and r.get("step", 0) >= 30, timeout=120)
+    first.signal(SIGKILL)
+    first.wait()
+    good = task.valid_steps()
+    assert good
+    size = (task.namespace / f"ckpt-{good[-1]:08d}.pt").stat().st_size
+    full = start_limited(task, size // 2, (*SHORT, mode))
+    code = full.wait(timeout=300)
+    assert code == 1, f"exit {code}\n{full.output[-4000:]}"
+    assert any(r.get("message") == "checkpoint save failed; training goes on" for r in full.records), full.output
+    assert task.valid_steps()[-len(good):] == good or set(good) <= set(task.valid_steps())
+    assert max(task.valid_steps()) == good[-1]  # nothing newer became valid: every write was torn
+    assert not (task.namespace / "FATAL").exists()
+    after = run_to_end(task, SHORT)
+    assert resumed_step(after) == good[-1]
+    assert hashes(task.metrics()) == baselines["short"]
+
+
+def test_checkpoint_directory_vanishing_mid_run(task: Task, baselines) -> None:
+    """The task namespace is deleted while training: the worker goes on (or exits retryably), and
+    the lineage still ends bit-identical."""
+    process = task.start(flags=SHORT)
+    process.wait_for(lambda r: r.get("message") == "checkpoint saved" and r.get("step", 0) >= 20, timeout=120)
+    shutil.rmtree(task.namespace)
+    code = process.wait(timeout=300)
+    assert code in (0, 1), f"exit {code}\n{process.output[-4000:]}"
+    if code != 0:
+        run_to_end(task, SHORT)
+    assert hashes(task.metrics()) == baselines["short"]
+
+
+def _interrupted_lineage(task: Task) -> list[int]:
+    """Run SHORT until step >= 60 is committed, SIGKILL it; :return: the valid steps."""
+    process = task.start(flags=SHORT)
+    process.wait_for(lambda r: r.get("message") == "checkpoint saved" and r.get("step", 0) >= 60, timeout=120)
+    process.signal(SIGKILL)
+    process.wait()
+    valid = task.valid_steps()
+    assert len(valid) >= 2, valid
+    return valid
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped"])
+def test_damaged_newest_checkpoint_is_skipped(task: Task, baselines, damage) -> None:
+    valid = _interrupted_lineage(task)
+    newest = task.namespace / f"ckpt-{valid[-1]:08d}.pt"
+    data = bytearray(newest.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 3]
+    else:
+        data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    resumed = run_to_end(task, SHORT)
+    skipped = [r for r in resumed.messages("WARNING") if r.get("message") == "skipping invalid checkpoint"]
+    assert [os.path.basename(r["file"]) for r in skipped][:1] == [newest.name], resumed.output[-4000:]
+    assert resumed_step(resumed) == valid[-2]
+    assert hashes(task.metrics()) == baselines["short"]
+
+
+PAYLOAD = r"""
+import pathlib, sys, torch
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+    def __reduce__(self):
+        return (pathlib.Path.write_text, (pathlib.Path(self.marker), "pwned"))
+torch.save({"train_state": Evil(sys.argv[2]), "model": {}, "optimizer": {}, "lr_scheduler": {},
+            "dataloader": {}}, sys.argv[1])
+"""
+
+
+def test_pickled_payload_with_a_matching_commit_record_is_refused(task: Task, baselines, tmp_path: Path) -> None:
+    """The newest checkpoint is replaced by a malicious pickle whose commit record matches it
+    (size and sha256): it is refused, never executed, and the run resumes from the previous one."""
+    valid = _interrupted_lineage(task)
+    newest = task.namespace / f"ckpt-{valid[-1]:08d}.pt"
+    marker = tmp_path / "executed"
+    subprocess.run([sys.executable, "-c", PAYLOAD, str(newest), str(marker)], check=True, timeout=120)
+    data = newest.read_bytes()
+    record_path = task.namespace / f"ckpt-{valid[-1]:08d}.commit.json"
+    record = json.loads(record_path.read_text())
+    record.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    record_path.write_text(json.dumps(record))
+    assert valid[-1] in task.valid_steps()  # the commit record matches: only the unpickler stands guard
+    resumed = run_to_end(task, SHORT)
+    assert not marker.exists(), "the pickled payload ran"
+    skipped = [r for r in resumed.messages("WARNING") if r.get("message") == "skipping invalid checkpoint"]
+    assert skipped and os.path.basename(skipped[0]["file"]) == newest.name, resumed.output[-4000:]
+    assert "torch.load failed" in skipped[0]["reason"]
+    assert resumed_step(resumed) == valid[-2]
+    assert hashes(task.metrics()) == baselines["short"]
