@@ -1,0 +1,227 @@
+"""Orchestration faults through the emulator and the provider's operators (``dag.test()``).
+
+503/429 storms and delays from the API, the Airflow task killed (SIGKILL, no ``on_kill``) and
+retried mid-execution, every task of a 3-task execution preempted at once, a preemption during
+the very first step, a preemption budget of 0. Each case counts the executions started (no
+duplicates), and asserts the outcome and the message a user sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from airflow.utils.state import TaskInstanceState
+
+from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
+from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env
+from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV, CloudRunGpuExecuteJobOperator
+from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+from tests.unit.operators import dag_factory
+from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+from tests.worker.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("airflow_db")]
+
+
+@pytest.fixture(autouse=True)
+def _clear_captured():
+    CAPTURED["summaries"].clear()
+    CAPTURED["errors"].clear()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """The hook's API retry backoff starts at 50 ms (the storms would otherwise cost minutes)."""
+    from airflow_gpu_resilience.hooks import cloud_run
+
+    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, initial=0.05))
+
+
+@pytest.fixture
+def run_execute(job_name):
+    """Run the execute DAG for ``job_name`` with ``dag.test()``; return its ``execute`` task instance."""
+    from airflow.configuration import conf
+
+    written = []
+
+    def run(**kwargs):
+        kwargs = {"dag_id": f"faults_{job_name.replace('-', '_')}", "job_name": job_name, **kwargs}
+        written.append(write_dag_file(Path(conf.get("core", "dags_folder")), "execute_dag", kwargs))
+        return dag_factory.execute_dag(**kwargs).test().get_task_instance("execute")
+
+    yield run
+    for path in written:
+        path.unlink(missing_ok=True)
+
+
+def deploy(job_name: str, args: list[str], max_retries: int = 0, **kw) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=max_retries,
+                          checkpoint_bucket=BUCKET, **kw)
+    CloudRunGpuHook().create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
+
+
+def executions(job_name: str) -> list:
+    return CloudRunGpuHook().list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+
+
+def start_ids(job_name: str) -> set:
+    return {execution_env(e).get(START_ID_ENV) for e in executions(job_name)}
+
+
+def in_background(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def first_execution(job_name: str, timeout: float = 60.0) -> str:
+    hook, deadline = CloudRunGpuHook(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = hook.list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
+        if found:
+            return found[-1].name
+        time.sleep(0.05)
+    raise TimeoutError(f"no execution of {job_name} within {timeout} s")
+
+
+@pytest.mark.parametrize("storm", [
+    {"errorRate": 0.3, "codes": [503, 429], "seed": 11},
+    {"failNext": 12, "codes": [429], "delaySeconds": 0.05},
+    {"errorRate": 0.15, "codes": [503], "delaySeconds": 0.1, "seed": 3},
+], ids=["503-429-storm", "429-burst-with-delay", "slow-503s"])
+def test_api_storms_neither_duplicate_nor_lose_an_execution(gcp_conn, job_name, run_execute, faults, fast_retries,
+                                                             storm):
+    """A preempted first execution and its re-run, under API errors and delays: exactly two executions."""
+    deploy(job_name, ["preempt-once"], max_retries=0)
+    faults(**storm)
+    ti = run_execute(retries=3, max_preemption_reruns=1, poll_interval=0.1)
+    faults()
+    assert ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
+    [summary] = CAPTURED["summaries"]
+    assert summary["outcome"] == "SUCCEEDED" and summary["reruns"] == 1
+    assert [e["action"] for e in summary["executions"]] == ["RERUN", "SUCCEED"]
+    assert len(executions(job_name)) == 2 and len(start_ids(job_name)) == 2
+
+
+KILLED_TRY = r"""
+import sys
+from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
+class TI:
+    dag_id, run_id, task_id, map_index = "faults_kill", "run-1", "execute", -1
+    def xcom_push(self, key, value):
+        print("xcom", key, value, flush=True)
+op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=sys.argv[1], region=sys.argv[2],
+                                   deferrable=False, poll_interval=0.1)
+op.execute({"ti": TI()})
+"""
+
+
+class _TI:
+    dag_id, run_id, task_id, map_index = "faults_kill", "run-1", "execute", -1
+
+    def __init__(self):
+        self.xcom = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = value
+
+
+def test_airflow_task_killed_mid_execution_and_retried_attaches(gcp_conn, job_name, emulator):
+    """Try 1 (its own process) is SIGKILLed while the execution runs: no ``on_kill``, nothing
+    cancelled. Try 2 attaches to the same execution, which is preempted once and then succeeds."""
+    deploy(job_name, ["sleep-first", "4", "0.5"], max_retries=1)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    first = subprocess.Popen([sys.executable, "-c", KILLED_TRY, job_name, REGION], env=env, cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        execution = first_execution(job_name)
+        wait_until_running(CloudRunGpuHook(), execution, timeout=60)
+    finally:
+        first.kill()
+        first.communicate(timeout=30)
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION, deferrable=False,
+                                       poll_interval=0.1)
+    ti = _TI()
+    emulator.preempt(execution, task_index=0, grace_seconds=0.2)
+    summary = op.execute({"ti": ti})
+    assert ti.xcom["execution_name"] == execution
+    assert summary["outcome"] == "SUCCEEDED" and summary["reruns"] == 0
+    assert [e["name"] for e in summary["executions"]] == [execution]
+    assert summary["tasks"][0]["outcomes"] == ["PREEMPTED", "SUCCEEDED"]
+    assert len(executions(job_name)) == 1
+
+
+def test_every_task_of_a_3_task_execution_preempted_at_once(gcp_conn, job_name, emulator, run_execute):
+    """All three tasks are preempted together; Cloud Run's retries bring each back in the same
+    execution: one execution, no re-run, three preemptions reported."""
+    deploy(job_name, ["sleep-first", "60", "0.5"], max_retries=1, task_count=3)
+    hook, injected = CloudRunGpuHook(), []
+
+    def preempt_all():
+        execution = first_execution(job_name)
+        for index in range(3):
+            wait_until_running(hook, execution, task_index=index, timeout=60)
+        threads = [in_background(functools.partial(
+            lambda i: injected.append(emulator.preempt(execution, task_index=i, grace_seconds=0.3)), index))
+            for index in range(3)]
+        for thread in threads:
+            thread.join(timeout=30)
+
+    thread = in_background(preempt_all)
+    ti = run_execute(max_preemption_reruns=0, poll_interval=0.1)
+    thread.join(timeout=30)
+    assert len(injected) == 3
+    assert ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
+    [summary] = CAPTURED["summaries"]
+    assert summary["reruns"] == 0 and len(summary["executions"]) == 1 and summary["task_count"] == 3
+    for task in summary["tasks"]:
+        assert task["outcomes"] == ["PREEMPTED", "SUCCEEDED"], summary["tasks"]
+    assert sorted(p["task_index"] for p in summary["preemptions"]) == [0, 1, 2]
+    assert all("hardware maintenance" in p["message"] for p in summary["preemptions"])
+    assert len(executions(job_name)) == 1
+
+
+def test_preemption_during_the_very_first_step(gcp_conn, job_name, emulator, run_execute):
+    """Preempted the moment the first attempt starts (grace 0): the retry succeeds."""
+    deploy(job_name, ["sleep-first", "60", "0.2"], max_retries=1)
+    injected = []
+
+    def preempt_at_start():
+        execution = first_execution(job_name)
+        wait_until_running(CloudRunGpuHook(), execution, timeout=60)
+        injected.append(emulator.preempt(execution, task_index=0, grace_seconds=0))
+
+    thread = in_background(preempt_at_start)
+    ti = run_execute(max_preemption_reruns=1, poll_interval=0.1)
+    thread.join(timeout=30)
+    assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
+    [summary] = CAPTURED["summaries"]
+    assert summary["tasks"][0]["outcomes"] == ["PREEMPTED", "SUCCEEDED"]
+    assert len(executions(job_name)) == 1
+
+
+def test_preemption_budget_of_zero_fails_at_the_first_preemption(gcp_conn, job_name, run_execute):
+    """Budget 0 and no Cloud Run retries: the first preemption fails the task for good (no Airflow
+    retry, no re-run), with a message that says so."""
+    deploy(job_name, ["preempt-once"], max_retries=0)
+    ti = run_execute(retries=2, max_preemption_reruns=0)
+    assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
+    error = CAPTURED["errors"][-1]
+    assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "PREEMPTED"
+    assert "preemption budget exhausted (0 re-runs used)" in str(error)
+    [execution] = executions(job_name)
+    assert execution_env(execution).get(RERUN_ENV, "0") == "0"
+    assert json.loads(json.dumps(str(error)))  # a plain, printable message
