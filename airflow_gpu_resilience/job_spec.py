@@ -231,6 +231,13 @@ class GpuJobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("command", "args"):  # a lone string would become one item per character
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+                    isinstance(item, str) for item in value):
+                raise ValueError(f"{name}={value!r} must be a list of strings, e.g. ['train', '--steps=600']")
+        if self.service_account is not None and not isinstance(self.service_account, str):
+            raise ValueError(f"service_account={self.service_account!r} must be a service account email (a string)")
         # Freeze the collections so that the spec is hashable-ish and cannot change under us.
         object.__setattr__(self, "command", tuple(self.command))
         object.__setattr__(self, "args", tuple(self.args))

@@ -99,7 +99,7 @@ def first_execution(job_name: str, timeout: float = 60.0) -> str:
 
 @pytest.mark.parametrize("storm", [
     {"errorRate": 0.3, "codes": [503, 429], "seed": 11},
-    {"failNext": 12, "codes": [429], "delaySeconds": 0.05},
+    {"failNext": 6, "codes": [429], "delaySeconds": 0.05},
     {"errorRate": 0.15, "codes": [503], "delaySeconds": 0.1, "seed": 3},
 ], ids=["503-429-storm", "429-burst-with-delay", "slow-503s"])
 def test_api_storms_neither_duplicate_nor_lose_an_execution(gcp_conn, job_name, run_execute, faults, fast_retries,
