@@ -15,21 +15,39 @@ from typing import Mapping, Sequence
 
 from worker.config import WorkerConfig, config_from_args, guess_namespace
 from worker.checkpoint import CheckpointManager
-from worker.errors import EXIT_FAILURE, EXIT_OK, OutputError, WorkerError
+from worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, OutputError, WorkerError
 from worker.files import FATAL, METRICS, read_json, write_json
 from worker.logs import StructuredLogger, utc_now
 from worker.preemption import PreemptionWatcher
 from worker.storage import LocalStorage
 
 
-def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger) -> int:
+def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
+    """What a ``FATAL`` marker is tied to: the arguments, and the input file's size and mtime.
+
+    :param argv: the worker's arguments.
+    :param data_path: the ``.npz`` input, when the configuration got as far as naming it.
+    :return: ``{"argv": [...], "data": [size in bytes, mtime in ns] or None}``.
+    """
+    try:
+        stat = os.stat(data_path) if data_path else None
+    except OSError:
+        stat = None
+    return {"argv": list(argv), "data": [stat.st_size, stat.st_mtime_ns] if stat else None}
+
+
+def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger,
+                called_as: dict | None = None) -> int:
     """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line.
 
+    :param called_as: the :func:`invocation` that failed; a later attempt with the same one exits
+        at once, one with other arguments or another input file ignores the marker.
     :return: the error's exit code.
     """
     marker = "not written: no namespace"
     if namespace is not None:
-        record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now()}
+        record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
+                  "invocation": called_as}
         path = os.path.join(namespace, FATAL)
         try:
             write_json(LocalStorage(), path, record)
@@ -58,12 +76,21 @@ def check_writable(namespace: str) -> None:
         raise
 
 
-def fatal_marker_code(namespace: str, logger: StructuredLogger) -> int | None:
-    """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if any."""
+def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict | None = None) -> int | None:
+    """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if it applies.
+
+    A marker written for another :func:`invocation` (other arguments, or an input file changed
+    since) is stale: it is removed with a warning, and ``None`` is returned.
+    """
     path = os.path.join(namespace, FATAL)
     if not os.path.exists(path):
         return None
     record = read_json(LocalStorage(), path) or {}
+    if called_as is not None and record.get("invocation") not in (None, called_as):
+        logger.warning("ignoring a FATAL marker left by other settings or input; removing it",
+                       file=path, reason=record.get("reason"))
+        LocalStorage().remove(path)
+        return None
     code = record.get("exit_code")
     code = code if isinstance(code, int) and 64 <= code <= 78 else 78
     logger.error("an earlier attempt hit a non-retryable error; exiting at once",
@@ -75,7 +102,14 @@ def run_is_complete(config: WorkerConfig, logger: StructuredLogger) -> bool:
     """:return: whether ``metrics.json`` and the final checkpoint of this run both exist."""
     storage = LocalStorage()
     metrics = read_json(storage, os.path.join(config.namespace, METRICS))
-    if metrics is None or metrics.get("steps") != config.train.steps:
+    if metrics is None:
+        return False
+    saved = metrics.get("settings")
+    if saved is not None and saved != config.train.fingerprint():
+        details = {k: [saved.get(k), v] for k, v in config.train.fingerprint().items() if saved.get(k) != v}
+        raise ConfigError(f"this namespace holds a finished run with other settings [saved, now]: {details}; "
+                          "use a new --run-id (CHECKPOINT_RUN_ID) or another checkpoint folder")
+    if metrics.get("steps") != config.train.steps:
         return False
     if not config.checkpoint.enabled:  # no checkpoints to check: the metrics are the record
         return True
@@ -112,17 +146,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         try:
             config = config_from_args(argv, env)
         except WorkerError as exc:
-            return write_fatal(guess_namespace(argv, env), exc, logger)
+            return write_fatal(guess_namespace(argv, env), exc, logger, invocation(argv))
         identity = config.identity
         logger = logger.bind(job=identity.job, execution=identity.execution,
                              task_index=identity.task_index, attempt=identity.task_attempt)
-        code = fatal_marker_code(config.namespace, logger)
+        called_as = invocation(argv, config.data_path)
+        code = fatal_marker_code(config.namespace, logger, called_as)
         if code is not None:
             return code
         try:
             return _train(config, logger, watcher)
         except WorkerError as exc:
-            return write_fatal(config.namespace, exc, logger)
+            return write_fatal(config.namespace, exc, logger, called_as)
         except Exception as exc:  # noqa: BLE001 - the retryable catch-all
             logger.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE,
                          traceback=traceback.format_exc())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from typing import Mapping, Sequence
@@ -127,14 +128,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.seed < 0:
-            raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if not self.step_delay >= 0:
-            raise ValueError(f"--step-delay must be >= 0, got {self.step_delay}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.step_delay <= 3600:
+            raise ValueError(f"--step-delay must be in [0, 3600] seconds, got {self.step_delay}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_DATAERR = 65
+EXIT_SOFTWARE = 70
 EXIT_CANTCREAT = 73
 EXIT_CONFIG = 78
 EXIT_PREEMPTED = 143
@@ -40,3 +41,9 @@ class OutputError(WorkerError):
     the way): not retryable, exit 73 (``EX_CANTCREAT``)."""
 
     exit_code = EXIT_CANTCREAT
+
+
+class DivergedError(WorkerError):
+    """Training diverged (a non-finite loss): the same settings diverge again, exit 70."""
+
+    exit_code = EXIT_SOFTWARE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -13,7 +14,7 @@ from torch import nn
 from worker import checkpoint as ckpt
 from worker.config import WorkerConfig
 from worker.data import Dataset, EpochSampler, load_dataset
-from worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError
+from worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, DivergedError
 from worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
 from worker.logs import StructuredLogger, utc_now
 from worker.preemption import PreemptionWatcher
@@ -193,10 +194,14 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         logits = parts.model(data.x_train[indices])
         loss = nn.functional.cross_entropy(logits, data.y_train[indices])
+        value = float(loss.item())
+        if not math.isfinite(value):
+            raise DivergedError(f"training diverged: the loss is {value} at step {parts.state.step + 1} "
+                                f"(lower --lr, or check the input data)")
         loss.backward()
         parts.optimizer.step()
         parts.lr_scheduler.step()
-        return float(loss.item())
+        return value
 
     def _train_loop(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
                     progress: ProgressReporter) -> int:
@@ -296,6 +301,7 @@ class Trainer:
             "steps": parts.state.step,
             "total_steps": self.config.train.steps,
             "final_loss": parts.state.loss_ema,
+            "settings": self.config.train.fingerprint(),
             "wall_seconds": round(parts.state.elapsed_seconds, 3),
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": parts.state.checkpoints,

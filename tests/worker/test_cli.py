@@ -5,7 +5,6 @@ More bad-input cases run in-process in ``test_bad_input_inprocess.py``."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -40,11 +39,10 @@ def test_uninterrupted_run_succeeds(baseline: tuple[Task, WorkerProcess]) -> Non
 def test_completed_run_exits_at_once(baseline: tuple[Task, WorkerProcess]) -> None:
     task, _ = baseline
     before = task.metrics()
-    started = time.monotonic()
     process = task.run("--checkpoint-every", "20", "--keep", "3")
     assert process.proc.returncode == 0, process.output
-    assert time.monotonic() - started < 2.0  # no torch import, no training
     assert any("already complete" in r["message"] for r in process.records)
+    assert not any(r["message"].startswith(("resuming", "checkpoint saved")) for r in process.records)
     assert task.metrics() == before
 
 
@@ -54,10 +52,9 @@ def test_bad_config_exits_78_and_later_attempts_exit_at_once(task: Task, args, e
     assert first.proc.returncode == 78, first.output
     fatal = json.loads((task.namespace / "FATAL").read_text())
     assert fatal["exit_code"] == 78 and reason in fatal["reason"]
-    started = time.monotonic()
-    second = task.run()  # a Cloud Run retry, even with good flags, stops at once
+    second = task.run(*args, env=env)  # a Cloud Run retry of the same task stops at once
     assert second.proc.returncode == 78, second.output
-    assert time.monotonic() - started < 2.0
+    assert [r["severity"] for r in second.records] == ["ERROR"]  # one line, no training
     assert not list(task.namespace.glob("ckpt-*"))
 
 
