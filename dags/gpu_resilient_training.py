@@ -10,7 +10,9 @@ with cleanup as a teardown (it runs after failures too):
 - ``deploy_job``: the GPU job (L4, no zonal redundancy, task timeout, max retries 3, the bucket
   mounted at ``/checkpoints``); idempotent;
 - ``execute_job``: runs it, deferrable; a preempted task resumes from its last committed
-  checkpoint, through Cloud Run's retries and, when those run out, the operator's re-runs;
+  checkpoint, through Cloud Run's retries and, when those run out, the operator's re-runs. Each
+  DAG run has its own checkpoint namespace (``CHECKPOINT_RUN_ID``, from the run id): clearing a
+  task resumes that run's checkpoints; a new run, with other params or not, trains afresh;
 - ``report``: held-out accuracy, steps, attempts and lost work from each task's ``metrics.json``;
 - ``cleanup``: deletes the job; deletes the bucket too when the ``delete_bucket`` param says so.
 
@@ -26,10 +28,13 @@ import pendulum
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.sdk import DAG, Param, task
 from gpu_training_common import (
+    RUN_CHECKPOINT_PREFIX,
+    RUN_NAMESPACE_OVERRIDES,
     common_params,
     create_bucket_operator,
     deploy_operator,
     grant_bucket_access,
+    namespace_for,
     report,
     upload_dataset,
 )
@@ -58,6 +63,7 @@ with DAG(
         **common_params("gpu-resilient-training"),
         "delete_bucket": Param(False, type="boolean", description="Delete the bucket in cleanup"),
     },
+    user_defined_macros={"namespace_for": namespace_for},
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example"],
 ) as dag:
@@ -70,10 +76,12 @@ with DAG(
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
         max_preemption_reruns="{{ params.max_preemption_reruns }}",
+        overrides=RUN_NAMESPACE_OVERRIDES,
         checkpoint_bucket="{{ params.bucket }}",
+        checkpoint_prefix=RUN_CHECKPOINT_PREFIX,
         poll_interval="{{ params.poll_interval_seconds }}",
     )
     done = cleanup()
     create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
-    report(execute.output) >> done
+    report(execute.output, namespace="{{ namespace_for(run_id) }}") >> done
     done.as_teardown(setups=create_bucket)

@@ -37,8 +37,10 @@ def common_params(job_name: str, *, steps: int = 600) -> dict[str, Param]:
         "project_id": Param("local-project", type="string", description="Google Cloud project"),
         "region": Param("us-central1", type="string", description="Cloud Run region with L4 GPUs"),
         "job_name": Param(job_name, type="string", pattern=r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$"),
-        "image": Param(DEFAULT_IMAGE, type="string", description="Worker image built from worker/"),
-        "bucket": Param("gpu-resilient-checkpoints", type="string", description="Checkpoint bucket"),
+        "image": Param(DEFAULT_IMAGE, type="string", minLength=1, description="Worker image built from worker/"),
+        # Cloud Storage bucket names: 3-63 of a-z 0-9 - _ . , starting and ending with a letter or digit.
+        "bucket": Param("gpu-resilient-checkpoints", type="string", pattern=r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$",
+                        description="Checkpoint bucket"),
         "service_account": Param("gpu-trainer@local-project.iam.gserviceaccount.com", type="string",
                                  description="Service account the job runs as"),
         "gpu_type": Param("nvidia-l4", enum=["nvidia-l4", "nvidia-rtx-pro-6000"]),
@@ -52,8 +54,10 @@ def common_params(job_name: str, *, steps: int = 600) -> dict[str, Param]:
         "steps": Param(steps, type="integer", minimum=1, description="Optimizer steps to train"),
         "checkpoint_every": Param(50, type="integer", minimum=1, description="Steps between checkpoints"),
         "hidden_units": Param(128, type="integer", minimum=1, description="Hidden units per MLP layer"),
-        "seed": Param(0, type="integer", minimum=0, description="Training seed (same seed, same model)"),
-        "step_delay_seconds": Param(0.0, type="number", minimum=0, description="Artificial delay per step"),
+        "seed": Param(0, type="integer", minimum=0, maximum=2**63 - 1,
+                      description="Training seed (same seed, same model)"),
+        "step_delay_seconds": Param(0.0, type="number", minimum=0, maximum=3600,
+                                    description="Artificial delay per step, seconds"),
     }
 
 
@@ -100,6 +104,17 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
         service_account="{{ params.service_account }}",
         checkpoint_bucket="{{ params.bucket }}",
     )
+
+
+#: Execution overrides that give each DAG run its own checkpoint namespace: the worker then keeps
+#: ``{job}/{namespace_for(run_id)}/task-{i}/`` in the bucket, so a cleared task resumes its own
+#: run's checkpoints and a new DAG run (other params, another day) never resumes another's.
+RUN_NAMESPACE_OVERRIDES = {
+    "container_overrides": [{"env": [{"name": "CHECKPOINT_RUN_ID", "value": "{{ namespace_for(run_id) }}"}]}]
+}
+
+#: Where that namespace's task folders are in the bucket (the execute operator's ``checkpoint_prefix``).
+RUN_CHECKPOINT_PREFIX = "{{ params.job_name }}/{{ namespace_for(run_id) }}"
 
 
 def namespace_for(run_id: str) -> str:

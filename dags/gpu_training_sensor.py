@@ -17,10 +17,12 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
+    RUN_NAMESPACE_OVERRIDES,
     common_params,
     create_bucket_operator,
     deploy_operator,
     grant_bucket_access,
+    namespace_for,
     report,
     upload_dataset,
 )
@@ -35,6 +37,7 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     params=common_params("gpu-training-sensor"),
+    user_defined_macros={"namespace_for": namespace_for},
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "sensor"],
 ) as dag:
@@ -46,6 +49,7 @@ with DAG(
         project_id="{{ params.project_id }}",
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
+        overrides=RUN_NAMESPACE_OVERRIDES,
         wait_for_completion=False,
         poll_interval="{{ params.poll_interval_seconds }}",
     )
@@ -58,4 +62,4 @@ with DAG(
         timeout=7 * 24 * 3600,
     )
     create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
-    wait >> report({"task_count": 1})
+    wait >> report({"task_count": 1}, namespace="{{ namespace_for(run_id) }}")

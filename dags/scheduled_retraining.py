@@ -22,6 +22,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
+    RUN_CHECKPOINT_PREFIX,
     WORKER_ARGS,
     common_params,
     create_bucket_operator,
@@ -60,7 +61,7 @@ with DAG(
         max_preemption_reruns="{{ params.max_preemption_reruns }}",
         checkpoint_bucket="{{ params.bucket }}",
         poll_interval="{{ params.poll_interval_seconds }}",
-        checkpoint_prefix="{{ params.job_name }}/{{ namespace_for(run_id) }}",
+        checkpoint_prefix=RUN_CHECKPOINT_PREFIX,
         overrides={
             "container_overrides": [
                 {

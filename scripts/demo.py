@@ -96,6 +96,12 @@ def airflow_env(workdir: Path, emulator: EmulatorProcess) -> dict[str, str]:
     return env
 
 
+def task_folder(job_folder: Path, index: int = 0) -> Path | None:
+    """:return: ``{job}/{run namespace}/task-{index}`` of the one DAG run in the bucket, if any."""
+    found = sorted(job_folder.glob(f"*/task-{index}"))
+    return found[0] if found else None
+
+
 def _run_client(emulator: EmulatorProcess, client_class):
     return client_class(
         credentials=AnonymousCredentials(),
@@ -125,7 +131,12 @@ class Preempter(threading.Thread):
         self.stop = threading.Event()
         self.jobs = _run_client(emulator, run_v2.JobsClient)
         self.tasks = _run_client(emulator, run_v2.TasksClient)
-        self.namespace = emulator.bucket_dir(BUCKET) / JOB / "task-0"
+        self.job_folder = emulator.bucket_dir(BUCKET) / JOB
+
+    @property
+    def namespace(self) -> Path:
+        """Task 0's checkpoint folder (the DAG run's namespace is named after its run id)."""
+        return task_folder(self.job_folder) or self.job_folder / "-" / "task-0"
 
     def run(self) -> None:
         try:
@@ -260,7 +271,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference: dict | None) -> dict:
-    metrics = _read_json(emulator.bucket_dir(BUCKET) / JOB / "task-0" / "metrics.json")
+    folder = task_folder(emulator.bucket_dir(BUCKET) / JOB)
+    metrics = _read_json(folder / "metrics.json") if folder else {}
     attempts = metrics.get("attempts") or metrics.get("history", [])
     identical = None
     if reference is not None and metrics:

@@ -144,5 +144,6 @@ def test_sensor_variant_waits_in_reschedule_mode(tmp_path: Path) -> None:
     conf = {"steps": 40, "checkpoint_every": 20, "poll_interval_seconds": 1.0}
     bucket, log = _run_against_emulator(tmp_path, "gpu_training_sensor", conf)
     assert "up_for_reschedule" in log.lower() or "rescheduling" in log.lower()
-    metrics = json.loads((bucket / "gpu-training-sensor" / "task-0" / "metrics.json").read_text())
+    [metrics_file] = (bucket / "gpu-training-sensor").glob("*/task-0/metrics.json")
+    metrics = json.loads(metrics_file.read_text())
     assert metrics["steps"] == 40

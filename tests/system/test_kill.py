@@ -60,8 +60,8 @@ def test_sigterm_to_the_airflow_task_cancels_the_execution(tmp_path: Path) -> No
             process = subprocess.Popen([airflow, "dags", "test", "gpu_resilient_training", "--conf", json.dumps(conf)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            progress = emulator.bucket_dir("gpu-resilient-checkpoints") / "gpu-resilient-training" / "task-0" / "progress.json"
-            _wait_for(progress.exists, 240, "the worker to make progress")
+            job_folder = emulator.bucket_dir("gpu-resilient-checkpoints") / "gpu-resilient-training"
+            _wait_for(lambda: list(job_folder.glob("*/task-0/progress.json")), 240, "the worker to make progress")
             name = jobs.get_job(name=JOB).latest_created_execution.name
             process.send_signal(signal.SIGTERM)
             cancelled = _wait_for(lambda: executions.get_execution(name=name).cancelled_count, 60,
