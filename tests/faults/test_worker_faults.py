@@ -199,7 +199,9 @@ def test_checkpoint_directory_vanishing_mid_run(task: Task, baselines) -> None:
     the lineage still ends bit-identical."""
     process = task.start(flags=SHORT)
     process.wait_for(lambda r: r.get("message") == "checkpoint saved" and r.get("step", 0) >= 20, timeout=120)
-    shutil.rmtree(task.namespace)
+    gone = task.namespace.with_name("vanished")
+    os.rename(task.namespace, gone)  # atomically gone while the worker writes; then really deleted
+    shutil.rmtree(gone)
     code = process.wait(timeout=300)
     assert code in (0, 1), f"exit {code}\n{process.output[-4000:]}"
     if code != 0:
