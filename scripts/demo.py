@@ -143,10 +143,11 @@ class Preempter(threading.Thread):
             for k in range(1, self.count + 1):
                 if not self._wait_for_progress(self.total_steps * k // (self.count + 1)):
                     return
+                target = self._target()  # looked up first: once a write starts, only the POST remains
                 writing = self._wait_for_checkpoint_write() if k % 2 == 0 else None
                 if k % 2 == 0 and writing is None:
                     return
-                self._preempt(writing)
+                self._preempt(target, writing)
         except Exception as exc:  # reported in the summary; the DAG still decides success
             self.error = f"{type(exc).__name__}: {exc}"
 
@@ -185,11 +186,15 @@ class Preempter(threading.Thread):
             time.sleep(0.001)
         return None
 
-    def _preempt(self, writing: int | None) -> None:
+    def _target(self) -> tuple[str, str, int]:
+        """:return: the running execution, its task 0, and that task's retry count so far."""
         execution = self.jobs.get_job(name=f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}")
         execution_name = execution.latest_created_execution.name
         task_name = next(t.name for t in self.tasks.list_tasks(parent=execution_name) if t.index == 0)
-        before = self.tasks.get_task(name=task_name).retried
+        return execution_name, task_name, self.tasks.get_task(name=task_name).retried
+
+    def _preempt(self, target: tuple[str, str, int], writing: int | None) -> None:
+        execution_name, task_name, before = target
         at_step, sent_at = self._progress_step(), time.time()
         answer = self.emulator.preempt(execution_name, task_index=0)
         where = f"while checkpoint step {writing} was being written" if writing is not None else f"at step {at_step}"

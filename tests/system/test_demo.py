@@ -1,8 +1,8 @@
 """End to end: the main job (``make demo``'s script) with a shorter training.
 
 It runs the real thing as a user does: the example DAG through ``airflow dags test`` against the
-Cloud Run and GCS emulators, the bundled worker as the task process, and one injected
-maintenance preemption. It then checks the report and that no process was left behind.
+Cloud Run and GCS emulators, the bundled worker as the task process, and two injected
+maintenance preemptions (the second aimed at a checkpoint write). It then checks the report and that no process was left behind.
 """
 
 from __future__ import annotations
