@@ -237,13 +237,19 @@ def _preempt(state: AppState, body: dict) -> dict:
             execution, _, task = str(body["task"]).partition(_TASK_NAME)
             index = int(task.rsplit("-task", 1)[-1]) if "-task" in task else -1
         elif "execution" in body:
-            execution, index = str(body["execution"]), int(body.get("taskIndex", 0))
+            raw_index = body.get("taskIndex", 0)
+            if isinstance(raw_index, bool) or not isinstance(raw_index, int) or raw_index < 0:
+                raise InvalidArgument(f"taskIndex: must be an integer >= 0, got {raw_index!r}.")
+            execution, index = str(body["execution"]), raw_index
         else:
             raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
         grace = float(body.get("graceSeconds", state.registry.config.policy.grace_seconds))
         wait = float(body.get("waitSeconds", 10.0))
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"Invalid preempt request: {exc}") from None
+    for key, value, limit in (("graceSeconds", grace, 3600.0), ("waitSeconds", wait, 3600.0)):
+        if not 0 <= value <= limit:
+            raise InvalidArgument(f"{key}: must be between 0 and {limit:g} seconds, got {value!r}.")
     return state.registry.for_name(execution).preempt(execution, index, grace, wait)
 
 

@@ -66,6 +66,10 @@ def timeout_seconds(template: run_v2.TaskTemplate) -> float:
     return template.timeout.total_seconds() if "timeout" in template else 600.0
 
 
+#: Cloud Run's limit on tasks per execution (the ``--tasks`` range is 1 to 10,000).
+MAX_TASK_COUNT = 10_000
+
+
 def validate_job(job: run_v2.Job, bucket_exists) -> int:
     """Validate a job spec; return the launch stage to report (BETA when preview features are
     used, else GA).
@@ -75,8 +79,8 @@ def validate_job(job: run_v2.Job, bucket_exists) -> int:
     """
     _validate_meta(job.labels, job.annotations, "job")
     _validate_meta(job.template.labels, job.template.annotations, "job.template")
-    if job.template.task_count < 0:
-        raise InvalidArgument("job.template.task_count: must be >= 1.")
+    if not 0 <= job.template.task_count <= MAX_TASK_COUNT:
+        raise InvalidArgument(f"job.template.task_count: must be between 1 and {MAX_TASK_COUNT}.")
     if job.template.parallelism < 0:
         raise InvalidArgument("job.template.parallelism: must be >= 0.")
     preview = validate_task_template(job.template.template, bucket_exists)

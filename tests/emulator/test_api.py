@@ -267,6 +267,7 @@ def test_errors_map_to_google_exceptions(jobs, executions, job_id, bucket):
         ("two-gpus", _with_limits(make_job("local/exit:latest", gpu=True), {"nvidia.com/gpu": "2"}),
          r"resources.limits: 'nvidia.com/gpu' must be"),
         ("l4-2-cpu", _with_limits(make_job("local/exit:latest", gpu=True), {"cpu": "2"}), "resources.limits.cpu"),
+        ("too-many-tasks", make_job("local/exit:latest", task_count=10_001), "task_count"),
     ]
     for bad_id, spec, field in invalid:
         with pytest.raises(gexc.BadRequest, match=field) as err:

@@ -67,5 +67,11 @@ def test_bad_admin_requests_use_google_shape(tmp_path):
     assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
     missing = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e"})
     assert missing.json()["error"]["status"] == "NOT_FOUND"
+    execution = f"{P}/jobs/j/executions/e"
+    for body, field in [({"taskIndex": True}, "taskIndex"), ({"taskIndex": 0.5}, "taskIndex"),
+                        ({"taskIndex": -1}, "taskIndex"), ({"graceSeconds": -3}, "graceSeconds"),
+                        ({"graceSeconds": "nan"}, "graceSeconds"), ({"graceSeconds": 1e300}, "graceSeconds")]:
+        answer = client.post("/_emulator/preempt", json={"execution": execution, **body})
+        assert answer.status_code == 400 and field in answer.json()["error"]["message"], (body, answer.json())
     assert client.get(f"/_emulator/logs/{P}/jobs/j/executions/e").status_code == 404
     assert client.get(f"/_emulator/attempts/{P}/jobs/j/executions/e").json()["error"]["status"] == "NOT_FOUND"
