@@ -143,7 +143,7 @@ class Preempter(threading.Thread):
             for k in range(1, self.count + 1):
                 if not self._wait_for_progress(self.total_steps * k // (self.count + 1)):
                     return
-                target = self._target()  # looked up first: once a write starts, only the POST remains
+                target = self._find_target()  # looked up first: once a write starts, only the POST remains
                 writing = self._wait_for_checkpoint_write() if k % 2 == 0 else None
                 if k % 2 == 0 and writing is None:
                     return
@@ -186,7 +186,7 @@ class Preempter(threading.Thread):
             time.sleep(0.001)
         return None
 
-    def _target(self) -> tuple[str, str, int]:
+    def _find_target(self) -> tuple[str, str, int]:
         """:return: the running execution, its task 0, and that task's retry count so far."""
         execution = self.jobs.get_job(name=f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}")
         execution_name = execution.latest_created_execution.name
