@@ -358,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     report_path = args.report or workdir / "report.json"
     report_path.write_text(json.dumps(summary, indent=2))
     print(f"[demo] report written to {report_path}")
-    return 0 if rc == 0 and summary["identical_to_uninterrupted_run"] is not False else 1
+    injected = len(summary["preemptions"]) == args.preemptions and not summary["preempter_error"]
+    if not injected:
+        print(f"[demo] only {len(summary['preemptions'])} of {args.preemptions} preemptions were injected",
+              file=sys.stderr)
+    return 0 if rc == 0 and injected and summary["identical_to_uninterrupted_run"] is not False else 1
 
 
 if __name__ == "__main__":
