@@ -28,11 +28,10 @@ import pendulum
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.sdk import DAG, Param, task
 from gpu_training_common import (
-    RUN_CHECKPOINT_PREFIX,
-    RUN_NAMESPACE_OVERRIDES,
     common_params,
     create_bucket_operator,
     deploy_operator,
+    execute_operator,
     grant_bucket_access,
     namespace_for,
     report,
@@ -40,7 +39,6 @@ from gpu_training_common import (
 )
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
-from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 
 
 @task
@@ -69,18 +67,7 @@ with DAG(
 ) as dag:
     create_bucket = create_bucket_operator()
     deploy = deploy_operator()
-    execute = CloudRunGpuExecuteJobOperator(
-        task_id="execute_job",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
-        project_id="{{ params.project_id }}",
-        region="{{ params.region }}",
-        job_name="{{ params.job_name }}",
-        max_preemption_reruns="{{ params.max_preemption_reruns }}",
-        overrides=RUN_NAMESPACE_OVERRIDES,
-        checkpoint_bucket="{{ params.bucket }}",
-        checkpoint_prefix=RUN_CHECKPOINT_PREFIX,
-        poll_interval="{{ params.poll_interval_seconds }}",
-    )
+    execute = execute_operator()
     done = cleanup()
     create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}") >> done

@@ -15,7 +15,7 @@ from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
 from airflow.sdk import Param, task
 
-from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator
+from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator, CloudRunGpuExecuteJobOperator
 
 #: Object name of the full dataset inside the checkpoint bucket: the worker's default ``--data``,
 #: resolved against the mounted bucket.
@@ -115,6 +115,26 @@ RUN_NAMESPACE_OVERRIDES = {
 
 #: Where that namespace's task folders are in the bucket (the execute operator's ``checkpoint_prefix``).
 RUN_CHECKPOINT_PREFIX = "{{ params.job_name }}/{{ namespace_for(run_id) }}"
+
+
+def execute_operator(task_id: str = "execute_job", **kwargs) -> CloudRunGpuExecuteJobOperator:
+    """:return: the execute task for the params' job: preemption-aware, deferrable, with the
+    run's own checkpoint namespace (``RUN_NAMESPACE_OVERRIDES``), progress and lost work read
+    from the bucket. ``kwargs`` override or add operator arguments (``overrides``,
+    ``wait_for_completion``, ...)."""
+    arguments = {
+        "gcp_conn_id": "{{ params.gcp_conn_id }}",
+        "project_id": "{{ params.project_id }}",
+        "region": "{{ params.region }}",
+        "job_name": "{{ params.job_name }}",
+        "max_preemption_reruns": "{{ params.max_preemption_reruns }}",
+        "overrides": RUN_NAMESPACE_OVERRIDES,
+        "checkpoint_bucket": "{{ params.bucket }}",
+        "checkpoint_prefix": RUN_CHECKPOINT_PREFIX,
+        "poll_interval": "{{ params.poll_interval_seconds }}",
+        **kwargs,
+    }
+    return CloudRunGpuExecuteJobOperator(task_id=task_id, **arguments)
 
 
 def namespace_for(run_id: str) -> str:

@@ -17,17 +17,16 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
-    RUN_NAMESPACE_OVERRIDES,
     common_params,
     create_bucket_operator,
     deploy_operator,
+    execute_operator,
     grant_bucket_access,
     namespace_for,
     report,
     upload_dataset,
 )
 
-from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
 
 with DAG(
@@ -43,16 +42,7 @@ with DAG(
 ) as dag:
     create_bucket = create_bucket_operator()
     deploy = deploy_operator()
-    start = CloudRunGpuExecuteJobOperator(
-        task_id="start_execution",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
-        project_id="{{ params.project_id }}",
-        region="{{ params.region }}",
-        job_name="{{ params.job_name }}",
-        overrides=RUN_NAMESPACE_OVERRIDES,
-        wait_for_completion=False,
-        poll_interval="{{ params.poll_interval_seconds }}",
-    )
+    start = execute_operator("start_execution", wait_for_completion=False)
     wait = CloudRunGpuExecutionSensor(
         task_id="wait_for_execution",
         execution="{{ ti.xcom_pull(task_ids='start_execution', key='execution_name') }}",

@@ -22,18 +22,17 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
-    RUN_CHECKPOINT_PREFIX,
     WORKER_ARGS,
     common_params,
     create_bucket_operator,
     deploy_operator,
+    execute_operator,
     grant_bucket_access,
     namespace_for,
     report,
     upload_dataset,
 )
 
-from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 
 PARTITION_OBJECT = "data/{{ ds }}/digits.npz"
 
@@ -52,16 +51,7 @@ with DAG(
     create_bucket = create_bucket_operator()
     land = upload_dataset.override(task_id="land_partition")(object_name=PARTITION_OBJECT, partition="{{ ds }}")
     deploy = deploy_operator()
-    execute = CloudRunGpuExecuteJobOperator(
-        task_id="execute_job",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
-        project_id="{{ params.project_id }}",
-        region="{{ params.region }}",
-        job_name="{{ params.job_name }}",
-        max_preemption_reruns="{{ params.max_preemption_reruns }}",
-        checkpoint_bucket="{{ params.bucket }}",
-        poll_interval="{{ params.poll_interval_seconds }}",
-        checkpoint_prefix=RUN_CHECKPOINT_PREFIX,
+    execute = execute_operator(
         overrides={
             "container_overrides": [
                 {
