@@ -4,8 +4,12 @@ Commit protocol (no atomic rename assumed, since GCS FUSE renames by copy and de
 
 1. Remove any stale commit record for the step (left by an earlier attempt).
 2. Write the data to ``ckpt-{step:08d}.pt``, flush and fsync.
-3. Write the commit record ``ckpt-{step:08d}.commit.json`` = ``{step, size, sha256, created_at}``
-   last, through a temporary name, fsync and rename.
+3. Write the commit record ``ckpt-{step:08d}.commit.json`` = ``{step, size, sha256, chunk_bytes,
+   chunks, created_at}`` last, through a temporary name, fsync and rename. ``chunks`` is the
+   data's hash list (the sha256 of every ``chunk_bytes`` bytes) and ``sha256`` the sha256 of the
+   concatenated binary chunk digests, so that the chunks hash in parallel when writing and
+   verifying (:mod:`worker.fastio`). A record without ``chunks`` (older versions, hand-made)
+   carries the sha256 of the whole file instead, and is verified that way.
 
 A checkpoint exists only when its commit record parses and matches the data's size and sha256.
 Anything else (a data file with no record, a truncated or corrupted file, a torn record) is
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import io
 import json
 import math
@@ -25,7 +28,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from worker.fastio import HashingWriter, SnapshotBuffers, hash_file, hash_stream, save_without_crc32
+from worker.fastio import (
+    DIGEST_CHUNK, HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, hash_file,
+    hash_stream, root_digest, save_without_crc32, stream_chunk_digests,
+)
 from worker.logs import StructuredLogger, utc_now
 from worker.storage import LocalStorage, Storage
 
@@ -98,18 +104,35 @@ class CommitRecord:
 
     :param step: the step of the checkpoint.
     :param size: size of the data file, in bytes.
-    :param sha256: hex sha256 of the data file.
+    :param sha256: hex sha256 of the concatenated binary ``chunks`` digests; without ``chunks``,
+        hex sha256 of the whole data file.
     :param created_at: RFC 3339 UTC time of the commit.
+    :param chunk_bytes: bytes per entry of ``chunks`` (the last chunk may be shorter); 0: no
+        hash list.
+    :param chunks: hex sha256 of every ``chunk_bytes`` bytes of the data file, in order.
     """
 
     step: int
     size: int
     sha256: str
     created_at: str
+    chunk_bytes: int = 0
+    chunks: tuple[str, ...] = ()
+
+    @classmethod
+    def of_chunks(cls, step: int, size: int, chunks: list[str], created_at: str,
+                  chunk_bytes: int = DIGEST_CHUNK) -> CommitRecord:
+        """:return: the record of a data file of ``size`` bytes with hash list ``chunks``."""
+        return cls(step, size, root_digest(chunks), created_at, chunk_bytes, tuple(chunks))
 
     def to_bytes(self) -> bytes:
-        """:return: the record as JSON bytes."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        """:return: the record as JSON bytes (no hash-list keys when it has none)."""
+        obj = dataclasses.asdict(self)
+        if not self.chunk_bytes:
+            del obj["chunk_bytes"], obj["chunks"]
+        else:
+            obj["chunks"] = list(self.chunks)
+        return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> CommitRecord:
@@ -125,7 +148,18 @@ class CommitRecord:
             raise ValueError("commit record has no valid step or size")
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise ValueError("commit record has no valid sha256")
-        return cls(step, size, digest, str(obj.get("created_at", "")))
+        if "chunks" not in obj and "chunk_bytes" not in obj:
+            return cls(step, size, digest, str(obj.get("created_at", "")))
+        chunk_bytes, chunks = obj.get("chunk_bytes"), obj.get("chunks")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError("commit record has no valid chunk_bytes")
+        if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes):
+            raise ValueError(f"commit record's hash list does not cover {size} bytes")
+        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{64}", c) for c in chunks):
+            raise ValueError("commit record's hash list has an invalid digest")
+        if root_digest(chunks) != digest:
+            raise ValueError("commit record's sha256 does not match its hash list")
+        return cls(step, size, digest, str(obj.get("created_at", "")), chunk_bytes, tuple(chunks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,20 +506,32 @@ class CheckpointManager:
         if record is None:
             return False, reason
         try:
-            size, digest = self._hash_data(step)
+            size, digest = self._hash_data(step, record.chunk_bytes)
         except (OSError, ValueError) as exc:
             return False, f"unreadable data file: {exc}"
         if size != record.size:
             return False, f"size {size} bytes, commit record says {record.size}"
-        if digest != record.sha256:
+        if record.chunk_bytes:
+            bad = next((i for i, (a, b) in enumerate(zip(digest, record.chunks)) if a != b), None)
+            if bad is not None:
+                start = bad * record.chunk_bytes
+                return False, f"sha256 of bytes {start}-{min(start + record.chunk_bytes, size) - 1} does not match the commit record"
+        elif digest != record.sha256:
             return False, "sha256 does not match the commit record"
         self._verified[step] = record.sha256
         return True, ""
 
-    def _hash_data(self, step: int) -> tuple[int, str]:
-        """:return: ``(size, sha256)`` of the data file: memory-mapped when local, else streamed."""
+    def _hash_data(self, step: int, chunk_bytes: int) -> tuple[int, Any]:
+        """:return: ``(size, hash list)`` of the data file for ``chunk_bytes`` > 0, else
+        ``(size, sha256)``: memory-mapped when local, else streamed."""
         path = self.path(step, DATA)
-        if isinstance(self._storage, LocalStorage):
+        local = isinstance(self._storage, LocalStorage)
+        if chunk_bytes:
+            if local:
+                return file_chunk_digests(path, chunk_bytes)
+            with self._storage.open_read(path) as handle:
+                return stream_chunk_digests(handle, chunk_bytes)
+        if local:
             return hash_file(path)
         with self._storage.open_read(path) as handle:
             return hash_stream(handle)
@@ -568,11 +614,11 @@ class CheckpointManager:
         data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
         self._storage.remove(commit_path)
         self._verified.pop(step, None)
-        size, digest = self._write_data(data_path, state)
+        size, chunks = self._write_data(data_path, state)
         self._log.debug("checkpoint data written", step=step, file=data_path)
         if self.config.pause_before_commit_s:
             time.sleep(self.config.pause_before_commit_s)
-        record = CommitRecord(step, size, digest, utc_now())
+        record = CommitRecord.of_chunks(step, size, chunks, utc_now())
         self._storage.write(commit_path, record.to_bytes(), atomic=True)
         self._verified[step] = record.sha256
         seconds = self._clock() - started
@@ -586,24 +632,27 @@ class CheckpointManager:
         self._purge()
         self._log_auto_interval()
 
-    def _write_data(self, path: str, state: dict[str, Any]) -> tuple[int, str]:
-        """Serialize ``state`` straight into ``path``. :return: ``(size, sha256)``."""
+    def _write_data(self, path: str, state: dict[str, Any]) -> tuple[int, list[str]]:
+        """Serialize ``state`` straight into ``path``.
+
+        :return: ``(size, hash list)``, the list per :data:`~worker.fastio.DIGEST_CHUNK` bytes.
+        """
         if self.config.pause_mid_write_s:
             payload = _serialize(state)
             self._storage.write(path, payload[: len(payload) // 2])
             self._log.debug("checkpoint data half written", file=path)
             time.sleep(self.config.pause_mid_write_s)
             self._storage.write(path, payload)
-            return len(payload), hashlib.sha256(payload).hexdigest()
+            return len(payload), chunk_digests(payload)
         result: dict[str, Any] = {}
 
         def produce(handle: Any) -> None:
             writer = HashingWriter(handle)
             save_without_crc32(state, writer)
-            result["size"], result["sha256"] = writer.size, writer.hexdigest()
+            result["chunks"], result["size"] = writer.digests(), writer.size
 
         self._storage.write(path, produce)
-        return result["size"], result["sha256"]
+        return result["size"], result["chunks"]
 
     def _purge(self) -> None:
         doomed = self._keep_policy.to_delete(self.present_steps(), self.valid_steps())

@@ -1,34 +1,144 @@
-"""Fast paths for big checkpoints: reused host buffers, and sha256 overlapped with file I/O.
+"""Fast paths for big checkpoints: reused host buffers, parallel sha256, early writeback.
 
-``hashlib`` and file reads/writes release the GIL on large buffers, so hashing one chunk on a
-helper thread while the calling thread writes (or reads) it costs ``max(hash, io)`` instead of
-their sum.
+A checkpoint's data file is hashed as a *hash list*: the sha256 of every :data:`DIGEST_CHUNK`
+bytes (the last chunk may be shorter), so the chunks hash on several threads at once, and the
+commit record's ``sha256`` is the sha256 of the concatenated 32-byte chunk digests
+(:func:`root_digest`). ``hashlib`` and file reads/writes release the GIL on large buffers, so
+hashing overlaps the writes and the chunks of a file verify in parallel. Records without a hash
+list (``sha256`` of the whole file) are still verified with :func:`hash_file`.
+
+While a big file is written, :func:`start_writeback` asks Linux to start writing each piece to
+disk (``sync_file_range``), so the final ``fsync`` finds little left to flush.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO
 
-#: Chunk size of overlapped hashing and I/O, in bytes (8 MiB).
+#: Bytes per write (and per read) of big records, in bytes (8 MiB).
 CHUNK = 8 << 20
 #: Writes shorter than this are buffered and hashed inline, in bytes (1 MiB).
 SMALL_WRITE = 1 << 20
+#: Bytes per digest of a hash list, in bytes (64 MiB): 16 digests for a 1 GiB checkpoint.
+DIGEST_CHUNK = 64 << 20
+#: Threads hashing chunks: the CPU count, at least 2, at most 8.
+HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 _POOL_LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
-    """:return: the one helper thread that hashes while the caller does I/O."""
+    """:return: the helper threads that hash while the caller does I/O."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+            _POOL = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
         return _POOL
+
+
+def root_digest(chunks: list[str]) -> str:
+    """:return: the sha256 (hex) of the concatenated binary chunk digests of a hash list.
+
+    :param chunks: hex sha256 digests of the chunks, in file order.
+    :raises ValueError: when a digest is not hex.
+    """
+    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
+
+
+def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK) -> list[str]:
+    """:return: the hex sha256 of every ``chunk_bytes`` bytes of ``data`` (empty for no data)."""
+    view = memoryview(data).cast("B")
+    return [hashlib.sha256(view[o : o + chunk_bytes]).hexdigest() for o in range(0, view.nbytes, chunk_bytes)]
+
+
+class ChunkHasher:
+    """The hash list of a byte stream fed in order, chunks hashed on the helper threads.
+
+    :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+    """
+
+    def __init__(self, chunk_bytes: int = DIGEST_CHUNK) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
+        self.size = 0
+        self._hashers: list[Any] = []
+
+    def submit(self, view: memoryview) -> list[Future]:
+        """Start hashing ``view`` (the next bytes of the stream): one task per chunk it touches.
+
+        The caller must wait for the returned futures before ``view`` changes or is released,
+        and before the next :meth:`submit` (a chunk's pieces are hashed in order).
+        """
+        groups: list[tuple[Any, list[memoryview]]] = []
+        position = 0
+        while position < view.nbytes:
+            while len(self._hashers) <= self.size // self.chunk_bytes:
+                self._hashers.append(hashlib.sha256())
+            hasher = self._hashers[-1]
+            take = min(self.chunk_bytes - self.size % self.chunk_bytes, view.nbytes - position)
+            piece = view[position : position + take]
+            if groups and groups[-1][0] is hasher:
+                groups[-1][1].append(piece)
+            else:
+                groups.append((hasher, [piece]))
+            position += take
+            self.size += take
+        pool = _pool()
+        return [pool.submit(_update_all, hasher, pieces) for hasher, pieces in groups]
+
+    def update(self, view: memoryview) -> None:
+        """Hash ``view`` (the next bytes of the stream) and wait for it."""
+        for future in self.submit(view):
+            future.result()
+
+    def digests(self) -> list[str]:
+        """:return: the hex sha256 of every chunk so far, in order (all submits awaited)."""
+        return [hasher.hexdigest() for hasher in self._hashers]
+
+
+def _update_all(hasher: Any, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        hasher.update(piece)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+_writeback_checked = False
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, without
+    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``). A hint only: durability still
+    comes from ``fsync``; elsewhere, or where the call fails (FUSE mounts may refuse it), this
+    does nothing from then on.
+
+    :param fd: a file descriptor open for writing.
+    :param offset: byte offset of the range.
+    :param length: bytes in the range.
+    """
+    global _sync_file_range, _writeback_checked
+    if not _writeback_checked:
+        _writeback_checked = True
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+                function = libc.sync_file_range
+                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                function.restype = ctypes.c_int
+                _sync_file_range = function
+            except (OSError, AttributeError):
+                _sync_file_range = None
+    if _sync_file_range is not None and _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        _sync_file_range = None  # unsupported here: stop asking
 
 
 def _write_all(handle: BinaryIO, view: memoryview) -> None:
@@ -39,19 +149,31 @@ def _write_all(handle: BinaryIO, view: memoryview) -> None:
 
 
 class HashingWriter:
-    """A write-only file object that hashes (sha256) and counts what goes through it.
+    """A write-only file object that builds the hash list of what goes through it, and counts it.
 
-    Give it to ``torch.save``: big tensor records are written in :data:`CHUNK` pieces, each
-    hashed on the helper thread while it is written; small records are collected in a buffer.
+    Give it to ``torch.save``: big records are hashed on the helper threads (one task per
+    :data:`DIGEST_CHUNK` chunk they touch) while the calling thread writes them in :data:`CHUNK`
+    pieces, starting each piece's writeback; small records are collected in a buffer. Every
+    record is hashed before :meth:`write` returns (a view is only valid during the call).
 
-    :param handle: an unbuffered binary file opened for writing.
+    :param handle: an unbuffered binary file opened for writing, at its start.
+    :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
     """
 
-    def __init__(self, handle: BinaryIO) -> None:
+    def __init__(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> None:
         self._handle = handle
-        self._digest = hashlib.sha256()
+        self._hasher = ChunkHasher(chunk_bytes)
         self._small = bytearray()
-        self.size = 0
+        self._written = 0
+        try:
+            self._fd: int | None = handle.fileno()
+        except (AttributeError, OSError, ValueError):
+            self._fd = None
+
+    @property
+    def size(self) -> int:
+        """Bytes taken so far (written or buffered)."""
+        return self._written + len(self._small)
 
     def write(self, data: Any) -> int:
         """Hash and write ``data`` (any buffer). :return: the number of bytes taken."""
@@ -63,43 +185,99 @@ class HashingWriter:
         else:
             self._drain()
             self._overlapped(view)
-        self.size += view.nbytes
         return view.nbytes
 
     def _overlapped(self, view: memoryview) -> None:
-        """Write ``view`` chunk by chunk while the helper thread hashes them in order; the
-        hasher always has the next chunk queued, and all of them are hashed before returning
-        (``view`` is only guaranteed valid during this call)."""
-        pool, pending = _pool(), []
+        pending = self._hasher.submit(view)
         try:
             for offset in range(0, view.nbytes, CHUNK):
-                chunk = view[offset : offset + CHUNK]
-                pending.append(pool.submit(self._digest.update, chunk))
-                _write_all(self._handle, chunk)
-                if len(pending) > 2:
-                    pending.pop(0).result()
+                piece = view[offset : offset + CHUNK]
+                _write_all(self._handle, piece)
+                if self._fd is not None:
+                    start_writeback(self._fd, self._written, piece.nbytes)
+                self._written += piece.nbytes
         finally:
             for hashed in pending:
                 hashed.result()
 
     def _drain(self) -> None:
         if self._small:
-            self._digest.update(self._small)
-            _write_all(self._handle, memoryview(self._small))
-            self._small = bytearray()
+            small, self._small = memoryview(self._small), bytearray()
+            self._hasher.update(small)
+            _write_all(self._handle, small)
+            self._written += small.nbytes
 
     def flush(self) -> None:
         """Write out buffered small records."""
         self._drain()
 
-    def hexdigest(self) -> str:
-        """:return: the sha256 of everything written, after flushing."""
+    def digests(self) -> list[str]:
+        """:return: the hash list of everything written (hex sha256 per chunk), after flushing."""
         self._drain()
-        return self._digest.hexdigest()
+        return self._hasher.digests()
+
+
+def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int, list[str]]:
+    """The hash list of a local file, its chunks hashed in parallel through a read-only memory
+    map (no copy into user buffers; the pages stay cached for a memory-mapped ``torch.load``).
+
+    :param path: a local (or FUSE-mounted) file.
+    :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+    :return: ``(size in bytes, hex sha256 per chunk)``.
+    :raises OSError: when the file cannot be opened or mapped.
+    """
+    import mmap
+
+    with open(path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return 0, []
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mapped, "madvise"):
+                mapped.madvise(mmap.MADV_WILLNEED)
+            view = memoryview(mapped)
+            pool = _pool()
+            futures = [pool.submit(_hex_of, view, o, chunk_bytes) for o in range(0, size, chunk_bytes)]
+            wait(futures)  # every task ends before the map closes, even when one failed
+            view.release()
+    return size, [future.result() for future in futures]
+
+
+def _hex_of(view: memoryview, start: int, length: int) -> str:
+    """:return: the hex sha256 of ``view[start : start + length]``, hashed in :data:`CHUNK` pieces."""
+    digest = hashlib.sha256()
+    end = min(start + length, view.nbytes)
+    for offset in range(start, end, CHUNK):
+        digest.update(view[offset : min(offset + CHUNK, end)])
+    return digest.hexdigest()
+
+
+def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int, list[str]]:
+    """The hash list of ``handle`` read to its end, hashing each piece while the next is read.
+
+    :param handle: an unbuffered binary file opened for reading.
+    :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+    :return: ``(size in bytes, hex sha256 per chunk)``.
+    :raises OSError: when reading fails.
+    """
+    hasher = ChunkHasher(chunk_bytes)
+    buffers = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
+    pending: list[Future] = []
+    index = 0
+    while True:
+        buffer = buffers[index % 2]
+        count = handle.readinto(buffer) or 0
+        for future in pending:  # the other buffer is free again
+            future.result()
+        if count == 0:
+            return hasher.size, hasher.digests()
+        pending = hasher.submit(buffer[:count])
+        index += 1
 
 
 def hash_stream(handle: BinaryIO) -> tuple[int, str]:
-    """Read ``handle`` to its end, hashing chunk ``i`` while chunk ``i + 1`` is read.
+    """sha256 of a whole stream (records without a hash list), hashing chunk ``i`` while chunk
+    ``i + 1`` is read.
 
     :param handle: an unbuffered binary file opened for reading.
     :return: ``(size in bytes, sha256 hex digest)``.
@@ -122,8 +300,7 @@ def hash_stream(handle: BinaryIO) -> tuple[int, str]:
 
 
 def hash_file(path: str) -> tuple[int, str]:
-    """sha256 of a local file through a read-only memory map: no copy into user buffers, and
-    the pages stay cached for a memory-mapped ``torch.load`` right after.
+    """sha256 of a whole local file (records without a hash list), through a read-only map.
 
     :param path: a local (or FUSE-mounted) file.
     :return: ``(size in bytes, sha256 hex digest)``.

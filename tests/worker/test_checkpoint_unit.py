@@ -116,6 +116,61 @@ def test_commit_record_rejects_torn_or_malformed(raw: bytes) -> None:
         CommitRecord.from_bytes(raw)
 
 
+_A, _B = "a" * 64, "b" * 64
+_ROOT_AB = __import__("hashlib").sha256(bytes.fromhex(_A) + bytes.fromhex(_B)).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"chunk_bytes": True}, "chunk_bytes"),
+        ({"chunk_bytes": "4"}, "chunk_bytes"),
+        ({"chunks": [_A]}, "does not cover 8 bytes"),  # 8 bytes at 4 per chunk need 2 digests
+        ({"chunks": [_A, _B, _A]}, "does not cover"),
+        ({"chunks": [_A, "xyz"]}, "invalid digest"),
+        ({"chunks": [_A, _B.upper()]}, "invalid digest"),
+        ({"sha256": _A}, "does not match its hash list"),
+        ({"chunks": None}, "does not cover"),
+    ],
+)
+def test_commit_record_rejects_inconsistent_hash_lists(fields: dict, match: str) -> None:
+    obj = {"step": 3, "size": 8, "chunk_bytes": 4, "chunks": [_A, _B], "sha256": _ROOT_AB, **fields}
+    with pytest.raises(ValueError, match=match):
+        CommitRecord.from_bytes(json.dumps(obj).encode())
+
+
+def test_commit_record_round_trips_with_and_without_a_hash_list() -> None:
+    listed = CommitRecord.of_chunks(3, 8, [_A, _B], "now", chunk_bytes=4)
+    assert listed.sha256 == _ROOT_AB and CommitRecord.from_bytes(listed.to_bytes()) == listed
+    whole = CommitRecord(3, 8, _A, "now")
+    assert set(json.loads(whole.to_bytes())) == {"step", "size", "sha256", "created_at"}
+    assert CommitRecord.from_bytes(whole.to_bytes()) == whole
+
+
+def test_verify_names_the_corrupt_byte_range_and_still_accepts_whole_file_records(tmp_path: Path) -> None:
+    import hashlib
+
+    box = Box(1.0)
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+        manager.save(20)
+    data_path, record_path = tmp_path / "ckpt-00000020.pt", tmp_path / "ckpt-00000020.commit.json"
+    record = json.loads(record_path.read_text())
+    assert record["chunk_bytes"] == 64 << 20 and len(record["chunks"]) == 1
+    data = bytearray(data_path.read_bytes())
+    data[-1] ^= 0x01
+    data_path.write_bytes(bytes(data))
+    with _manager(tmp_path, Box()) as manager:
+        ok, reason = manager.verify(20)
+        assert not ok and reason == f"sha256 of bytes 0-{len(data) - 1} does not match the commit record"
+    # a record of an older version (sha256 of the whole file, no hash list) still verifies
+    record_path.write_text(json.dumps({"step": 20, "size": len(data), "created_at": "then",
+                                       "sha256": hashlib.sha256(bytes(data)).hexdigest()}))
+    with _manager(tmp_path, Box()) as manager:
+        assert manager.verify(20) == (True, "")
+
+
 class Box:
     """A minimal stateful object."""
 

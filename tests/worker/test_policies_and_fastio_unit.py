@@ -20,7 +20,10 @@ from worker.checkpoint import (
 )
 from worker.config import SWEEP, config_from_args, parse_interval
 from worker.errors import ConfigError
-from worker.fastio import HashingWriter, SnapshotBuffers, hash_file, hash_stream
+from worker.fastio import (
+    HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, hash_file, hash_stream, root_digest,
+    start_writeback, stream_chunk_digests,
+)
 from worker.logs import StructuredLogger
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
@@ -118,23 +121,57 @@ def test_snapshot_buffers_are_reused_and_hold_the_values_at_copy_time() -> None:
     assert buffers.nbytes == 6 * 4 + 8
 
 
-@pytest.mark.parametrize("sizes", [[10, 3, 0], [3 << 20, 5, 9 << 20, 7], [40 << 20]])
-def test_hashing_writer_and_hash_stream_match_hashlib(tmp_path: Path, sizes: list[int]) -> None:
+def _expected_chunks(data: bytes, chunk_bytes: int) -> list[str]:
+    return [hashlib.sha256(data[o : o + chunk_bytes]).hexdigest() for o in range(0, len(data), chunk_bytes)]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "chunk_bytes"),
+    [
+        ([10, 3, 0], 1 << 20),  # small writes only: buffered, one chunk
+        ([3 << 20, 5, 9 << 20, 7], 4 << 20),  # big writes crossing chunk boundaries mid-write
+        ([40 << 20], 8 << 20),  # one write spanning exactly five chunks
+        ([1 << 20, 1 << 20], 1 << 20),  # writes ending on chunk boundaries
+        ([5, (2 << 20) - 5, 1], 1 << 20),  # a small write, then a big one finishing its chunk
+    ],
+)
+def test_hashing_writer_and_readers_agree_with_hashlib(tmp_path: Path, sizes: list[int], chunk_bytes: int) -> None:
     parts = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    data = b"".join(parts)
     path = tmp_path / "f.bin"
     with open(path, "wb", buffering=0) as handle:
-        writer = HashingWriter(handle)
+        writer = HashingWriter(handle, chunk_bytes)
         for part in parts:
             assert writer.write(part) == len(part)
-        digest = writer.hexdigest()
-    expected = hashlib.sha256(b"".join(parts)).hexdigest()
-    assert digest == expected and path.read_bytes() == b"".join(parts)
+        chunks = writer.digests()
+        assert writer.size == len(data)
+    assert path.read_bytes() == data
+    assert chunks == _expected_chunks(data, chunk_bytes) == chunk_digests(data, chunk_bytes)
+    assert file_chunk_digests(str(path), chunk_bytes) == (len(data), chunks)
     with open(path, "rb", buffering=0) as handle:
-        assert hash_stream(handle) == (sum(sizes), expected)
-    assert hash_file(str(path)) == (sum(sizes), expected)
+        assert stream_chunk_digests(handle, chunk_bytes) == (len(data), chunks)
+    # the legacy whole-file readers (records without a hash list)
+    whole = hashlib.sha256(data).hexdigest()
+    with open(path, "rb", buffering=0) as handle:
+        assert hash_stream(handle) == (len(data), whole)
+    assert hash_file(str(path)) == (len(data), whole)
+
+
+def test_empty_files_hash_to_empty_lists(tmp_path: Path) -> None:
     (tmp_path / "empty").write_bytes(b"")
+    assert file_chunk_digests(str(tmp_path / "empty")) == (0, [])
+    assert stream_chunk_digests(io.BytesIO(b"")) == (0, [])
+    assert root_digest([]) == hashlib.sha256(b"").hexdigest()
     assert hash_file(str(tmp_path / "empty")) == (0, hashlib.sha256(b"").hexdigest())
     assert hash_stream(io.BytesIO(b"")) == (0, hashlib.sha256(b"").hexdigest())
+
+
+def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:
+    with open(tmp_path / "f.bin", "wb", buffering=0) as handle:
+        handle.write(b"x" * 4096)
+        start_writeback(handle.fileno(), 0, 4096)
+        start_writeback(handle.fileno(), 0, 0)
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 4096
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
