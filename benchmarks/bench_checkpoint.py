@@ -1,13 +1,13 @@
 """Benchmark of the worker's checkpoint saves and loads, on CPU, everything in one run.
 
-``python benchmarks/bench_checkpoint.py [--size-gib 1.0] [--repeats 3] [--dir DIR]`` prints a
+``python benchmarks/bench_checkpoint.py [--size-gib 1.0] [--repeats 5] [--dir DIR]`` prints a
 table and writes JSON to ``benchmarks/results/``. It measures, for one state of ``--size-gib``:
 
 - blocking time per save: :class:`worker.checkpoint.CheckpointManager`'s async path, a
   synchronous ``torch.save`` + fsync, a plain in-memory copy (``clone``), and
   ``torch.distributed.checkpoint.async_save`` (the no-dist path);
 - write throughput of the async save (start to commit) against a raw sequential write + fsync of
-  the same number of bytes in the same directory;
+  the same number of bytes in the same directory, run right after each save;
 - load throughput of :meth:`CheckpointManager.load` (verify + deserialize + into the states)
   against a raw read of the same file;
 - SIGTERM-to-exit latency of a real worker process.
@@ -112,17 +112,20 @@ def bench_copy(states: dict[str, TensorBag], repeats: int) -> list[float]:
 
 
 def bench_manager(states: dict[str, TensorBag], folder: Path, repeats: int) -> dict[str, Any]:
-    """The manager's async path: blocking per save, and start-to-commit duration."""
+    """The manager's async path: blocking per save, and start-to-commit duration; each save is
+    followed by a raw write + fsync of as many bytes in the same directory (:func:`raw_write`),
+    so that both see the same disk (a shared virtual disk's speed drifts within a minute)."""
     config = CheckpointConfig(folder=str(folder), interval=1, keep_latest_k=2, async_mode=AsyncMode.ASYNC)
     logger = StructuredLogger(open(os.devnull, "w"))
     with CheckpointManager(config, states, logger=logger) as manager:
-        blocking, durations = [], []
+        blocking, durations, raw = [], [], []
         for step in range(1, repeats + 1):
             blocking.append(timed(lambda: manager.save(step)))
             manager.wait_until_finished()
             durations.append(manager.stats.durations[-1])
+            raw.append(raw_write(manager.stats.sizes[-1], folder.parent))
         size = manager.stats.sizes[-1]
-    return {"blocking": blocking, "durations": durations, "bytes": size,
+    return {"blocking": blocking, "durations": durations, "raw_write": raw, "bytes": size,
             "file": str(folder / f"ckpt-{repeats:08d}.pt")}
 
 
@@ -174,21 +177,24 @@ def bench_sha256(states: dict[str, TensorBag], repeats: int) -> list[float]:
     return [timed(digest) for _ in range(repeats)]
 
 
-def bench_raw_write(size: int, folder: Path, repeats: int) -> list[float]:
-    """A raw sequential write + fsync of ``size`` bytes in ``folder`` (64 MiB writes)."""
-    block = memoryview(os.urandom(1 << 20) * 64)
+_BLOCK = memoryview(os.urandom(1 << 20) * 64)
+
+
+def raw_write(size: int, folder: Path) -> float:
+    """:return: seconds of a raw sequential write + fsync of ``size`` bytes to a new file in
+    ``folder`` (64 MiB writes of random bytes), which is then deleted."""
     path = folder / "raw.bin"
 
     def write() -> None:
         with open(path, "wb", buffering=0) as handle:
             left = size
             while left:
-                left -= handle.write(block[: min(left, block.nbytes)])
+                left -= handle.write(_BLOCK[: min(left, _BLOCK.nbytes)])
             os.fsync(handle.fileno())
 
-    results = [timed(write) for _ in range(repeats)]
+    seconds = timed(write)
     path.unlink()
-    return results
+    return seconds
 
 
 def bench_load(states: dict[str, TensorBag], folder: Path, data_file: Path, repeats: int) -> dict[str, Any]:
@@ -308,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark. :return: 0 (targets missed are reported, not an error)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions of each measurement (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions of each measurement (default 5)")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default a temp dir)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder of the JSON result")
     args = parser.parse_args(argv)
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         raw["sync"] = bench_sync_torch_save(states, workdir, args.repeats)
         raw["dcp"] = bench_dcp_async(states, workdir, args.repeats)
         raw["sha256"] = bench_sha256(states, args.repeats)
-        raw["raw_write"] = bench_raw_write(raw["manager"]["bytes"], workdir, args.repeats)
+        raw["raw_write"] = raw["manager"]["raw_write"]
         raw["load"] = bench_load(states, workdir / "manager", Path(raw["manager"]["file"]), max(1, args.repeats - 1))
         raw["sigterm"] = bench_sigterm(workdir)
     finally:
