@@ -14,7 +14,6 @@ disk (``sync_file_range``), so the final ``fsync`` finds little left to flush.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import os
 import sys
@@ -130,8 +129,7 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         _writeback_checked = True
         if sys.platform.startswith("linux"):
             try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-                function = libc.sync_file_range
+                function = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc, loaded by Python
                 function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
                 function.restype = ctypes.c_int
                 _sync_file_range = function
