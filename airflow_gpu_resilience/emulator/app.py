@@ -138,7 +138,7 @@ async def _json_body(request: HttpRequest) -> dict:
     raw = await request.body()
     try:
         return json.loads(raw or b"{}")
-    except ValueError:
+    except ValueError:  # also UnicodeDecodeError
         raise InvalidArgument("Invalid JSON body.") from None
 
 

@@ -52,14 +52,14 @@ class Request:
         """The body parsed into proto-plus ``cls`` (unknown fields are an error, as in Google)."""
         try:
             return cls.from_json(self.body or b"{}")
-        except json_format.ParseError as exc:
+        except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
 
     def pb(self, pb_cls):
         """The body parsed into a plain protobuf message."""
         try:
             return json_format.Parse(self.body or b"{}", pb_cls())
-        except json_format.ParseError as exc:
+        except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
 
 

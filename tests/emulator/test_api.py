@@ -392,3 +392,20 @@ def test_seeded_preemption_schedule_over_http(jobs, tasks, executions, emulator,
     bad = post_json(emulator.endpoint + "/_emulator/preemptions/schedule", {"meanSeconds": -1})
     assert bad["error"]["status"] == "INVALID_ARGUMENT" and "meanSeconds" in bad["error"]["message"]
     assert emulator.preemption_schedule(stop=True)["active"] is False
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (f"/v2/{PARENT}/jobs?jobId=bad-bytes", b"\xff\xfe{"),  # not UTF-8
+        (f"/v2/{PARENT}/jobs?jobId=bad-json", b"{\"template\": "),  # torn JSON
+        ("/_emulator/faults", b"\xff"),  # the admin API too
+    ],
+)
+def test_undecodable_bodies_are_invalid_argument_not_500(emulator, path: str, body: bytes) -> None:
+    request = urllib.request.Request(emulator.endpoint + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["status"] == "INVALID_ARGUMENT"
