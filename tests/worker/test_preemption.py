@@ -13,6 +13,7 @@ from datetime import datetime
 import os
 import random
 import shutil
+import signal
 import time
 
 from tests.worker.conftest import SIGKILL, SIGTERM, Task, WorkerProcess
@@ -71,6 +72,24 @@ def test_process_group_sigterm_flushes_exits_143_and_resumes_bit_identical(task:
     assert [h["resumed_from_step"] for h in metrics["history"]] == [0, step]
     assert metrics["history"][-1]["lost_steps"] == 0
     assert _hashes(metrics) == _hashes(baseline[0].metrics())
+
+
+def test_sigint_behaves_like_sigterm(task: Task, baseline) -> None:
+    """Ctrl-C (SIGINT) is a stop request too: flush, exit 143, resume bit-identical."""
+    first = task.start("--checkpoint-every", "50", "--step-delay", "0.01")
+    first.wait_for(lambda r: r.get("message") == "checkpoint saved" and r["step"] == 50)
+    signalled = time.monotonic()
+    first.signal(signal.SIGINT)
+    assert first.wait() == 143, first.output
+    assert time.monotonic() - signalled < 10.0  # PREEMPTION_GRACE_SECONDS
+    stop = next(r for r in first.records if r["message"].startswith("SIGINT received"))
+    assert stop["severity"] == "WARNING" and stop["step"] in task.valid_steps()
+
+    second = task.run("--checkpoint-every", "50")
+    assert second.proc.returncode == 0, second.output
+    assert any(r["message"] == f"resuming from step {stop['step']}" for r in second.records)
+    assert task.metrics()["history"][-1]["lost_steps"] == 0
+    assert _hashes(task.metrics()) == _hashes(baseline[0].metrics())
 
 
 def test_no_checkpointing_strategy_saves_nothing_even_at_sigterm(task: Task) -> None:
