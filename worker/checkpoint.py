@@ -45,6 +45,9 @@ STATE_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 DATA = "data"
 COMMIT = "commit"
 _SUFFIX = {DATA: ".pt", COMMIT: ".commit.json"}
+#: Smallest ``chunk_bytes`` a commit record may carry, in bytes (one 4 KiB page): bounds the
+#: work and memory a record asks of the verifier.
+MIN_CHUNK_BYTES = 4096
 _NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
 
 
@@ -139,20 +142,20 @@ class CommitRecord:
         """Parse and validate a record; raises ``ValueError`` when it is torn or malformed."""
         try:
             obj = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"commit record is not valid JSON: {exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"commit record is not valid JSON: {exc!r}"[:200]) from None
         if not isinstance(obj, dict):
             raise ValueError("commit record is not a JSON object")
         step, size, digest = obj.get("step"), obj.get("size"), obj.get("sha256")
-        if not isinstance(step, int) or not isinstance(size, int) or size < 0:
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, size)):
             raise ValueError("commit record has no valid step or size")
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise ValueError("commit record has no valid sha256")
         if "chunks" not in obj and "chunk_bytes" not in obj:
             return cls(step, size, digest, str(obj.get("created_at", "")))
         chunk_bytes, chunks = obj.get("chunk_bytes"), obj.get("chunks")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError("commit record has no valid chunk_bytes")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"commit record has no valid chunk_bytes (an int >= {MIN_CHUNK_BYTES})")
         if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes):
             raise ValueError(f"commit record's hash list does not cover {size} bytes")
         if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{64}", c) for c in chunks):
@@ -506,6 +509,9 @@ class CheckpointManager:
         if record is None:
             return False, reason
         try:
+            size = self._storage.size(self.path(step, DATA))  # a wrong size needs no hashing
+            if size != record.size:
+                return False, f"size {size} bytes, commit record says {record.size}"
             size, digest = self._hash_data(step, record.chunk_bytes)
         except (OSError, ValueError) as exc:
             return False, f"unreadable data file: {exc}"

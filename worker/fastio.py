@@ -234,11 +234,16 @@ def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int,
             if hasattr(mapped, "madvise"):
                 mapped.madvise(mmap.MADV_WILLNEED)
             view = memoryview(mapped)
-            pool = _pool()
-            futures = [pool.submit(_hex_of, view, o, chunk_bytes) for o in range(0, size, chunk_bytes)]
-            wait(futures)  # every task ends before the map closes, even when one failed
-            view.release()
-    return size, [future.result() for future in futures]
+            pool, digests, window = _pool(), [], 4 * HASH_THREADS
+            offsets = range(0, size, chunk_bytes)
+            try:
+                for first in range(0, len(offsets), window):  # a bounded number of tasks at a time
+                    futures = [pool.submit(_hex_of, view, o, chunk_bytes) for o in offsets[first : first + window]]
+                    wait(futures)  # every task ends before the map closes, even when one failed
+                    digests += [future.result() for future in futures]
+            finally:
+                view.release()
+    return size, digests
 
 
 def _hex_of(view: memoryview, start: int, length: int) -> str:

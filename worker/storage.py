@@ -27,6 +27,9 @@ class Storage(Protocol):
     def open_read(self, path: str) -> BinaryIO:
         """:return: ``path`` opened for unbuffered binary reading; raises ``OSError``."""
 
+    def size(self, path: str) -> int:
+        """:return: the size of ``path`` in bytes; raises ``OSError`` when it is missing."""
+
     def list(self, folder: str) -> list[str]:
         """:return: the names (not paths) directly in ``folder``; empty when it is missing."""
 
@@ -82,6 +85,13 @@ class LocalStorage:
     def open_read(self, path: str) -> BinaryIO:
         """:return: ``path`` opened for unbuffered binary reading."""
         return open(path, "rb", buffering=0)
+
+    def size(self, path: str) -> int:
+        """:return: the size of ``path`` in bytes (``OSError`` when missing or not a file)."""
+        info = os.stat(path)
+        if not os.path.isfile(path):
+            raise IsADirectoryError(f"not a regular file: {path}")
+        return info.st_size
 
     def list(self, folder: str) -> list[str]:
         """:return: sorted entry names in ``folder`` (empty if it does not exist)."""

@@ -125,25 +125,37 @@ _ROOT_AB = __import__("hashlib").sha256(bytes.fromhex(_A) + bytes.fromhex(_B)).h
     [
         ({"chunk_bytes": 0}, "chunk_bytes"),
         ({"chunk_bytes": True}, "chunk_bytes"),
-        ({"chunk_bytes": "4"}, "chunk_bytes"),
-        ({"chunks": [_A]}, "does not cover 8 bytes"),  # 8 bytes at 4 per chunk need 2 digests
+        ({"chunk_bytes": "4096"}, "chunk_bytes"),
+        ({"chunk_bytes": 1, "size": 2, "chunks": [_A, _B]}, r"chunk_bytes \(an int >= 4096\)"),  # bounds the work
+        ({"chunks": [_A]}, "does not cover 8192 bytes"),  # 8192 bytes at 4096 per chunk need 2 digests
         ({"chunks": [_A, _B, _A]}, "does not cover"),
         ({"chunks": [_A, "xyz"]}, "invalid digest"),
         ({"chunks": [_A, _B.upper()]}, "invalid digest"),
         ({"sha256": _A}, "does not match its hash list"),
         ({"chunks": None}, "does not cover"),
+        ({"step": True}, "step or size"),
+        ({"size": True}, "step or size"),
+        ({"step": -3}, "step or size"),
+        ({"size": 8192.0}, "step or size"),
     ],
 )
 def test_commit_record_rejects_inconsistent_hash_lists(fields: dict, match: str) -> None:
-    obj = {"step": 3, "size": 8, "chunk_bytes": 4, "chunks": [_A, _B], "sha256": _ROOT_AB, **fields}
+    obj = {"step": 3, "size": 8192, "chunk_bytes": 4096, "chunks": [_A, _B], "sha256": _ROOT_AB, **fields}
     with pytest.raises(ValueError, match=match):
         CommitRecord.from_bytes(json.dumps(obj).encode())
 
 
+def test_commit_record_nested_too_deep_is_a_value_error() -> None:
+    """``json.loads`` raises RecursionError at about 1,000 levels: still just a torn record."""
+    raw = ('{"step": 20, "x": ' + "[" * 5000 + "]" * 5000 + "}").encode()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        CommitRecord.from_bytes(raw)
+
+
 def test_commit_record_round_trips_with_and_without_a_hash_list() -> None:
-    listed = CommitRecord.of_chunks(3, 8, [_A, _B], "now", chunk_bytes=4)
+    listed = CommitRecord.of_chunks(3, 8192, [_A, _B], "now", chunk_bytes=4096)
     assert listed.sha256 == _ROOT_AB and CommitRecord.from_bytes(listed.to_bytes()) == listed
-    whole = CommitRecord(3, 8, _A, "now")
+    whole = CommitRecord(3, 8192, _A, "now")
     assert set(json.loads(whole.to_bytes())) == {"step", "size", "sha256", "created_at"}
     assert CommitRecord.from_bytes(whole.to_bytes()) == whole
 
@@ -254,3 +266,31 @@ def test_manager_refuses_unsafe_pickles(tmp_path: Path) -> None:
     with _manager(tmp_path, Box(), log) as manager:
         assert manager.load() is True and manager.loaded_step == 10
     assert any("torch.load failed" in r.get("reason", "") for r in log.records)
+
+
+def test_records_that_do_not_fit_the_data_are_rejected_before_hashing(tmp_path: Path, monkeypatch) -> None:
+    """A record whose size differs from the data file is refused on the size alone (no hashing,
+    whatever chunk_bytes it claims), and a record nested too deep is a torn record: both are
+    skipped with a warning and the previous checkpoint loads."""
+    import worker.checkpoint as checkpoint
+
+    box = Box(1.0)
+    with _manager(tmp_path, box, keep=3) as manager:
+        manager.save(10)
+        manager.save(20)
+        manager.save(30)
+    small = "c" * 64
+    (tmp_path / "ckpt-00000030.commit.json").write_bytes(
+        CommitRecord.of_chunks(30, 4096, [small], "now", chunk_bytes=4096).to_bytes())
+    (tmp_path / "ckpt-00000020.commit.json").write_bytes(
+        ('{"step": 20, "x": ' + "[" * 5000 + "]" * 5000 + "}").encode())
+    hashed = []
+    monkeypatch.setattr(checkpoint, "file_chunk_digests", lambda *a: hashed.append(a) or (0, []))
+    log = ListLog()
+    with _manager(tmp_path, Box(), log) as manager:
+        ok, reason = manager.verify(30)
+        assert not ok and reason.endswith("commit record says 4096") and not hashed
+        monkeypatch.undo()
+        assert manager.load() is True and manager.loaded_step == 10
+    warned = {r["step"]: r["reason"] for r in log.records if r.get("message") == "skipping invalid checkpoint"}
+    assert "commit record says 4096" in warned[30] and "not valid JSON" in warned[20]
