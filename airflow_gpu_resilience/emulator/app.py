@@ -102,7 +102,11 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
         handler, params = found
         with state.registry.cond:  # a consistent snapshot: supervisors change state under it
             result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
-            return serialize(result, "enum-encoding=int" in query.get("$alt", ""))
+            answer = serialize(result, "enum-encoding=int" in query.get("$alt", ""))
+        lost = state.faults.lost_answer(method)  # applied, but the client never hears so
+        if lost:
+            raise lost
+        return answer
     except EmulatorError as err:
         return error_response(err)
     except Exception as exc:  # an emulator bug: still answer in Google's error shape

@@ -53,3 +53,7 @@ class Unavailable(EmulatorError):
 
 class Unimplemented(EmulatorError):
     http_code, grpc_code, status = 501, 12, "UNIMPLEMENTED"
+
+
+class DeadlineExceeded(EmulatorError):
+    http_code, grpc_code, status = 504, 4, "DEADLINE_EXCEEDED"

@@ -9,7 +9,12 @@ every fault)::
      "errorRate": 0.2,       # then each request fails with this probability
      "codes": [503, 429],    # HTTP codes to draw from (503 UNAVAILABLE, 429 RESOURCE_EXHAUSTED)
      "delaySeconds": 0.5,    # added latency per request
-     "seed": 1}              # random seed, for reproducible runs
+     "seed": 1,              # random seed, for reproducible runs
+     "loseAnswerNext": 1,    # the next N POST/PATCH/DELETE requests are applied, and then
+     "loseAnswerCode": 500}  #   answered with this error (500 INTERNAL or 504 DEADLINE_EXCEEDED)
+
+``loseAnswerNext`` is the case a client cannot tell from a rejection: the change (a RunJob, say)
+took effect, but the answer never arrived.
 
 Faults apply to the Cloud Run API only, never to ``/_emulator`` or the GCS emulator.
 
@@ -39,9 +44,11 @@ import threading
 import time
 from typing import Optional
 
-from .exceptions import EmulatorError, InvalidArgument, ResourceExhausted, Unavailable
+from .exceptions import DeadlineExceeded, EmulatorError, InvalidArgument, ResourceExhausted, Unavailable
 
 _ERRORS = {503: Unavailable, 429: ResourceExhausted}
+_LOST_ANSWER_ERRORS = {500: EmulatorError, 504: DeadlineExceeded}
+_MUTATING = ("POST", "PATCH", "DELETE")
 
 
 @dataclasses.dataclass
@@ -53,6 +60,8 @@ class FaultConfig:
     codes: tuple = (503,)
     delay_seconds: float = 0.0
     seed: int = 0
+    lose_answer_next: int = 0
+    lose_answer_code: int = 500
 
     @classmethod
     def from_json(cls, data: dict) -> "FaultConfig":
@@ -62,8 +71,14 @@ class FaultConfig:
         rate = float(data.get("errorRate", 0.0))
         if not 0.0 <= rate <= 1.0:
             raise InvalidArgument("errorRate: must be between 0 and 1.")
+        lose_code = data.get("loseAnswerCode", 500)
+        if lose_code not in _LOST_ANSWER_ERRORS:
+            raise InvalidArgument(f"loseAnswerCode: must be one of {sorted(_LOST_ANSWER_ERRORS)}.")
+        lose_next = data.get("loseAnswerNext", 0)
+        if isinstance(lose_next, bool) or not isinstance(lose_next, int) or lose_next < 0:
+            raise InvalidArgument("loseAnswerNext: must be an integer >= 0.")
         return cls(int(data.get("failNext", 0)), rate, codes, float(data.get("delaySeconds", 0.0)),
-                   int(data.get("seed", 0)))
+                   int(data.get("seed", 0)), lose_next, lose_code)
 
 
 class ApiFaults:
@@ -77,6 +92,7 @@ class ApiFaults:
         with self._lock:
             self.config = config
             self._remaining = config.fail_next
+            self._lose_remaining = config.lose_answer_next
             self._random = random.Random(config.seed)
 
     def next_fault(self) -> tuple:
@@ -91,6 +107,16 @@ class ApiFaults:
                 code = self._random.choice(cfg.codes)
                 error = _ERRORS[code](f"Injected fault: the service is temporarily unavailable ({code}).")
             return cfg.delay_seconds, error
+
+    def lost_answer(self, method: str) -> EmulatorError | None:
+        """:return: the error that replaces the answer of a request already applied (while
+        ``loseAnswerNext`` lasts, for POST/PATCH/DELETE only), or ``None``."""
+        with self._lock:
+            if method not in _MUTATING or self._lose_remaining <= 0:
+                return None
+            self._lose_remaining -= 1
+            code = self.config.lose_answer_code
+            return _LOST_ANSWER_ERRORS[code](f"Injected fault: the request was applied but its answer was lost ({code}).")
 
 
 @dataclasses.dataclass

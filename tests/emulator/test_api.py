@@ -330,6 +330,23 @@ def test_injected_api_faults(jobs, emulator, job_id):
         post_json(emulator.endpoint + "/_emulator/faults", {})
 
 
+@pytest.mark.parametrize(("code", "error"), [(500, gexc.InternalServerError), (504, gexc.GatewayTimeout)])
+def test_lost_answer_fault_applies_the_request_then_fails_it(jobs, emulator, job_id, code, error):
+    from airflow_gpu_resilience.emulator.process import post_json
+
+    post_json(emulator.endpoint + "/_emulator/faults", {"loseAnswerNext": 1, "loseAnswerCode": code})
+    try:
+        with pytest.raises(error, match="applied but its answer was lost"):
+            jobs.create_job(parent=PARENT, job=make_job("local/exit:latest"), job_id=job_id, retry=None)
+        assert jobs.get_job(name=f"{PARENT}/jobs/{job_id}").name.endswith(job_id)  # it was applied
+        create(jobs, f"{job_id}-b", make_job("local/exit:latest"))  # one request only
+    finally:
+        post_json(emulator.endpoint + "/_emulator/faults", {})
+    for bad in ({"loseAnswerCode": 503}, {"loseAnswerNext": -1}, {"loseAnswerNext": True}):
+        answer = post_json(emulator.endpoint + "/_emulator/faults", bad)
+        assert answer["error"]["status"] == "INVALID_ARGUMENT" and "loseAnswer" in answer["error"]["message"]
+
+
 def test_preempt_by_task_name_and_wildcard_task_listing(jobs, tasks, emulator, job_id):
     from airflow_gpu_resilience.emulator.process import post_json
 
