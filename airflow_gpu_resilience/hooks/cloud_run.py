@@ -31,13 +31,16 @@ from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 if TYPE_CHECKING:
     from google.api_core.operation import Operation
 
-#: Errors that mean "the service did not handle the request; try again" (503 UNAVAILABLE,
-#: 429 RESOURCE_EXHAUSTED, 504 DEADLINE_EXCEEDED, and a REST connection that broke or timed out).
+#: Errors worth retrying for idempotent calls (503 UNAVAILABLE, 429 RESOURCE_EXHAUSTED, 504
+#: DEADLINE_EXCEEDED or a gateway's 504, a gateway's 502, and a REST connection that broke or
+#: timed out). Over REST the client maps by HTTP code, so a 504 arrives as ``GatewayTimeout``
+#: (the base class of ``DeadlineExceeded``).
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     gexc.ServiceUnavailable,
     gexc.TooManyRequests,
     gexc.ResourceExhausted,
-    gexc.DeadlineExceeded,
+    gexc.GatewayTimeout,
+    gexc.BadGateway,
     requests.ConnectionError,
     requests.Timeout,
 )
@@ -45,7 +48,8 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 REJECTED_ERRORS: tuple[type[Exception], ...] = (gexc.ServiceUnavailable, gexc.TooManyRequests)
 #: Errors after which a RunJob may or may not have started an execution.
 AMBIGUOUS_ERRORS: tuple[type[Exception], ...] = (
-    gexc.DeadlineExceeded,
+    gexc.GatewayTimeout,  # and its subclass DeadlineExceeded
+    gexc.BadGateway,
     gexc.InternalServerError,
     gexc.RetryError,
     requests.ConnectionError,
@@ -392,8 +396,8 @@ class CloudRunGpuHook(GoogleBaseHook):
         """Start exactly one execution, also when RunJob's answer is lost.
 
         The request carries a fresh id in the container env var ``AIRFLOW_GPU_RESILIENCE_START_ID``.
-        After an ambiguous error (:data:`AMBIGUOUS_ERRORS`: deadline, 500, retries exhausted, a
-        broken connection) the job's executions are searched for that id: a found execution is
+        After an ambiguous error (:data:`AMBIGUOUS_ERRORS`: 500, 502, 504 or a deadline, retries
+        exhausted, a broken connection) the job's executions are searched for that id: a found execution is
         returned, otherwise RunJob is sent again, up to ``attempts`` times.
 
         :param job_name: job id.

@@ -1,8 +1,8 @@
 """Orchestration faults through the emulator and the provider's operators (``dag.test()``).
 
-503/429 storms and delays from the API, the Airflow task killed (SIGKILL, no ``on_kill``) and
-retried mid-execution, every task of a 3-task execution preempted at once, a preemption during
-the very first step, a preemption budget of 0. Each case counts the executions started (no
+503/429 storms and delays from the API, RunJob applied but its answer lost (500/504), the
+Airflow task killed (SIGKILL, no ``on_kill``) and retried mid-execution, every task of a 3-task
+execution preempted at once, a preemption during the very first step, a preemption budget of 0. Each case counts the executions started (no
 duplicates), and asserts the outcome and the message a user sees.
 """
 
@@ -112,6 +112,34 @@ def test_api_storms_neither_duplicate_nor_lose_an_execution(gcp_conn, job_name, 
     assert ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
     [summary] = CAPTURED["summaries"]
     assert summary["outcome"] == "SUCCEEDED" and summary["reruns"] == 1
+    assert [e["action"] for e in summary["executions"]] == ["RERUN", "SUCCEED"]
+    assert len(executions(job_name)) == 2 and len(start_ids(job_name)) == 2
+
+
+@pytest.mark.parametrize("code", [500, 504])
+def test_runjob_applied_but_its_answer_lost_starts_exactly_one_execution(gcp_conn, job_name, run_execute, faults,
+                                                                          fast_retries, code):
+    """RunJob takes effect, but its answer is lost (the emulator applies it, then answers 500 or
+    504): the operator must find that execution by its start id, not start a second one."""
+    deploy(job_name, ["ok"], max_retries=0)
+    faults(loseAnswerNext=1, loseAnswerCode=code)
+    ti = run_execute(retries=0, poll_interval=0.1)
+    faults()
+    assert ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
+    [summary] = CAPTURED["summaries"]
+    assert summary["outcome"] == "SUCCEEDED" and [e["action"] for e in summary["executions"]] == ["SUCCEED"]
+    assert len(executions(job_name)) == 1 and len(start_ids(job_name)) == 1
+
+
+def test_lost_answers_of_a_preempted_run_and_its_rerun_still_give_two_executions(gcp_conn, job_name, run_execute,
+                                                                                  faults, fast_retries):
+    """Both RunJobs (the first execution, preempted, and its re-run) lose their answers."""
+    deploy(job_name, ["preempt-once"], max_retries=0)
+    faults(loseAnswerNext=2)
+    ti = run_execute(retries=0, max_preemption_reruns=1, poll_interval=0.1)
+    faults()
+    assert ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
+    [summary] = CAPTURED["summaries"]
     assert [e["action"] for e in summary["executions"]] == ["RERUN", "SUCCEED"]
     assert len(executions(job_name)) == 2 and len(start_ids(job_name)) == 2
 
