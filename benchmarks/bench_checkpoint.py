@@ -35,6 +35,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import common  # noqa: E402
 
 from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager  # noqa: E402
 from worker.logs import StructuredLogger  # noqa: E402
@@ -286,17 +289,6 @@ def summarize(raw: dict[str, Any], size: int) -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
-    """:return: the CPU model name from ``/proc/cpuinfo``, or ``unknown CPU``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def render(summary: dict[str, Any]) -> str:
     """:return: the summary as a plain-text table."""
     s = summary
@@ -318,7 +310,7 @@ def render(summary: dict[str, Any]) -> str:
     lines.append("")
     lines += [f"[{'met' if ok else 'MISSED'}] {target}" for target, ok in s["targets"].items()]
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    lines.append(f"(date {now}; machine: {os.cpu_count()} CPUs, {_cpu_model()}, torch {torch.__version__}; "
+    lines.append(f"(date {now}; machine: {os.cpu_count()} CPUs, {common.cpu_model()}, torch {torch.__version__}; "
                  f"load average {os.getloadavg()[0]:.1f} at the end)")
     return "\n".join(lines)
 
