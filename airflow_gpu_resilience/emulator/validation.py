@@ -70,6 +70,33 @@ def timeout_seconds(template: run_v2.TaskTemplate) -> float:
 MAX_TASK_COUNT = 10_000
 
 
+def check_enum_values(message, prefix: str) -> None:
+    """Refuse enum fields holding a number their enum does not define: JSON may carry any
+    integer for an (open) proto3 enum, and Google answers such a value with INVALID_ARGUMENT
+    ("Invalid value at ...").
+
+    :param message: a raw protobuf message (``run_v2.Job.pb(job)``).
+    :param prefix: the field path of ``message`` in error messages (``job``).
+    :raises InvalidArgument: naming the field, the value and the allowed names.
+    """
+    for field, value in message.ListFields():
+        path = f"{prefix}.{field.name}"
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            if entry.message_type is not None:
+                for key, item in value.items():
+                    check_enum_values(item, f"{path}[{key!r}]")
+            continue
+        items = list(value) if field.is_repeated else [value]
+        for i, item in enumerate(items):
+            where = f"{path}[{i}]" if field.is_repeated else path
+            if field.enum_type is not None and item not in field.enum_type.values_by_number:
+                allowed = ", ".join(v.name for v in field.enum_type.values)
+                raise InvalidArgument(f"{where}: invalid value {item}; allowed: {allowed}.")
+            if field.message_type is not None:
+                check_enum_values(item, where)
+
+
 def validate_job(job: run_v2.Job, bucket_exists) -> int:
     """Validate a job spec; return the launch stage to report (BETA when preview features are
     used, else GA).
@@ -77,6 +104,7 @@ def validate_job(job: run_v2.Job, bucket_exists) -> int:
     :param job: the job as sent (defaults not yet filled).
     :param bucket_exists: ``callable(bucket) -> bool``.
     """
+    check_enum_values(run_v2.Job.pb(job), "job")
     _validate_meta(job.labels, job.annotations, "job")
     _validate_meta(job.template.labels, job.template.annotations, "job.template")
     if not 0 <= job.template.task_count <= MAX_TASK_COUNT:

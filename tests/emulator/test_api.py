@@ -426,3 +426,22 @@ def test_undecodable_bodies_are_invalid_argument_not_500(emulator, path: str, bo
         urllib.request.urlopen(request)
     assert err.value.code == 400
     assert json.loads(err.value.read())["error"]["status"] == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"launchStage": 999}, "job.launch_stage: invalid value 999"),
+        ({"template": {"template": {"executionEnvironment": 77, "containers": [{"image": "local/exit:latest"}]}}},
+         "job.template.template.execution_environment: invalid value 77"),
+    ],
+)
+def test_enum_numbers_outside_the_enum_are_invalid_argument(emulator, job_id, body: dict, field: str) -> None:
+    """JSON may carry any integer for a proto3 enum; Cloud Run answers an undefined one with 400."""
+    request = urllib.request.Request(f"{emulator.endpoint}/v2/{PARENT}/jobs?jobId={job_id}",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["status"] == "INVALID_ARGUMENT" and field in error["message"]
