@@ -1,7 +1,7 @@
 """Benchmark of the worker's checkpoint saves and loads, on CPU, everything in one run.
 
 ``python benchmarks/bench_checkpoint.py [--size-gib 1.0] [--repeats 5] [--dir DIR]`` prints a
-table and writes JSON to ``benchmarks/results/``. It measures, for one state of ``--size-gib``:
+table and writes ``benchmarks/results/checkpoint.json``. It measures, for one state of ``--size-gib``:
 
 - blocking time per save: :class:`worker.checkpoint.CheckpointManager`'s async path, a
   synchronous ``torch.save`` + fsync, a plain in-memory copy (``clone``), and
@@ -18,7 +18,6 @@ It is a benchmark, not a test: numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
@@ -309,9 +308,6 @@ def render(summary: dict[str, Any]) -> str:
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     lines.append("")
     lines += [f"[{'met' if ok else 'MISSED'}] {target}" for target, ok in s["targets"].items()]
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    lines.append(f"(date {now}; machine: {os.cpu_count()} CPUs, {common.cpu_model()}, torch {torch.__version__}; "
-                 f"load average {os.getloadavg()[0]:.1f} at the end)")
     return "\n".join(lines)
 
 
@@ -324,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder of the JSON result")
     args = parser.parse_args(argv)
     size = int(args.size_gib * GIB)
+    machine = common.machine_info()
     workdir = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
         states = make_state(size)
@@ -339,12 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(raw, size)
+    machine["load_at_end"] = common.load()
+    print("\n".join(common.machine_lines(machine)) + f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print(render(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    result = out / f"checkpoint-{stamp}.json"
-    meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "argv": sys.argv[1:]}
+    result = out / "checkpoint.json"
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "argv": sys.argv[1:], **machine}
     result.write_text(json.dumps({"summary": summary, "raw": raw, "meta": meta}, indent=1, default=str) + "\n")
     print(f"\nwrote {result}")
     return 0

@@ -35,6 +35,9 @@ from google.cloud import run_v2
 
 from airflow_gpu_resilience.emulator.process import EmulatorProcess
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 PARENT = "projects/bench/locations/us-central1"
 IMAGE = "bench/short:latest"
 SHORT_COMMAND = 'echo "task $CLOUD_RUN_TASK_INDEX attempt $CLOUD_RUN_TASK_ATTEMPT"; sleep "$TASK_SECONDS"'
@@ -174,14 +177,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    load = round(os.getloadavg()[0], 2)  # other work on the machine skews every number
+    machine = common.machine_info()  # other work on the machine skews every number
     with tempfile.TemporaryDirectory(prefix="bench-emulator-") as tmp:
         with EmulatorProcess(Path(tmp) / "emu", images_file=write_images(Path(tmp)), grace_seconds=1.0) as emu:
             rows = [run_size(emu.endpoint, count, parallelism, args.task_seconds) for count, parallelism in args.sizes]
+    machine.update(load_at_end=common.load(), system=platform.system(), cpus_usable=_cpus())
+    print("\n".join(common.machine_lines(machine)) + "\n")
     print_table(rows)
     report = {"benchmark": "emulator_scale", "command": SHORT_COMMAND, "python": platform.python_version(),
-              "machine": {"system": platform.system(), "cpus": _cpus(), "load_average_1m": load},
-              "runs": rows}
+              "machine": machine, "runs": rows}
     (args.out / "emulator_scale.json").write_text(json.dumps(report, indent=2) + "\n")
     png = args.out / "emulator_scale.png"
     print(f"wrote {args.out / 'emulator_scale.json'}" + (f" and {png}" if plot(rows, png) else

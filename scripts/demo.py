@@ -60,8 +60,9 @@ class Interrupted(Exception):
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--step-delay", type=float, default=0.03, help="seconds of delay per step")
     parser.add_argument("--preemptions", type=int, default=2,
