@@ -21,20 +21,13 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
+from airflow_gpu_resilience.emulator.process import OFFLINE_ENV  # google-auth stays offline
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = "bench-project"
 REGION = "us-central1"
 PARENT = f"projects/{PROJECT}/locations/{REGION}"
-
-#: google-auth must never probe a metadata server (no network here).
-OFFLINE_ENV = {
-    "NO_GCE_CHECK": "true",
-    "GCE_METADATA_HOST": "127.0.0.1:9",
-    "GCE_METADATA_IP": "127.0.0.1:9",
-    "CLOUDSDK_CONFIG": "",
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-}
 
 
 def apply_offline_env() -> None:

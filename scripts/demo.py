@@ -37,6 +37,7 @@ from google.api_core.client_options import ClientOptions  # noqa: E402
 from google.auth.credentials import AnonymousCredentials  # noqa: E402
 from google.cloud import run_v2  # noqa: E402
 
+from airflow_gpu_resilience.emulator import process as emulator_process  # noqa: E402
 from airflow_gpu_resilience.emulator.process import EmulatorProcess  # noqa: E402
 
 DAG_ID = "gpu_resilient_training"
@@ -45,14 +46,7 @@ REGION = "us-central1"
 JOB = "gpu-resilient-training"
 BUCKET = "gpu-resilient-checkpoints"
 
-OFFLINE_ENV = {
-    "NO_GCE_CHECK": "true",
-    "GCE_METADATA_HOST": "127.0.0.1:9",
-    "GCE_METADATA_IP": "127.0.0.1:9",
-    "CLOUDSDK_CONFIG": "",
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-}
+OFFLINE_ENV = {**emulator_process.OFFLINE_ENV, "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
 
 
 class Interrupted(Exception):

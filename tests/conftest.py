@@ -11,16 +11,13 @@ import os
 import shutil
 import tempfile
 
+from airflow_gpu_resilience.emulator.process import OFFLINE_ENV
+
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="agr-airflow-home-")
 atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
 
 _OFFLINE_ENV = {
-    # google-auth must never probe the metadata server: nothing here reaches Google Cloud.
-    "NO_GCE_CHECK": "true",
-    "GCE_METADATA_HOST": "127.0.0.1:9",
-    "GCE_METADATA_IP": "127.0.0.1:9",
-    "CLOUDSDK_CONFIG": "",
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    **OFFLINE_ENV,  # google-auth must never probe the metadata server
     "AIRFLOW_HOME": _AIRFLOW_HOME,
     "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
     "AIRFLOW__CORE__UNIT_TEST_MODE": "False",

@@ -23,6 +23,16 @@ from typing import Optional
 
 from .gcs import bucket_path
 
+#: Environment that keeps google-auth from probing a metadata server (nothing local reaches
+#: Google Cloud): set it in processes whose Google clients talk to the emulators.
+OFFLINE_ENV = {
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "CLOUDSDK_CONFIG": "",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
+
 
 def post_json(url: str, payload: Optional[dict], timeout: float = 30.0, method: str = "POST") -> dict:
     """Send ``payload`` as JSON (``None``: no body); return the decoded answer (errors as Google
