@@ -54,20 +54,27 @@ class Interrupted(Exception):
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    parser.add_argument("--step-delay", type=float, default=0.03, help="seconds of delay per step")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help="steps between checkpoints (default: %(default)s)")
+    parser.add_argument("--step-delay", type=float, default=0.03,
+                        help="seconds of delay per step (default: %(default)s)")
     parser.add_argument("--preemptions", type=int, default=2,
-                        help="maintenance preemptions to inject; every 2nd lands inside a checkpoint write")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden units (a bigger model, a longer write)")
-    parser.add_argument("--seed", type=int, default=0, help="training seed")
+                        help="maintenance preemptions to inject; every 2nd lands inside a checkpoint write "
+                             "(default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="hidden units, a bigger model makes a longer write (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip the uninterrupted reference run that checks the final model bit for bit")
-    parser.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
-    parser.add_argument("--workdir", type=Path, default=None, help="where state and logs go (default: new)")
-    parser.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+                        help="skip the uninterrupted reference run that checks the final model bit for bit "
+                             "(by default it runs)")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="SIGTERM-to-SIGKILL grace in seconds (default: %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where state and logs go (default: a new folder under demo-output/)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="where the JSON report goes (default: report.json in the workdir)")
     return parser.parse_args(argv)
 
 
