@@ -50,18 +50,45 @@ def _load_demo():
     return module
 
 
-def test_airflow_lists_no_import_errors_and_every_dag(tmp_path: Path) -> None:
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS)}
+def _airflow_cli_parse(home: Path, dags_folder: Path) -> tuple[list[dict], list[dict]]:
+    """Parse ``dags_folder`` with the Airflow CLI as a deployment would, on a fresh database.
+
+    ``airflow dags list-import-errors`` reads what a parse stored in the database, so the DAG
+    files are parsed and stored first (``airflow dags reserialize``, as the DAG processor would).
+
+    :return: the import errors and ``airflow dags report``'s rows, both as JSON.
+    """
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder)}
     airflow = str(Path(sys.executable).with_name("airflow"))
-    subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True)
-    errors = subprocess.run([airflow, "dags", "list-import-errors", "-o", "json"], env=env, check=True,
-                            capture_output=True, text=True)
-    assert json.loads(errors.stdout.strip().splitlines()[-1]) == []
-    report = subprocess.run([airflow, "dags", "report", "-o", "json"], env=env, check=True,
-                            capture_output=True, text=True)
-    files = json.loads(report.stdout.strip().splitlines()[-1])
-    dags = sorted(d for f in files for d in f["dags"])
+
+    def cli(*args: str, check: bool = True) -> str:
+        return subprocess.run([airflow, *args], env=env, check=check, capture_output=True, text=True).stdout
+
+    cli("db", "migrate")
+    cli("dags", "reserialize")
+    # It exits 1 when it lists errors; the listing is what is checked.
+    errors = json.loads(cli("dags", "list-import-errors", "-o", "json", check=False).strip().splitlines()[-1])
+    report = json.loads(cli("dags", "report", "-o", "json").strip().splitlines()[-1])
+    return errors, report
+
+
+def test_airflow_lists_no_import_errors_and_every_dag(tmp_path: Path) -> None:
+    errors, report = _airflow_cli_parse(tmp_path, DAGS)
+    assert errors == []
+    dags = sorted(d for f in report for d in f["dags"])
     assert dags == ["gpu_resilient_training", "gpu_training_sensor", "scheduled_retraining"]
+
+
+def test_airflow_cli_parse_reports_a_broken_dag_file(tmp_path: Path) -> None:
+    """The check above can fail: a DAG file that does not import is listed with its error."""
+    folder = tmp_path / "dags"
+    folder.mkdir()
+    for source in DAGS.glob("*.py"):
+        (folder / source.name).write_text(source.read_text())
+    (folder / "broken_dag.py").write_text("from airflow import DAG\nimport a_module_that_does_not_exist\n")
+    errors, _ = _airflow_cli_parse(tmp_path / "home", folder)
+    assert [Path(e["filepath"]).name for e in errors] == ["broken_dag.py"]
+    assert "a_module_that_does_not_exist" in errors[0]["error"]
 
 
 def test_deploy_renders_the_job_gcloud_deploys() -> None:
