@@ -9,9 +9,11 @@ anonymous credentials and the REST transport (the emulator serves REST).
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import requests
@@ -26,7 +28,7 @@ from airflow.providers.google.common.consts import CLIENT_INFO
 from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
 
 from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
-from airflow_gpu_resilience.outcome import ExecutionState, execution_state
+from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
 
 if TYPE_CHECKING:
     from google.api_core.operation import Operation
@@ -136,6 +138,69 @@ def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
     containers[0]["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
     result["container_overrides"] = containers
     return result
+
+
+class PollState(str, enum.Enum):
+    """What a wait does after one poll (:meth:`ExecutionWatch.step`)."""
+
+    WAIT = "wait"
+    """Still running: sleep :attr:`PollStep.sleep_seconds`, then poll again."""
+    FINISHED = "finished"
+    """The execution has finished."""
+    TIMED_OUT = "timed_out"
+    """The wait's timeout passed while the execution was still running."""
+
+
+@dataclass(frozen=True)
+class PollStep:
+    """The result of one poll: :attr:`state`, and for ``WAIT`` the seconds to sleep (never past the deadline)."""
+
+    state: PollState
+    sleep_seconds: float = 0.0
+
+
+@dataclass
+class ExecutionWatch:
+    """The pure part of waiting for an execution to finish: one :meth:`step` per poll, no I/O.
+
+    The hook's blocking :meth:`CloudRunGpuHook.wait_for_execution` and the trigger's async loop
+    share it: each fetches the execution and its tasks, passes them to :meth:`step` (``None``
+    after a transient API error) and sleeps as it says. The clock is passed in.
+
+    :param poll_interval: seconds between polls (> 0).
+    :param timeout: seconds to wait in total, or ``None`` to wait forever.
+    :param started: ``time.monotonic()`` when the wait began.
+    :param attempts: where the finished attempts seen are recorded (default: a new log).
+    """
+
+    poll_interval: float
+    timeout: float | None
+    started: float
+    attempts: AttemptLog = field(default_factory=AttemptLog)
+
+    @property
+    def deadline(self) -> float | None:
+        """``time.monotonic()`` value when the wait times out, or ``None``."""
+        return None if self.timeout is None else self.started + self.timeout
+
+    def step(self, execution: run_v2.Execution | None, tasks: Sequence[run_v2.Task], now: float) -> PollStep:
+        """Record the poll's attempts and say what to do next.
+
+        :param execution: the execution as just fetched, or ``None`` if the poll failed transiently.
+        :param tasks: its tasks (may be empty when the caller does not track attempts).
+        :param now: ``time.monotonic()`` after the poll.
+        :return: ``FINISHED`` when the execution is no longer running; else ``TIMED_OUT`` once
+            the deadline has passed, else ``WAIT`` with the sleep until the next poll.
+        """
+        if execution is not None:
+            self.attempts.observe(tasks)
+            if execution_state(execution) is not ExecutionState.RUNNING:
+                return PollStep(PollState.FINISHED)
+        deadline = self.deadline
+        if deadline is not None and now >= deadline:
+            return PollStep(PollState.TIMED_OUT)
+        sleep = self.poll_interval if deadline is None else min(self.poll_interval, deadline - now)
+        return PollStep(PollState.WAIT, sleep)
 
 
 class CloudRunGpuHook(GoogleBaseHook):
@@ -578,6 +643,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         poll_interval: float = 10.0,
         timeout: float | None = None,
         on_poll: Callable[[run_v2.Execution, list[run_v2.Task]], None] | None = None,
+        attempts: AttemptLog | None = None,
     ) -> run_v2.Execution:
         """Poll an execution (and its tasks) until it is finished; blocking.
 
@@ -585,25 +651,31 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param poll_interval: seconds between polls (default 10).
         :param timeout: give up after this many seconds (default ``None``: wait forever).
         :param on_poll: called with the execution and its tasks after every successful poll.
+        :param attempts: when given, every finished task attempt seen is recorded in it.
         :return: the finished execution.
         :raises TimeoutError: if ``timeout`` passes first. Transient API errors (also after the
             per-call retries gave up) never end the wait: the next poll tries again.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        watch = ExecutionWatch(poll_interval, timeout, time.monotonic())
+        if attempts is not None:
+            watch.attempts = attempts
+        with_tasks = on_poll is not None or attempts is not None
         while True:
+            current, tasks = None, []
             try:
-                current = self.get_execution(execution=execution)
-                tasks = self.list_tasks(execution=execution) if on_poll is not None else []
+                fetched = self.get_execution(execution=execution)
+                tasks = self.list_tasks(execution=execution) if with_tasks else []
+                current = fetched
             except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
                 self.log.warning("Transient error polling %s: %s; polling again", execution, exc)
-            else:
-                if on_poll is not None:
-                    on_poll(current, tasks)
-                if execution_state(current) is not ExecutionState.RUNNING:
-                    return current
-            if deadline is not None and time.monotonic() + poll_interval > deadline:
+            step = watch.step(current, tasks, time.monotonic())
+            if current is not None and on_poll is not None:
+                on_poll(current, tasks)
+            if step.state is PollState.FINISHED:
+                return current
+            if step.state is PollState.TIMED_OUT:
                 raise TimeoutError(f"execution {execution} still running after {timeout} s")
-            time.sleep(poll_interval)
+            time.sleep(step.sleep_seconds)
 
 
 class CloudRunGpuAsyncHook:
