@@ -28,6 +28,7 @@ from airflow_gpu_resilience.operators.cloud_run import (
     RUN_KEY_ENV,
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
+    RunState,
 )
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
 from tests.unit.operators import dag_factory
@@ -146,9 +147,8 @@ def test_preempted_once_then_resumes_in_a_second_execution(gcp_conn, job_name, e
     assert (bucket_dir(emulator) / f"{job_name}-task0.marker").exists()
 
 
-def own_state(op, ti) -> dict:
-    return {"project_id": PROJECT, "run_key": op.run_key({"ti": ti}), "budget": 3, "deadline": None,
-            "executions": [], "attempts": [], "progress": {}}
+def own_state(op, ti) -> RunState:
+    return RunState(project_id=PROJECT, run_key=op.run_key({"ti": ti}), budget=3)
 
 
 def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
@@ -159,9 +159,9 @@ def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
     ti = _TI()
     state = own_state(op, ti)
     started = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
-                                   overrides=with_env_overrides(None, {RUN_KEY_ENV: state["run_key"]}))
+                                   overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     try:
-        assert op._attach_or_start({"ti": ti}, hook, state) == started
+        assert op._attach_or_start({"ti": ti}, state).execution == started
         assert ti.xcom["execution_name"] == started and len(executions(job_name)) == 1
     finally:
         hook.cancel_execution(execution=started, wait=True)
@@ -176,13 +176,15 @@ def test_a_finished_execution_is_adopted_only_if_no_try_acted_on_it(gcp_conn, jo
     ti = _TI()
     state = own_state(op, ti)
     finished = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
-                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state["run_key"]}))
+                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     hook.wait_for_execution(finished, poll_interval=0.1, timeout=30)
-    result = op._attach_or_start({"ti": ti}, hook, state)
+    step = op._attach_or_start({"ti": ti}, state)
     if adopted:
+        result = step.summary
         assert result["outcome"] == "SUCCEEDED" and result["executions"][0]["name"] == finished
         assert len(executions(job_name)) == 1
     else:
+        result = step.execution
         assert result != finished and len(executions(job_name)) == 2
         hook.wait_for_execution(result, poll_interval=0.1, timeout=30)
 
