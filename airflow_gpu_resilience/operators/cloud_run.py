@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import time
+import typing
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -313,12 +315,20 @@ class RunStep:
         return cls(summary=summary)
 
 
-_SPEC_FIELDS = (
-    "image", "command", "args", "env", "cpu", "memory", "gpu_type", "gpu_zonal_redundancy", "task_timeout",
-    "max_retries", "task_count", "parallelism", "service_account", "checkpoint_bucket",
-    "checkpoint_mount_path", "labels",
-)
-_INT_FIELDS = ("task_timeout", "max_retries", "task_count", "parallelism")
+# --- the deploy operator ----------------------------------------------------------------------
+#: The :class:`GpuJobSpec` fields the deploy operator takes as keyword arguments: every field but
+#: ``name`` (the operator's ``job_name``), with the spec's own defaults.
+_SPEC_FIELDS: tuple[dataclasses.Field, ...] = tuple(f for f in dataclasses.fields(GpuJobSpec) if f.name != "name")
+_SPEC_TYPES = typing.get_type_hints(GpuJobSpec)
+
+
+def _spec_default(spec_field: dataclasses.Field) -> Any:
+    """The field's default (a fresh one for a factory), or ``inspect.Parameter.empty`` when required."""
+    if spec_field.default_factory is not dataclasses.MISSING:
+        return spec_field.default_factory()
+    if spec_field.default is not dataclasses.MISSING:
+        return spec_field.default
+    return inspect.Parameter.empty
 
 
 def _is_templated(value: Any) -> bool:
@@ -332,14 +342,30 @@ def _is_templated(value: Any) -> bool:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Turn rendered template strings into the spec's types (``"3"`` -> 3, ``"False"`` -> False)."""
-    if name in _INT_FIELDS and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    """Turn a rendered template string into the spec field's type (``"3"`` -> 3, ``"False"`` -> False, ``""`` -> None)."""
+    kind = _SPEC_TYPES[name]
+    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
-    if name == "gpu_zonal_redundancy" and isinstance(value, str) and value.lower() in ("true", "false"):
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    if name in ("service_account", "checkpoint_bucket") and value == "":
+    if kind == (str | None) and value == "":
         return None
     return value
+
+
+def _with_spec_parameters(init: Any) -> inspect.Signature:
+    """``init``'s signature with every spec field as a keyword-only parameter before ``**kwargs``.
+
+    Airflow reads an operator's signature to apply ``default_args`` and to check the arguments of
+    ``partial()``/``expand()``, so the spec fields must appear in it.
+    """
+    signature = inspect.signature(init)
+    *explicit, variadic = signature.parameters.values()
+    spec = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_spec_default(f), annotation=f.type)
+        for f in _SPEC_FIELDS
+    ]
+    return signature.replace(parameters=[*explicit, *spec, variadic])
 
 
 class CloudRunGpuDeployJobOperator(BaseOperator):
@@ -351,77 +377,68 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
     ``job_name`` and ``generation``.
 
     :param job_name: job id (templated).
-    :param image: container image (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
     :param project_id: Google Cloud project; default from the connection (templated).
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``; templated).
     :param impersonation_chain: service account (or chain) to impersonate (templated).
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
-    :param spec_kwargs: the other :class:`GpuJobSpec` fields (``command``, ``args``, ``env``,
-        ``cpu``, ``memory``, ``gpu_type``, ``gpu_zonal_redundancy``, ``task_timeout`` in
-        seconds, ``max_retries``, ``task_count``, ``parallelism``, ``service_account``,
-        ``checkpoint_bucket``, ``checkpoint_mount_path``, ``labels``), all templated.
+    :param kwargs: every other :class:`GpuJobSpec` field by name, with its default and meaning
+        there (``image`` is required; ``command``, ``args``, ``env``, ``cpu``, ``memory``,
+        ``gpu_type``, ``task_timeout`` in seconds, ``max_retries``, ``task_count``,
+        ``checkpoint_bucket``, ...), all templated; then the ``BaseOperator`` arguments.
     :raises ValueError: at construction (or execute, when templated) for an invalid spec.
     """
 
     template_fields: Sequence[str] = ("job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain",
-                                      *_SPEC_FIELDS)
+                                      *(f.name for f in _SPEC_FIELDS))
 
     def __init__(
         self,
         *,
         job_name: str,
-        image: str,
         region: str = "us-central1",
         project_id: str | None = None,
         gcp_conn_id: str = "google_cloud_default",
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
-        command: Sequence[str] = (),
-        args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        cpu: str = "4",
-        memory: str = "16Gi",
-        gpu_type: str = "nvidia-l4",
-        gpu_zonal_redundancy: bool = False,
-        task_timeout: int | str = 3600,
-        max_retries: int | str = 3,
-        task_count: int | str = 1,
-        parallelism: int | str = 0,
-        service_account: str | None = None,
-        checkpoint_bucket: str | None = None,
-        checkpoint_mount_path: str = "/checkpoints",
-        labels: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        spec_values = {f.name: kwargs.pop(f.name, _spec_default(f)) for f in _SPEC_FIELDS}
         super().__init__(**kwargs)
-        self.job_name, self.image, self.region, self.project_id = job_name, image, region, project_id
+        self.job_name, self.region, self.project_id = job_name, region, project_id
         self.gcp_conn_id, self.impersonation_chain, self.transport = gcp_conn_id, impersonation_chain, transport
-        self.command, self.args, self.env = list(command), list(args), dict(env or {})
-        self.cpu, self.memory, self.gpu_type, self.gpu_zonal_redundancy = cpu, memory, gpu_type, gpu_zonal_redundancy
-        self.task_timeout, self.max_retries = task_timeout, max_retries
-        self.task_count, self.parallelism = task_count, parallelism
-        self.service_account, self.checkpoint_bucket = service_account, checkpoint_bucket
-        self.checkpoint_mount_path, self.labels = checkpoint_mount_path, dict(labels or {})
-        if not any(_is_templated(getattr(self, f)) for f in ("job_name", *_SPEC_FIELDS)):
+        for spec_field in _SPEC_FIELDS:
+            value = spec_values[spec_field.name]
+            if value is inspect.Parameter.empty:
+                raise TypeError(f"{type(self).__name__} needs the keyword argument {spec_field.name!r}")
+            if value is None and spec_field.default_factory is not dataclasses.MISSING:  # env=None, labels=None
+                value = spec_field.default_factory()
+            setattr(self, spec_field.name, list(value) if isinstance(value, tuple) else value)
+        if not any(_is_templated(getattr(self, f)) for f in ("job_name", *spec_values)):
             self.build_spec()
+
+    __init__.__signature__ = _with_spec_parameters(__init__)  # type: ignore[attr-defined]
 
     def build_spec(self) -> GpuJobSpec:
         """The validated spec from the (rendered) arguments.
 
         :raises ValueError: for an invalid value, naming the parameter.
         """
-        values = {name: _coerce(name, getattr(self, name)) for name in _SPEC_FIELDS}
+        values = {f.name: _coerce(f.name, getattr(self, f.name)) for f in _SPEC_FIELDS}
         return GpuJobSpec(name=self.job_name, **values)
+
+    @cached_property
+    def hook(self) -> CloudRunGpuHook:
+        """The Cloud Run hook for this task's connection (built once)."""
+        return CloudRunGpuHook(
+            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
+        )
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Validate, then create or update the job; see the class docstring for the result."""
         spec = self.build_spec()
-        hook = CloudRunGpuHook(
-            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
-        )
-        project_id = self.project_id or hook.project_id
-        job, action = hook.create_or_update_job(
+        project_id = self.project_id or self.hook.project_id
+        job, action = self.hook.create_or_update_job(
             job_name=spec.name, job=spec, region=self.region, project_id=project_id
         )
         self.log.info("Job %s %s (generation %s)", job.name, action, job.generation)

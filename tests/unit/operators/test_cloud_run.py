@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
 import threading
 import time
@@ -212,6 +214,26 @@ def test_deploy_operator_validates_templated_values_before_any_api_call():
     op.max_retries = "12"  # as rendered
     with pytest.raises(ValueError, match="max_retries=12 is out of range"):
         op.execute({})
+
+
+def test_deploy_operator_takes_every_spec_field_with_the_specs_default():
+    """The deploy operator's spec arguments are GpuJobSpec's fields (``name`` is ``job_name``)."""
+    from airflow.sdk import DAG
+
+    parameters = inspect.signature(CloudRunGpuDeployJobOperator.__init__).parameters
+    for spec_field in dataclasses.fields(GpuJobSpec):
+        if spec_field.name == "name":
+            continue
+        if spec_field.default_factory is not dataclasses.MISSING:
+            default = spec_field.default_factory()
+        else:
+            default = inspect.Parameter.empty if spec_field.default is dataclasses.MISSING else spec_field.default
+        assert parameters[spec_field.name].default == default, spec_field.name
+        assert spec_field.name in CloudRunGpuDeployJobOperator.template_fields
+    with DAG(dag_id="defaults", schedule=None, default_args={"memory": "32Gi", "max_retries": 5}):
+        op = CloudRunGpuDeployJobOperator(task_id="d", job_name="j", image="img", checkpoint_bucket=BUCKET)
+    spec = op.build_spec()
+    assert (spec.memory, spec.max_retries, spec.cpu, spec.env) == ("32Gi", 5, "4", {})
 
 
 def test_execute_operator_rejects_negative_budget():
