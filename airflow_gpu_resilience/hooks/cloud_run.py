@@ -2,8 +2,10 @@
 
 The endpoint comes from the Airflow connection: a ``google_cloud_platform`` connection whose
 extra holds ``api_endpoint`` (for example ``http://127.0.0.1:8080``, the local emulator) sends
-every call there; without it the clients use Google's endpoint. An ``http://`` endpoint implies
-anonymous credentials and the REST transport (the emulator serves REST).
+every call there; without it the clients use Google's endpoint. Credentials and client options
+come from :class:`GoogleBaseHook` (the connection's key, ADC or ``is_anonymous``, which the
+emulator needs); an ``http://`` endpoint implies the REST transport, the only one that speaks
+plain HTTP (the emulator serves REST).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import requests
 from google.api_core import exceptions as gexc
-from google.api_core.client_options import ClientOptions
 from google.api_core.retry import Retry, if_exception_type
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
 
 from airflow.providers.google.common.consts import CLIENT_INFO
-from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
+from airflow.providers.google.common.hooks.base_google import (
+    PROVIDE_PROJECT_ID,
+    GoogleBaseAsyncHook,
+    GoogleBaseHook,
+)
 
 from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
 from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
@@ -258,12 +262,10 @@ class CloudRunGpuHook(GoogleBaseHook):
     def _client(self, kind: type[_Client], location: str) -> _Client:
         key = (kind, location)
         if key not in self._clients:
-            endpoint = self.api_endpoint
-            credentials = AnonymousCredentials() if (endpoint or "").startswith("http://") else self.get_credentials()
             kwargs: dict[str, Any] = {
-                "credentials": credentials,
+                "credentials": self.get_credentials(),
                 "client_info": CLIENT_INFO,
-                "client_options": ClientOptions(api_endpoint=endpoint) if endpoint else self.get_client_options(),
+                "client_options": self.get_client_options(self.api_endpoint),
             }
             if self.transport:
                 kwargs["transport"] = self.transport
@@ -678,43 +680,42 @@ class CloudRunGpuHook(GoogleBaseHook):
             time.sleep(step.sleep_seconds)
 
 
-class CloudRunGpuAsyncHook:
+class CloudRunGpuAsyncHook(GoogleBaseAsyncHook):
     """Async twin of :class:`CloudRunGpuHook` for triggers.
 
-    The Cloud Run async clients have no REST transport, so every call runs the sync hook in a
-    worker thread (``asyncio.to_thread``); the sync hook (and its connection lookup) is built
-    there too, never on the event loop.
+    The Cloud Run async clients have no REST transport, so every call runs the sync hook's
+    method in a worker thread (``asyncio.to_thread``). The sync hook is built once, off the event
+    loop, by :meth:`GoogleBaseAsyncHook.get_sync_hook` from :attr:`sync_hook_class`.
 
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (see :class:`CloudRunGpuHook`).
+    :param kwargs: further :class:`CloudRunGpuHook` arguments.
     """
+
+    sync_hook_class = CloudRunGpuHook
 
     def __init__(
         self,
         gcp_conn_id: str = CloudRunGpuHook.default_conn_name,
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
+        **kwargs: Any,
     ) -> None:
-        self._kwargs = {"gcp_conn_id": gcp_conn_id, "impersonation_chain": impersonation_chain, "transport": transport}
-        self._hook: CloudRunGpuHook | None = None
-
-    def _sync(self) -> CloudRunGpuHook:
-        if self._hook is None:
-            self._hook = CloudRunGpuHook(**self._kwargs)
-        return self._hook
-
-    async def _call(self, method: str, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(lambda: getattr(self._sync(), method)(**kwargs))
+        super().__init__(gcp_conn_id=gcp_conn_id, impersonation_chain=impersonation_chain, transport=transport,
+                         **kwargs)
 
     async def get_execution(self, execution: str) -> run_v2.Execution:
         """Async :meth:`CloudRunGpuHook.get_execution` for a full execution name."""
-        return await self._call("get_execution", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_execution, execution=execution)
 
     async def list_tasks(self, execution: str) -> list[run_v2.Task]:
         """Async :meth:`CloudRunGpuHook.list_tasks` for a full execution name."""
-        return await self._call("list_tasks", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.list_tasks, execution=execution)
 
     async def cancel_execution(self, execution: str) -> run_v2.Execution:
         """Async :meth:`CloudRunGpuHook.cancel_execution` for a full execution name."""
-        return await self._call("cancel_execution", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.cancel_execution, execution=execution)

@@ -36,6 +36,19 @@ def test_endpoint_and_transport_come_from_the_connection(hook, emulator):
     assert hook.project_id == PROJECT
 
 
+def test_clients_take_credentials_and_endpoint_from_the_google_base_hook(hook, emulator, monkeypatch):
+    """The connection decides the credentials (``is_anonymous`` here), not the endpoint's scheme."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.oauth2.credentials import Credentials
+
+    assert isinstance(hook.jobs_client(REGION)._transport._credentials, AnonymousCredentials)
+    token = Credentials(token="from-the-connection")
+    monkeypatch.setattr(hook, "get_credentials", lambda: token)
+    client = hook.executions_client("europe-west4")
+    assert client._transport._credentials is token
+    assert client.api_endpoint == emulator.endpoint
+
+
 def test_clients_are_cached_per_location(hook):
     assert hook.jobs_client("us-central1") is hook.jobs_client("us-central1")
     assert hook.jobs_client("us-central1") is not hook.jobs_client("europe-west4")
