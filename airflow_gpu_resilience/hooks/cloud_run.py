@@ -144,6 +144,23 @@ def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
     return result
 
 
+def _full_execution_name(execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
+    """``execution`` as a full name; a short id needs ``job_name`` and ``region``.
+
+    :raises ValueError: for a short id without ``job_name`` and ``region``.
+    """
+    if execution.startswith("projects/"):
+        return execution
+    if not (job_name and region):
+        raise ValueError(f"execution={execution!r} is a short name: pass job_name and region too")
+    return f"projects/{project_id}/locations/{region}/jobs/{job_name}/executions/{execution}"
+
+
+def _as_job(job: run_v2.Job | GpuJobSpec | dict) -> run_v2.Job:
+    """A ``run_v2.Job`` from a job, its dict form, or a spec (``GpuJobSpec.to_job()``)."""
+    return job.to_job() if isinstance(job, GpuJobSpec) else run_v2.Job(job)
+
+
 class PollState(str, enum.Enum):
     """What a wait does after one poll (:meth:`ExecutionWatch.step`)."""
 
@@ -306,19 +323,6 @@ class CloudRunGpuHook(GoogleBaseHook):
             return execution
         return f"projects/{project_id}/locations/{region}/jobs/{job_name}/executions/{execution}"
 
-    def _resolve_execution(self, execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
-        if execution.startswith("projects/"):
-            return execution
-        if not (job_name and region):
-            raise ValueError(f"execution={execution!r} is a short name: pass job_name and region too")
-        return self.execution_path(project_id, region, job_name, execution)
-
-    @staticmethod
-    def _as_job(job: run_v2.Job | GpuJobSpec | dict) -> run_v2.Job:
-        if isinstance(job, GpuJobSpec):
-            return job.to_job()
-        return run_v2.Job(job) if isinstance(job, dict) else run_v2.Job(job)
-
     # --- jobs ----------------------------------------------------------------------------
     @GoogleBaseHook.fallback_to_default_project_id
     def create_job(
@@ -334,7 +338,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :raises google.api_core.exceptions.Conflict: (409 ALREADY_EXISTS) if the job exists.
         """
         request = run_v2.CreateJobRequest(
-            parent=f"projects/{project_id}/locations/{region}", job_id=job_name, job=self._as_job(job)
+            parent=f"projects/{project_id}/locations/{region}", job_id=job_name, job=_as_job(job)
         )
         operation = self.jobs_client(region).create_job(
             request=request, retry=default_retry(), timeout=self.request_timeout
@@ -368,7 +372,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :return: the updated job (its ``generation`` is bumped).
         :raises google.api_core.exceptions.NotFound: if there is no such job.
         """
-        desired = self._as_job(job)
+        desired = _as_job(job)
         desired.name = self.job_path(project_id, region, job_name)
         operation = self.jobs_client(region).update_job(
             request=run_v2.UpdateJobRequest(job=desired), retry=default_retry(), timeout=self.request_timeout
@@ -408,7 +412,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param project_id: Google Cloud project; default from the connection.
         :return: ``(job, action)`` where action is ``"created"``, ``"updated"`` or ``"unchanged"``.
         """
-        desired = self._as_job(job)
+        desired = _as_job(job)
         try:
             existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
         except gexc.NotFound:
@@ -529,7 +533,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :return: the execution.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         return self.executions_client(location_of(name)).get_execution(
             name=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -566,7 +570,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param project_id: Google Cloud project; default from the connection.
         :return: the tasks.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         pager = self.tasks_client(location_of(name)).list_tasks(
             parent=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -592,7 +596,7 @@ class CloudRunGpuHook(GoogleBaseHook):
             an execution that has already finished (FAILED_PRECONDITION) is returned unchanged.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         try:
             operation = self.executions_client(location_of(name)).cancel_execution(
                 name=name, retry=default_retry(), timeout=self.request_timeout
@@ -623,7 +627,7 @@ class CloudRunGpuHook(GoogleBaseHook):
             :func:`error_status`) if the execution is still running.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         operation = self.executions_client(location_of(name)).delete_execution(
             name=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -658,9 +662,8 @@ class CloudRunGpuHook(GoogleBaseHook):
         :raises TimeoutError: if ``timeout`` passes first. Transient API errors (also after the
             per-call retries gave up) never end the wait: the next poll tries again.
         """
-        watch = ExecutionWatch(poll_interval, timeout, time.monotonic())
-        if attempts is not None:
-            watch.attempts = attempts
+        watch = ExecutionWatch(poll_interval, timeout, time.monotonic(),
+                               attempts if attempts is not None else AttemptLog())
         with_tasks = on_poll is not None or attempts is not None
         while True:
             current, tasks = None, []
