@@ -456,7 +456,6 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
     return sorted(records, key=lambda r: r.key)
 
 
-
 class AttemptLog:
     """The finished attempts of one execution, each recorded once, in the order they were seen.
 
