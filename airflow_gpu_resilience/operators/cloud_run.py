@@ -342,7 +342,7 @@ def _is_templated(value: Any) -> bool:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Turn a rendered template string into the spec field's type (``"3"`` -> 3, ``"False"`` -> False, ``""`` -> None)."""
+    """A rendered template string in the spec field's type (``"3"`` -> 3, ``"False"`` -> False, ``""`` -> None)."""
     kind = _SPEC_TYPES[name]
     if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
