@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from google.cloud import run_v2
+
+    from airflow_gpu_resilience.outcome import Decision
 
 
 class _ExecutionErrorDetails:
@@ -29,6 +38,24 @@ class _ExecutionErrorDetails:
         self.outcome = outcome
         self.exit_code = exit_code
         self.log_uri = log_uri
+
+    @classmethod
+    def for_decision(cls, head: str, decision: Decision, execution: run_v2.Execution) -> Self:
+        """The error for a finished execution that ``decision`` fails, blaming its task.
+
+        :param head: the message's start, e.g. ``"Execution NAME FAILED"``; ``": {reason}.
+            Logs: {log URI}"`` is appended.
+        :param decision: the failing decision (:func:`~airflow_gpu_resilience.outcome.decide`).
+        :param execution: the finished execution.
+        :return: the error, with the blamed task's exit code and its log URI (else the
+            execution's).
+        """
+        blamed = decision.blamed
+        log_uri = (blamed.log_uri if blamed else "") or execution.log_uri
+        return cls(
+            f"{head}: {decision.reason}. Logs: {log_uri}", execution=execution.name, outcome=decision.outcome.value,
+            exit_code=blamed.exit_code if blamed else None, log_uri=log_uri,
+        )
 
 
 class CloudRunGpuExecutionError(_ExecutionErrorDetails, AirflowException):

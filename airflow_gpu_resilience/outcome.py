@@ -204,11 +204,36 @@ def _exit_and_signal(result: run_v2.TaskAttemptResult) -> tuple[int | None, int 
     return (None if signal else result.exit_code), signal
 
 
-def _completed_condition(conditions: Iterable[run_v2.Condition]) -> run_v2.Condition | None:
+def completed_condition(conditions: Iterable[run_v2.Condition]) -> run_v2.Condition | None:
+    """The ``Completed`` condition of a task or an execution.
+
+    :param conditions: the resource's ``conditions``.
+    :return: the condition, or ``None`` while the API has not set it.
+    """
     for condition in conditions:
         if condition.type_ == "Completed":
             return condition
     return None
+
+
+def completion_message(execution: run_v2.Execution) -> str:
+    """The message of an execution's ``Completed`` condition (``""`` when it has none).
+
+    :param execution: the execution as GetExecution returns it.
+    """
+    completed = completed_condition(execution.conditions)
+    return completed.message if completed is not None else ""
+
+
+def elapsed_seconds(resource: run_v2.Task | run_v2.Execution) -> float | None:
+    """Seconds from ``start_time`` to ``completion_time`` of a task or an execution, to 1 ms.
+
+    :param resource: a task (its latest attempt) or an execution.
+    :return: the duration (never negative), or ``None`` unless both times are set.
+    """
+    if not (resource.start_time and resource.completion_time):
+        return None
+    return round(max(0.0, (resource.completion_time - resource.start_time).total_seconds()), 3)
 
 
 _TERMINAL_STATES = (run_v2.Condition.State.CONDITION_SUCCEEDED, run_v2.Condition.State.CONDITION_FAILED)
@@ -230,7 +255,7 @@ def classify_task(
     :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
     :return: the classified task.
     """
-    completed = _completed_condition(task.conditions)
+    completed = completed_condition(task.conditions)
     terminal = (completed is not None and completed.state in _TERMINAL_STATES) or bool(
         task.completion_time
     )
@@ -264,7 +289,7 @@ def execution_state(execution: run_v2.Execution) -> ExecutionState:
     :param execution: the execution as GetExecution returns it.
     :return: RUNNING until the execution is terminal; then SUCCEEDED, FAILED or CANCELLED.
     """
-    completed = _completed_condition(execution.conditions)
+    completed = completed_condition(execution.conditions)
     counted = execution.succeeded_count + execution.failed_count + execution.cancelled_count
     terminal = (completed is not None and completed.state in _TERMINAL_STATES) or (
         bool(execution.completion_time) and counted >= execution.task_count
@@ -426,12 +451,46 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
             continue
         exit_code, signal = _exit_and_signal(task.last_attempt_result)
         status = task.last_attempt_result.status
-        duration = _task_duration(task) if finished else None
+        duration = elapsed_seconds(task) if finished else None
         records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message, duration))
     return sorted(records, key=lambda r: r.key)
 
 
-def _task_duration(task: run_v2.Task) -> float | None:
-    if not (task.start_time and task.completion_time):
-        return None
-    return round(max(0.0, (task.completion_time - task.start_time).total_seconds()), 3)
+class AttemptLog:
+    """The finished attempts of one execution, each recorded once, in the order they were seen.
+
+    The one place where polls accumulate attempts: the hook's blocking wait, the trigger and the
+    operator's final look at the tasks all call :meth:`observe`.
+
+    :param records: attempts already recorded (e.g. from a trigger event), default none.
+    """
+
+    def __init__(self, records: Iterable[AttemptRecord] = ()) -> None:
+        self.records: list[AttemptRecord] = []
+        self._seen: set[tuple[int, int]] = set()
+        self._add(records)
+
+    def _add(self, records: Iterable[AttemptRecord]) -> None:
+        for record in records:
+            if record.key not in self._seen:
+                self._seen.add(record.key)
+                self.records.append(record)
+
+    def observe(self, tasks: Iterable[run_v2.Task]) -> list[AttemptRecord]:
+        """Record the finished attempts in ``tasks`` not seen before (see :func:`observe_attempts`).
+
+        :param tasks: the execution's tasks, as ListTasks returns them.
+        :return: the new records, in task-index order.
+        """
+        new = observe_attempts(tasks, self._seen)
+        self._add(new)
+        return new
+
+    def to_dicts(self, limit: int | None = None) -> list[dict[str, object]]:
+        """JSON-able records (:meth:`AttemptRecord.to_dict`), the first ``limit`` when given."""
+        return [record.to_dict() for record in self.records[:limit]]
+
+    @classmethod
+    def from_dicts(cls, items: Iterable[dict]) -> AttemptLog:
+        """Inverse of :meth:`to_dicts`."""
+        return cls(AttemptRecord.from_dict(item) for item in items)

@@ -2,31 +2,37 @@
 
 The endpoint comes from the Airflow connection: a ``google_cloud_platform`` connection whose
 extra holds ``api_endpoint`` (for example ``http://127.0.0.1:8080``, the local emulator) sends
-every call there; without it the clients use Google's endpoint. An ``http://`` endpoint implies
-anonymous credentials and the REST transport (the emulator serves REST).
+every call there; without it the clients use Google's endpoint. Credentials and client options
+come from :class:`GoogleBaseHook` (the connection's key, ADC or ``is_anonymous``, which the
+emulator needs); an ``http://`` endpoint implies the REST transport, the only one that speaks
+plain HTTP (the emulator serves REST).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import requests
 from google.api_core import exceptions as gexc
-from google.api_core.client_options import ClientOptions
 from google.api_core.retry import Retry, if_exception_type
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
 
 from airflow.providers.google.common.consts import CLIENT_INFO
-from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
+from airflow.providers.google.common.hooks.base_google import (
+    PROVIDE_PROJECT_ID,
+    GoogleBaseAsyncHook,
+    GoogleBaseHook,
+)
 
 from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
-from airflow_gpu_resilience.outcome import ExecutionState, execution_state
+from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
 
 if TYPE_CHECKING:
     from google.api_core.operation import Operation
@@ -138,6 +144,86 @@ def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
     return result
 
 
+def _full_execution_name(execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
+    """``execution`` as a full name; a short id needs ``job_name`` and ``region``.
+
+    :raises ValueError: for a short id without ``job_name`` and ``region``.
+    """
+    if execution.startswith("projects/"):
+        return execution
+    if not (job_name and region):
+        raise ValueError(f"execution={execution!r} is a short name: pass job_name and region too")
+    return f"projects/{project_id}/locations/{region}/jobs/{job_name}/executions/{execution}"
+
+
+def _as_job(job: run_v2.Job | GpuJobSpec | dict) -> run_v2.Job:
+    """A ``run_v2.Job`` from a job, its dict form, or a spec (``GpuJobSpec.to_job()``)."""
+    return job.to_job() if isinstance(job, GpuJobSpec) else run_v2.Job(job)
+
+
+class PollState(str, enum.Enum):
+    """What a wait does after one poll (:meth:`ExecutionWatch.step`)."""
+
+    WAIT = "wait"
+    """Still running: sleep :attr:`PollStep.sleep_seconds`, then poll again."""
+    FINISHED = "finished"
+    """The execution has finished."""
+    TIMED_OUT = "timed_out"
+    """The wait's timeout passed while the execution was still running."""
+
+
+@dataclass(frozen=True)
+class PollStep:
+    """The result of one poll: :attr:`state`, and for ``WAIT`` the seconds to sleep (never past the deadline)."""
+
+    state: PollState
+    sleep_seconds: float = 0.0
+
+
+@dataclass
+class ExecutionWatch:
+    """The pure part of waiting for an execution to finish: one :meth:`step` per poll, no I/O.
+
+    The hook's blocking :meth:`CloudRunGpuHook.wait_for_execution` and the trigger's async loop
+    share it: each fetches the execution and its tasks, passes them to :meth:`step` (``None``
+    after a transient API error) and sleeps as it says. The clock is passed in.
+
+    :param poll_interval: seconds between polls (> 0).
+    :param timeout: seconds to wait in total, or ``None`` to wait forever.
+    :param started: ``time.monotonic()`` when the wait began.
+    :param attempts: where the finished attempts seen are recorded (default: a new log).
+    """
+
+    poll_interval: float
+    timeout: float | None
+    started: float
+    attempts: AttemptLog = field(default_factory=AttemptLog)
+
+    @property
+    def deadline(self) -> float | None:
+        """``time.monotonic()`` value when the wait times out, or ``None``."""
+        return None if self.timeout is None else self.started + self.timeout
+
+    def step(self, execution: run_v2.Execution | None, tasks: Sequence[run_v2.Task], now: float) -> PollStep:
+        """Record the poll's attempts and say what to do next.
+
+        :param execution: the execution as just fetched, or ``None`` if the poll failed transiently.
+        :param tasks: its tasks (may be empty when the caller does not track attempts).
+        :param now: ``time.monotonic()`` after the poll.
+        :return: ``FINISHED`` when the execution is no longer running; else ``TIMED_OUT`` once
+            the deadline has passed, else ``WAIT`` with the sleep until the next poll.
+        """
+        if execution is not None:
+            self.attempts.observe(tasks)
+            if execution_state(execution) is not ExecutionState.RUNNING:
+                return PollStep(PollState.FINISHED)
+        deadline = self.deadline
+        if deadline is not None and now >= deadline:
+            return PollStep(PollState.TIMED_OUT)
+        sleep = self.poll_interval if deadline is None else min(self.poll_interval, deadline - now)
+        return PollStep(PollState.WAIT, sleep)
+
+
 class CloudRunGpuHook(GoogleBaseHook):
     """Cloud Run Admin API v2 hook for GPU jobs, executions, tasks and operations.
 
@@ -193,12 +279,10 @@ class CloudRunGpuHook(GoogleBaseHook):
     def _client(self, kind: type[_Client], location: str) -> _Client:
         key = (kind, location)
         if key not in self._clients:
-            endpoint = self.api_endpoint
-            credentials = AnonymousCredentials() if (endpoint or "").startswith("http://") else self.get_credentials()
             kwargs: dict[str, Any] = {
-                "credentials": credentials,
+                "credentials": self.get_credentials(),
                 "client_info": CLIENT_INFO,
-                "client_options": ClientOptions(api_endpoint=endpoint) if endpoint else self.get_client_options(),
+                "client_options": self.get_client_options(self.api_endpoint),
             }
             if self.transport:
                 kwargs["transport"] = self.transport
@@ -239,19 +323,6 @@ class CloudRunGpuHook(GoogleBaseHook):
             return execution
         return f"projects/{project_id}/locations/{region}/jobs/{job_name}/executions/{execution}"
 
-    def _resolve_execution(self, execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
-        if execution.startswith("projects/"):
-            return execution
-        if not (job_name and region):
-            raise ValueError(f"execution={execution!r} is a short name: pass job_name and region too")
-        return self.execution_path(project_id, region, job_name, execution)
-
-    @staticmethod
-    def _as_job(job: run_v2.Job | GpuJobSpec | dict) -> run_v2.Job:
-        if isinstance(job, GpuJobSpec):
-            return job.to_job()
-        return run_v2.Job(job) if isinstance(job, dict) else run_v2.Job(job)
-
     # --- jobs ----------------------------------------------------------------------------
     @GoogleBaseHook.fallback_to_default_project_id
     def create_job(
@@ -267,7 +338,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :raises google.api_core.exceptions.Conflict: (409 ALREADY_EXISTS) if the job exists.
         """
         request = run_v2.CreateJobRequest(
-            parent=f"projects/{project_id}/locations/{region}", job_id=job_name, job=self._as_job(job)
+            parent=f"projects/{project_id}/locations/{region}", job_id=job_name, job=_as_job(job)
         )
         operation = self.jobs_client(region).create_job(
             request=request, retry=default_retry(), timeout=self.request_timeout
@@ -301,7 +372,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :return: the updated job (its ``generation`` is bumped).
         :raises google.api_core.exceptions.NotFound: if there is no such job.
         """
-        desired = self._as_job(job)
+        desired = _as_job(job)
         desired.name = self.job_path(project_id, region, job_name)
         operation = self.jobs_client(region).update_job(
             request=run_v2.UpdateJobRequest(job=desired), retry=default_retry(), timeout=self.request_timeout
@@ -341,7 +412,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param project_id: Google Cloud project; default from the connection.
         :return: ``(job, action)`` where action is ``"created"``, ``"updated"`` or ``"unchanged"``.
         """
-        desired = self._as_job(job)
+        desired = _as_job(job)
         try:
             existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
         except gexc.NotFound:
@@ -462,7 +533,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :return: the execution.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         return self.executions_client(location_of(name)).get_execution(
             name=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -499,7 +570,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param project_id: Google Cloud project; default from the connection.
         :return: the tasks.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         pager = self.tasks_client(location_of(name)).list_tasks(
             parent=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -525,7 +596,7 @@ class CloudRunGpuHook(GoogleBaseHook):
             an execution that has already finished (FAILED_PRECONDITION) is returned unchanged.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         try:
             operation = self.executions_client(location_of(name)).cancel_execution(
                 name=name, retry=default_retry(), timeout=self.request_timeout
@@ -556,7 +627,7 @@ class CloudRunGpuHook(GoogleBaseHook):
             :func:`error_status`) if the execution is still running.
         :raises google.api_core.exceptions.NotFound: if there is no such execution.
         """
-        name = self._resolve_execution(execution, job_name, region, project_id)
+        name = _full_execution_name(execution, job_name, region, project_id)
         operation = self.executions_client(location_of(name)).delete_execution(
             name=name, retry=default_retry(), timeout=self.request_timeout
         )
@@ -578,6 +649,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         poll_interval: float = 10.0,
         timeout: float | None = None,
         on_poll: Callable[[run_v2.Execution, list[run_v2.Task]], None] | None = None,
+        attempts: AttemptLog | None = None,
     ) -> run_v2.Execution:
         """Poll an execution (and its tasks) until it is finished; blocking.
 
@@ -585,64 +657,68 @@ class CloudRunGpuHook(GoogleBaseHook):
         :param poll_interval: seconds between polls (default 10).
         :param timeout: give up after this many seconds (default ``None``: wait forever).
         :param on_poll: called with the execution and its tasks after every successful poll.
+        :param attempts: when given, every finished task attempt seen is recorded in it.
         :return: the finished execution.
         :raises TimeoutError: if ``timeout`` passes first. Transient API errors (also after the
             per-call retries gave up) never end the wait: the next poll tries again.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        watch = ExecutionWatch(poll_interval, timeout, time.monotonic(),
+                               attempts if attempts is not None else AttemptLog())
+        with_tasks = on_poll is not None or attempts is not None
         while True:
+            current, tasks = None, []
             try:
-                current = self.get_execution(execution=execution)
-                tasks = self.list_tasks(execution=execution) if on_poll is not None else []
+                fetched = self.get_execution(execution=execution)
+                tasks = self.list_tasks(execution=execution) if with_tasks else []
+                current = fetched
             except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
                 self.log.warning("Transient error polling %s: %s; polling again", execution, exc)
-            else:
-                if on_poll is not None:
-                    on_poll(current, tasks)
-                if execution_state(current) is not ExecutionState.RUNNING:
-                    return current
-            if deadline is not None and time.monotonic() + poll_interval > deadline:
+            step = watch.step(current, tasks, time.monotonic())
+            if current is not None and on_poll is not None:
+                on_poll(current, tasks)
+            if step.state is PollState.FINISHED:
+                return current
+            if step.state is PollState.TIMED_OUT:
                 raise TimeoutError(f"execution {execution} still running after {timeout} s")
-            time.sleep(poll_interval)
+            time.sleep(step.sleep_seconds)
 
 
-class CloudRunGpuAsyncHook:
+class CloudRunGpuAsyncHook(GoogleBaseAsyncHook):
     """Async twin of :class:`CloudRunGpuHook` for triggers.
 
-    The Cloud Run async clients have no REST transport, so every call runs the sync hook in a
-    worker thread (``asyncio.to_thread``); the sync hook (and its connection lookup) is built
-    there too, never on the event loop.
+    The Cloud Run async clients have no REST transport, so every call runs the sync hook's
+    method in a worker thread (``asyncio.to_thread``). The sync hook is built once, off the event
+    loop, by :meth:`GoogleBaseAsyncHook.get_sync_hook` from :attr:`sync_hook_class`.
 
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (see :class:`CloudRunGpuHook`).
+    :param kwargs: further :class:`CloudRunGpuHook` arguments.
     """
+
+    sync_hook_class = CloudRunGpuHook
 
     def __init__(
         self,
         gcp_conn_id: str = CloudRunGpuHook.default_conn_name,
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
+        **kwargs: Any,
     ) -> None:
-        self._kwargs = {"gcp_conn_id": gcp_conn_id, "impersonation_chain": impersonation_chain, "transport": transport}
-        self._hook: CloudRunGpuHook | None = None
-
-    def _sync(self) -> CloudRunGpuHook:
-        if self._hook is None:
-            self._hook = CloudRunGpuHook(**self._kwargs)
-        return self._hook
-
-    async def _call(self, method: str, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(lambda: getattr(self._sync(), method)(**kwargs))
+        super().__init__(gcp_conn_id=gcp_conn_id, impersonation_chain=impersonation_chain, transport=transport,
+                         **kwargs)
 
     async def get_execution(self, execution: str) -> run_v2.Execution:
         """Async :meth:`CloudRunGpuHook.get_execution` for a full execution name."""
-        return await self._call("get_execution", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_execution, execution=execution)
 
     async def list_tasks(self, execution: str) -> list[run_v2.Task]:
         """Async :meth:`CloudRunGpuHook.list_tasks` for a full execution name."""
-        return await self._call("list_tasks", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.list_tasks, execution=execution)
 
     async def cancel_execution(self, execution: str) -> run_v2.Execution:
         """Async :meth:`CloudRunGpuHook.cancel_execution` for a full execution name."""
-        return await self._call("cancel_execution", execution=execution)
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.cancel_execution, execution=execution)

@@ -3,15 +3,23 @@
 Thin by design: every API call goes through :class:`~airflow_gpu_resilience.hooks.cloud_run.CloudRunGpuHook`,
 every validation rule lives in :mod:`~airflow_gpu_resilience.job_spec`, and every decision
 about a finished execution in :mod:`~airflow_gpu_resilience.outcome`.
+
+The module reads top-down: the typed summary the execute operator returns, the run state one
+try carries from execution to execution (and through the trigger), then the two operators.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import time
+import typing
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict
 
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
@@ -32,18 +40,40 @@ from airflow_gpu_resilience.outcome import (
     DEFAULT_FATAL_EXIT_CODES,
     RESUMABLE,
     Action,
-    AttemptRecord,
+    AttemptLog,
+    Decision,
     ExecutionState,
     OutcomeClass,
+    TaskOutcome,
     classify_task,
     decide,
+    elapsed_seconds,
     execution_state,
-    observe_attempts,
 )
-from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger, ExecutionEventStatus
+from airflow_gpu_resilience.triggers.cloud_run import (
+    DEFER_TIMEOUT_MARGIN,
+    CloudRunGpuExecutionTrigger,
+    ExecutionEventStatus,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+__all__ = [
+    "DEFER_TIMEOUT_MARGIN",
+    "MAX_PROGRESS_TASKS",
+    "RERUN_ENV",
+    "RUN_KEY_ENV",
+    "AttemptEntry",
+    "CloudRunGpuDeployJobOperator",
+    "CloudRunGpuExecuteJobOperator",
+    "ExecutionEntry",
+    "LostWork",
+    "RunState",
+    "RunStep",
+    "RunSummary",
+    "TaskSummary",
+]
 
 #: Container env var that marks an execution with the Airflow task instance that started it.
 RUN_KEY_ENV = "AIRFLOW_GPU_RESILIENCE_RUN_KEY"
@@ -51,15 +81,254 @@ RUN_KEY_ENV = "AIRFLOW_GPU_RESILIENCE_RUN_KEY"
 RERUN_ENV = "AIRFLOW_GPU_RESILIENCE_RERUN"
 #: Most tasks whose progress files are read (per poll) and whose lost work is reported.
 MAX_PROGRESS_TASKS = 16
-#: Seconds added to the trigger's timeout for Airflow's own defer timeout.
-DEFER_TIMEOUT_MARGIN = 60.0
 
-_SPEC_FIELDS = (
-    "image", "command", "args", "env", "cpu", "memory", "gpu_type", "gpu_zonal_redundancy", "task_timeout",
-    "max_retries", "task_count", "parallelism", "service_account", "checkpoint_bucket",
-    "checkpoint_mount_path", "labels",
-)
-_INT_FIELDS = ("task_timeout", "max_retries", "task_count", "parallelism")
+
+# --- the summary (the execute operator's return value, so its ``return_value`` XCom) ----------
+class ExecutionEntry(TypedDict):
+    """One finished execution of the try, in the order they ran."""
+
+    name: str
+    """Full execution name."""
+    state: str
+    """:class:`~airflow_gpu_resilience.outcome.ExecutionState` value."""
+    action: str
+    """:class:`~airflow_gpu_resilience.outcome.Action` value the operator took."""
+    reason: str
+    """The decision's one-sentence reason."""
+    log_uri: str
+    """The execution's log URI (may be empty)."""
+    duration_seconds: float | None
+    """Start to completion, or ``None`` when a time is missing."""
+    tasks: list[dict[str, Any]]
+    """Every task's :meth:`~airflow_gpu_resilience.outcome.TaskOutcome.to_dict`."""
+
+
+class AttemptEntry(TypedDict):
+    """One finished task attempt: :meth:`~airflow_gpu_resilience.outcome.AttemptRecord.to_dict`
+    plus the execution it belongs to and its class."""
+
+    execution: str
+    task_index: int
+    attempt: int
+    """0-based attempt number within its execution."""
+    exit_code: int | None
+    term_signal: int | None
+    status_code: int
+    message: str
+    duration_seconds: float | None
+    outcome: str
+    """:class:`~airflow_gpu_resilience.outcome.OutcomeClass` value."""
+
+
+class TaskSummary(TypedDict):
+    """One task over every execution of the try."""
+
+    index: int
+    attempts: int
+    """Attempts of this try's executions (Cloud Run's ``retried + 1`` each), also unlisted ones."""
+    exit_codes: list[int]
+    """The listed attempts' exit codes in order; a signal death shows as ``-signal``."""
+    outcomes: list[str]
+    """The listed attempts' classes in order."""
+
+
+class LostWork(TypedDict):
+    """An attempt that resumed behind the progress its predecessor had made (worker files)."""
+
+    task_index: int
+    execution: str
+    """Short execution id, as the worker writes it."""
+    attempt: int
+    resumed_from_step: int
+    lost_steps: int
+
+
+class RunSummary(TypedDict):
+    """What the execute operator returns once every task succeeded.
+
+    Attempts are listed as seen while polling: one that starts and ends between two polls is
+    counted in :attr:`TaskSummary.attempts` but not listed; the last attempt of each execution
+    always is. ``progress`` and ``lost_work`` come from the worker's ``progress.json`` and
+    ``metrics.json`` only when ``checkpoint_bucket`` is set; otherwise they are empty.
+    """
+
+    job: str
+    """Full job name."""
+    job_name: str
+    task_count: int
+    outcome: str
+    """Always ``"SUCCEEDED"`` (any other outcome raises)."""
+    reruns: int
+    """Re-run executions of the task instance, over all its tries."""
+    executions: list[ExecutionEntry]
+    tasks: list[TaskSummary]
+    attempts: list[AttemptEntry]
+    preemptions: list[AttemptEntry]
+    """The attempts classed PREEMPTED or TIMED_OUT."""
+    progress: dict[str, dict[str, Any]]
+    """Task index (as a string) -> :meth:`~airflow_gpu_resilience.hooks.progress.TaskProgress.to_dict`."""
+    lost_work: list[LostWork]
+    lost_steps_total: int
+
+
+# --- the run state of one try --------------------------------------------------------------
+@dataclass
+class RunState:
+    """What one try of the execute operator carries from execution to execution.
+
+    It travels through the trigger as its ``carry`` (:meth:`to_dict` / :meth:`from_dict`,
+    JSON-able), since nothing on the operator survives a deferral.
+
+    :param project_id: the Google Cloud project of the job.
+    :param run_key: :meth:`CloudRunGpuExecuteJobOperator.run_key` of the task instance.
+    :param budget: ``max_preemption_reruns`` as rendered (an integer >= 0).
+    :param deadline: epoch seconds when the try's overall ``timeout`` passes, or ``None``.
+    :param overall_limit: whether the current wait ends at ``deadline`` (a timeout then cancels
+        the execution) rather than at ``wait_timeout``.
+    :param executions: the finished executions so far.
+    :param attempts: their finished task attempts.
+    :param progress: the latest progress read per task.
+    """
+
+    project_id: str
+    run_key: str
+    budget: int
+    deadline: float | None = None
+    overall_limit: bool = False
+    executions: list[ExecutionEntry] = field(default_factory=list)
+    attempts: list[AttemptEntry] = field(default_factory=list)
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form for the trigger's ``carry``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunState:
+        """Inverse of :meth:`to_dict` (keys it does not know are ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    def next_wait(self, wait_timeout: float | None, now: float) -> float | None:
+        """Seconds the next wait may last, and set :attr:`overall_limit` to whether that is the deadline.
+
+        :param wait_timeout: the operator's ``wait_timeout`` (seconds) or ``None``.
+        :param now: ``time.time()``.
+        :return: ``wait_timeout`` or the time left to ``deadline``, whichever is shorter; ``None``: no limit.
+        """
+        if self.deadline is None:
+            self.overall_limit = False
+            return wait_timeout
+        left = max(0.0, self.deadline - now)
+        self.overall_limit = wait_timeout is None or wait_timeout >= left
+        return left if self.overall_limit else wait_timeout
+
+    def add_execution(
+        self,
+        execution: run_v2.Execution,
+        outcomes: Sequence[TaskOutcome],
+        attempts: AttemptLog,
+        decision: Decision,
+        fatal_exit_codes: Collection[int],
+    ) -> list[AttemptEntry]:
+        """Record a finished execution and its attempts.
+
+        :param execution: the finished execution.
+        :param outcomes: its classified tasks.
+        :param attempts: its finished attempts.
+        :param decision: what the operator does with it.
+        :param fatal_exit_codes: exit codes classed FATAL.
+        :return: the attempts' new entries, in order.
+        """
+        self.executions.append(
+            ExecutionEntry(
+                name=execution.name, state=execution_state(execution).value, action=decision.action.value,
+                reason=decision.reason, log_uri=execution.log_uri, duration_seconds=elapsed_seconds(execution),
+                tasks=[o.to_dict() for o in outcomes],
+            )
+        )
+        entries = [
+            AttemptEntry(
+                task_index=r.task_index, attempt=r.attempt, exit_code=r.exit_code, term_signal=r.term_signal,
+                status_code=r.status_code, message=r.message, duration_seconds=r.duration_seconds,
+                execution=execution.name, outcome=r.classify(fatal_exit_codes).value,
+            )
+            for r in attempts.records
+        ]
+        self.attempts.extend(entries)
+        return entries
+
+    def summary(self, job: str, task_count: int, reruns: int, lost_work: list[LostWork]) -> RunSummary:
+        """The :class:`RunSummary` once the last execution succeeded.
+
+        :param job: full job name.
+        :param task_count: tasks per execution.
+        :param reruns: re-run executions of the task instance (all tries).
+        :param lost_work: from the worker's files (may be empty).
+        """
+        tasks: dict[int, TaskSummary] = {}
+
+        def task(index: int) -> TaskSummary:
+            return tasks.setdefault(index, TaskSummary(index=index, attempts=0, exit_codes=[], outcomes=[]))
+
+        for execution in self.executions:
+            for outcome in execution["tasks"]:
+                task(outcome["index"])["attempts"] += outcome["attempts"]
+        for attempt in self.attempts:
+            entry = task(attempt["task_index"])
+            signal = attempt["term_signal"]
+            entry["exit_codes"].append(attempt["exit_code"] if signal is None else -int(signal))
+            entry["outcomes"].append(attempt["outcome"])
+        resumable = {c.value for c in RESUMABLE}
+        return RunSummary(
+            job=job, job_name=job.rsplit("/", 1)[-1], task_count=task_count, outcome=OutcomeClass.SUCCEEDED.value,
+            reruns=reruns, executions=self.executions, tasks=[tasks[i] for i in sorted(tasks)],
+            attempts=self.attempts, preemptions=[a for a in self.attempts if a["outcome"] in resumable],
+            progress=self.progress, lost_work=lost_work,
+            lost_steps_total=sum(item["lost_steps"] for item in lost_work),
+        )
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """Where the run stands after the operator acted on an execution.
+
+    Exactly one field is set: :attr:`execution` (wait for it next) or :attr:`summary` (done).
+    Build it with :meth:`wait` or :meth:`done`.
+    """
+
+    execution: str | None = None
+    summary: RunSummary | None = None
+
+    def __post_init__(self) -> None:
+        if (self.execution is None) == (self.summary is None):
+            raise ValueError("a RunStep has exactly one of execution and summary")
+
+    @classmethod
+    def wait(cls, execution: str) -> RunStep:
+        """Wait for ``execution`` (full name) next."""
+        return cls(execution=execution)
+
+    @classmethod
+    def done(cls, summary: RunSummary) -> RunStep:
+        """The run is done with ``summary``."""
+        return cls(summary=summary)
+
+
+# --- the deploy operator ----------------------------------------------------------------------
+#: The :class:`GpuJobSpec` fields the deploy operator takes as keyword arguments: every field but
+#: ``name`` (the operator's ``job_name``), with the spec's own defaults.
+_SPEC_FIELDS: tuple[dataclasses.Field, ...] = tuple(f for f in dataclasses.fields(GpuJobSpec) if f.name != "name")
+_SPEC_TYPES = typing.get_type_hints(GpuJobSpec)
+
+
+def _spec_default(spec_field: dataclasses.Field) -> Any:
+    """The field's default (a fresh one for a factory), or ``inspect.Parameter.empty`` when required."""
+    if spec_field.default_factory is not dataclasses.MISSING:
+        return spec_field.default_factory()
+    if spec_field.default is not dataclasses.MISSING:
+        return spec_field.default
+    return inspect.Parameter.empty
 
 
 def _is_templated(value: Any) -> bool:
@@ -73,14 +342,30 @@ def _is_templated(value: Any) -> bool:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Turn rendered template strings into the spec's types (``"3"`` -> 3, ``"False"`` -> False)."""
-    if name in _INT_FIELDS and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    """A rendered template string in the spec field's type (``"3"`` -> 3, ``"False"`` -> False, ``""`` -> None)."""
+    kind = _SPEC_TYPES[name]
+    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
-    if name == "gpu_zonal_redundancy" and isinstance(value, str) and value.lower() in ("true", "false"):
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    if name in ("service_account", "checkpoint_bucket") and value == "":
+    if kind == (str | None) and value == "":
         return None
     return value
+
+
+def _with_spec_parameters(init: Any) -> inspect.Signature:
+    """``init``'s signature with every spec field as a keyword-only parameter before ``**kwargs``.
+
+    Airflow reads an operator's signature to apply ``default_args`` and to check the arguments of
+    ``partial()``/``expand()``, so the spec fields must appear in it.
+    """
+    signature = inspect.signature(init)
+    *explicit, variadic = signature.parameters.values()
+    spec = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_spec_default(f), annotation=f.type)
+        for f in _SPEC_FIELDS
+    ]
+    return signature.replace(parameters=[*explicit, *spec, variadic])
 
 
 class CloudRunGpuDeployJobOperator(BaseOperator):
@@ -92,77 +377,68 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
     ``job_name`` and ``generation``.
 
     :param job_name: job id (templated).
-    :param image: container image (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
     :param project_id: Google Cloud project; default from the connection (templated).
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``; templated).
     :param impersonation_chain: service account (or chain) to impersonate (templated).
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
-    :param spec_kwargs: the other :class:`GpuJobSpec` fields (``command``, ``args``, ``env``,
-        ``cpu``, ``memory``, ``gpu_type``, ``gpu_zonal_redundancy``, ``task_timeout`` in
-        seconds, ``max_retries``, ``task_count``, ``parallelism``, ``service_account``,
-        ``checkpoint_bucket``, ``checkpoint_mount_path``, ``labels``), all templated.
+    :param kwargs: every other :class:`GpuJobSpec` field by name, with its default and meaning
+        there (``image`` is required; ``command``, ``args``, ``env``, ``cpu``, ``memory``,
+        ``gpu_type``, ``task_timeout`` in seconds, ``max_retries``, ``task_count``,
+        ``checkpoint_bucket``, ...), all templated; then the ``BaseOperator`` arguments.
     :raises ValueError: at construction (or execute, when templated) for an invalid spec.
     """
 
     template_fields: Sequence[str] = ("job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain",
-                                      *_SPEC_FIELDS)
+                                      *(f.name for f in _SPEC_FIELDS))
 
     def __init__(
         self,
         *,
         job_name: str,
-        image: str,
         region: str = "us-central1",
         project_id: str | None = None,
         gcp_conn_id: str = "google_cloud_default",
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
-        command: Sequence[str] = (),
-        args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        cpu: str = "4",
-        memory: str = "16Gi",
-        gpu_type: str = "nvidia-l4",
-        gpu_zonal_redundancy: bool = False,
-        task_timeout: int | str = 3600,
-        max_retries: int | str = 3,
-        task_count: int | str = 1,
-        parallelism: int | str = 0,
-        service_account: str | None = None,
-        checkpoint_bucket: str | None = None,
-        checkpoint_mount_path: str = "/checkpoints",
-        labels: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        spec_values = {f.name: kwargs.pop(f.name, _spec_default(f)) for f in _SPEC_FIELDS}
         super().__init__(**kwargs)
-        self.job_name, self.image, self.region, self.project_id = job_name, image, region, project_id
+        self.job_name, self.region, self.project_id = job_name, region, project_id
         self.gcp_conn_id, self.impersonation_chain, self.transport = gcp_conn_id, impersonation_chain, transport
-        self.command, self.args, self.env = list(command), list(args), dict(env or {})
-        self.cpu, self.memory, self.gpu_type, self.gpu_zonal_redundancy = cpu, memory, gpu_type, gpu_zonal_redundancy
-        self.task_timeout, self.max_retries = task_timeout, max_retries
-        self.task_count, self.parallelism = task_count, parallelism
-        self.service_account, self.checkpoint_bucket = service_account, checkpoint_bucket
-        self.checkpoint_mount_path, self.labels = checkpoint_mount_path, dict(labels or {})
-        if not any(_is_templated(getattr(self, f)) for f in ("job_name", *_SPEC_FIELDS)):
+        for spec_field in _SPEC_FIELDS:
+            value = spec_values[spec_field.name]
+            if value is inspect.Parameter.empty:
+                raise TypeError(f"{type(self).__name__} needs the keyword argument {spec_field.name!r}")
+            if value is None and spec_field.default_factory is not dataclasses.MISSING:  # env=None, labels=None
+                value = spec_field.default_factory()
+            setattr(self, spec_field.name, list(value) if isinstance(value, tuple) else value)
+        if not any(_is_templated(getattr(self, f)) for f in ("job_name", *spec_values)):
             self.build_spec()
+
+    __init__.__signature__ = _with_spec_parameters(__init__)  # type: ignore[attr-defined]
 
     def build_spec(self) -> GpuJobSpec:
         """The validated spec from the (rendered) arguments.
 
         :raises ValueError: for an invalid value, naming the parameter.
         """
-        values = {name: _coerce(name, getattr(self, name)) for name in _SPEC_FIELDS}
+        values = {f.name: _coerce(f.name, getattr(self, f.name)) for f in _SPEC_FIELDS}
         return GpuJobSpec(name=self.job_name, **values)
+
+    @cached_property
+    def hook(self) -> CloudRunGpuHook:
+        """The Cloud Run hook for this task's connection (built once)."""
+        return CloudRunGpuHook(
+            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
+        )
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Validate, then create or update the job; see the class docstring for the result."""
         spec = self.build_spec()
-        hook = CloudRunGpuHook(
-            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
-        )
-        project_id = self.project_id or hook.project_id
-        job, action = hook.create_or_update_job(
+        project_id = self.project_id or self.hook.project_id
+        job, action = self.hook.create_or_update_job(
             job_name=spec.name, job=spec, region=self.region, project_id=project_id
         )
         self.log.info("Job %s %s (generation %s)", job.name, action, job.generation)
@@ -171,8 +447,7 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
         return {"job": job.name, "job_name": spec.name, "generation": int(job.generation), "action": action}
 
 
-
-
+# --- the execute operator ---------------------------------------------------------------------
 class CloudRunGpuExecuteJobOperator(BaseOperator):
     """Run a Cloud Run GPU job until every task succeeds, re-running preempted executions.
 
@@ -180,7 +455,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     (:func:`~airflow_gpu_resilience.outcome.classify_task`) and decides
     (:func:`~airflow_gpu_resilience.outcome.decide`):
 
-    - all tasks SUCCEEDED: return the summary (below);
+    - all tasks SUCCEEDED: return the :class:`RunSummary` (the ``return_value`` XCom);
     - only PREEMPTED / TIMED_OUT failures and re-runs left: start a new execution with the same
       overrides (the worker resumes from its checkpoints) and keep waiting;
     - a FAILED task: raise :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuExecutionError`
@@ -188,6 +463,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     - a FATAL task, a cancelled execution, or the preemption budget exhausted: raise
       :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (an
       ``AirflowFailException``: no Airflow retry).
+
+    It waits in the worker (:meth:`execute_sync`) or in the triggerer (:meth:`execute_async`,
+    re-entered through :meth:`execute_complete`); both keep a :class:`RunState`.
 
     **State lives in Cloud Run, not in the operator.** Every execution carries container env
     vars: ``AIRFLOW_GPU_RESILIENCE_RUN_KEY`` (a hash of dag id, run id, task id and map index,
@@ -202,26 +480,6 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     returns that execution's summary without running the job again (trigger a new DAG run to
     run it again), and a cleared task shares the budget (raise ``max_preemption_reruns`` to give
     it more).
-
-    Summary (returned, so it is the ``return_value`` XCom)::
-
-        {"job", "job_name", "task_count", "outcome": "SUCCEEDED", "reruns",
-         "executions": [{"name", "state", "action", "reason", "log_uri", "duration_seconds",
-                         "tasks": [TaskOutcome...]}],
-         "tasks": [{"index", "attempts", "exit_codes", "outcomes"}],
-         "attempts": [{"execution", "task_index", "attempt", "exit_code", "term_signal",
-                       "outcome", "message", "duration_seconds"}],
-         "preemptions": [the attempts classed PREEMPTED or TIMED_OUT],
-         "progress": {task index: TaskProgress...}, "lost_work": [...], "lost_steps_total"}
-
-    ``reruns`` counts every re-run execution of the task instance (all tries). ``tasks[i].attempts``
-    counts the attempts of this try's executions (Cloud Run's ``retried + 1`` each);
-    ``exit_codes`` and ``outcomes`` list the attempts seen while polling, in order (a signal
-    death shows as ``-signal``). An attempt that starts and ends between two polls is counted
-    but not listed; the last attempt of each execution is always listed. ``progress`` and
-    ``lost_work`` (``[{task_index, execution, attempt, resumed_from_step, lost_steps}]``) are
-    read from the worker's ``progress.json`` / ``metrics.json`` only when ``checkpoint_bucket``
-    is set; otherwise they are empty.
 
     :param job_name: job id (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
@@ -308,19 +566,106 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
 
-    # --- plumbing ------------------------------------------------------------------------
-    def _hook(self) -> CloudRunGpuHook:
+    @cached_property
+    def hook(self) -> CloudRunGpuHook:
+        """The Cloud Run hook for this task's connection (built once per operator instance)."""
         return CloudRunGpuHook(
             gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
         )
 
-    def _files(self) -> CheckpointFilesHook | None:
-        if not self.checkpoint_bucket:
-            return None
-        return CheckpointFilesHook(
-            self.checkpoint_bucket, self.checkpoint_prefix or self.job_name,
-            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
+    # --- the two paths ---------------------------------------------------------------------
+    def execute(self, context: Context) -> RunSummary | dict[str, str]:
+        """Attach to this task instance's running execution or start one, then wait.
+
+        :return: the :class:`RunSummary`; with ``wait_for_completion=False``
+            ``{"execution", "job_name"}`` of the execution started or attached to.
+        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value,
+            or ``poll_interval`` to a non-positive one (before any API call).
+        :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
+        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
+        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
+        :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
+        """
+        budget = self._budget()
+        self.poll_interval = _seconds("poll_interval", self.poll_interval)
+        run = RunState(project_id=self.project_id or self.hook.project_id, run_key=self.run_key(context),
+                       budget=budget, deadline=self._deadline())
+        step = self._attach_or_start(context, run)
+        if step.execution is not None and not self.wait_for_completion:
+            self.log.info("Not waiting for %s (wait_for_completion=False)", step.execution)
+            return {"execution": step.execution, "job_name": self.job_name}
+        if self.deferrable:
+            return self.execute_async(context, run, step)
+        return self.execute_sync(context, run, step)
+
+    def execute_sync(self, context: Context, run: RunState, step: RunStep) -> RunSummary:
+        """Poll in the worker until the run is done, re-running after preemptions.
+
+        :param run: this try's state.
+        :param step: the execution to wait for first (or the summary, returned at once).
+        :return: the summary; raises as :meth:`execute` does.
+        """
+        while step.execution is not None:
+            attempts = self._poll_until_done(run, step.execution)
+            step = self._after_finish(context, run, step.execution, attempts)
+        assert step.summary is not None
+        return step.summary
+
+    def execute_async(self, context: Context, run: RunState, step: RunStep) -> RunSummary:
+        """Defer to :class:`CloudRunGpuExecutionTrigger` for ``step``'s execution; :meth:`execute_complete` resumes.
+
+        :param run: this try's state; it travels as the trigger's ``carry``.
+        :param step: the execution to wait for (or the summary, returned at once).
+        :return: the summary when ``step`` has one; else it defers (raises ``TaskDeferred``).
+        """
+        if step.summary is not None:
+            return step.summary
+        limit = run.next_wait(self.wait_timeout, time.time())  # before the state is serialized
+        trigger = CloudRunGpuExecutionTrigger(
+            execution=step.execution, gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
+            transport=self.transport, poll_interval=_seconds("poll_interval", self.poll_interval),
+            timeout=limit, carry=run.to_dict(),
         )
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=trigger.defer_timeout)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> RunSummary:
+        """Resume after the trigger: decide on the finished execution with a fresh hook.
+
+        :param event: the trigger's event (see :class:`CloudRunGpuExecutionTrigger`); its
+            ``carry`` is the :meth:`RunState.to_dict` deferred with.
+        :return: the summary, or defers again after starting a re-run.
+        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches
+            to the still-running execution).
+        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
+        :raises CloudRunGpuExecutionError: a task FAILED, or the trigger hit an API error.
+        :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
+        """
+        execution, status = event["execution"], event["status"]
+        run = RunState.from_dict(event["carry"])
+        self._running_execution = execution
+        files = self._files()
+        if files is not None:
+            self._log_progress(files, run, int(self.hook.get_execution(execution=execution).task_count))
+        if status == ExecutionEventStatus.TIMEOUT.value:
+            self._timed_out(run, execution, event["message"])
+        if status == ExecutionEventStatus.ERROR.value:
+            raise CloudRunGpuExecutionError(f"Polling {execution} failed: {event['message']}", execution=execution)
+        step = self._after_finish(context, run, execution, AttemptLog.from_dicts(event.get("attempts") or []))
+        return self.execute_async(context, run, step)
+
+    def on_kill(self) -> None:
+        """Cancel the execution this operator is waiting for (the trigger does so when deferred)."""
+        if self._running_execution:
+            self.log.info("Cancelling execution %s", self._running_execution)
+            self.hook.cancel_execution(execution=self._running_execution)
+
+    # --- starting or attaching -------------------------------------------------------------
+    @staticmethod
+    def run_key(context: Context) -> str:
+        """Stable id of this task instance (all tries): hash of dag id, run id, task id, map index."""
+        ti = context["ti"]
+        raw = f"{ti.dag_id}|{ti.run_id}|{ti.task_id}|{getattr(ti, 'map_index', -1)}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     def _budget(self) -> int:
         value = int(self.max_preemption_reruns)
@@ -335,307 +680,159 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             limit = self.execution_timeout.total_seconds()
         return None if limit is None else time.time() + limit
 
-    def _wait_limit(self, state: dict) -> tuple[float | None, bool]:
-        """``(seconds to wait now, whether that limit is the overall deadline)``."""
-        if state.get("deadline") is None:
-            return self.wait_timeout, False
-        left = max(0.0, state["deadline"] - time.time())
-        if self.wait_timeout is not None and self.wait_timeout < left:
-            return self.wait_timeout, False
-        return left, True
-
-    @staticmethod
-    def run_key(context: Context) -> str:
-        """Stable id of this task instance (all tries): hash of dag id, run id, task id, map index."""
-        ti = context["ti"]
-        raw = f"{ti.dag_id}|{ti.run_id}|{ti.task_id}|{getattr(ti, 'map_index', -1)}"
-        return hashlib.sha256(raw.encode()).hexdigest()[:32]
-
-    def _reruns_used(self, hook: CloudRunGpuHook, state: dict) -> int:
-        """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
-        executions = hook.find_executions(job_name=self.job_name, region=self.region,
-                                          env={RUN_KEY_ENV: state["run_key"]}, project_id=state["project_id"])
-        return sum(1 for e in executions if execution_env(e).get(RERUN_ENV, "0") != "0")
-
-    def _start(self, context: Context, hook: CloudRunGpuHook, state: dict, rerun: int) -> str:
-        env = {RUN_KEY_ENV: state["run_key"], RERUN_ENV: str(rerun)}
-        name = hook.start_execution(
-            job_name=self.job_name, region=self.region, project_id=state["project_id"],
-            overrides=with_env_overrides(self.overrides, env),
-        )
-        self.log.info("Started execution %s%s", name, f" (preemption re-run {rerun})" if rerun else "")
-        self._remember(context, hook, name)
-        return name
-
-    def _remember(self, context: Context, hook: CloudRunGpuHook, name: str) -> None:
-        self._running_execution = name
-        context["ti"].xcom_push(key="execution_name", value=name)
-        log_uri = hook.get_execution(execution=name).log_uri
-        CloudRunGpuExecutionLink.persist(context, execution=name)
-        CloudRunGpuLogsLink.persist(context, execution=name, log_uri=log_uri)
-
-    # --- execute -------------------------------------------------------------------------
-    def execute(self, context: Context) -> dict[str, Any] | None:
-        """Attach to this task instance's running execution or start one, then wait.
-
-        :return: the summary (see the class docstring).
-        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value,
-            or ``poll_interval`` to a non-positive one (before any API call).
-        :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
-        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
-        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
-        :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
-        """
-        budget = self._budget()
-        self.poll_interval = self._seconds("poll_interval", self.poll_interval)
-        hook = self._hook()
-        project_id = self.project_id or hook.project_id
-        state = {"project_id": project_id, "run_key": self.run_key(context), "budget": budget,
-                 "deadline": self._deadline(), "executions": [], "attempts": [], "progress": {}}
-        result = self._attach_or_start(context, hook, state)
-        if isinstance(result, dict):
-            return result
-        if not self.wait_for_completion:
-            self.log.info("Not waiting for %s (wait_for_completion=False)", result)
-            return {"execution": result, "job_name": self.job_name}
-        return self._wait(context, hook, state, result)
-
-    @staticmethod
-    def _seconds(name: str, value: float | str) -> float:
-        """A rendered number of seconds; :raises ValueError: naming ``name`` unless it is > 0."""
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            seconds = float("nan")
-        if not seconds > 0:
-            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-        return seconds
-
-    def _attach_or_start(self, context: Context, hook: CloudRunGpuHook, state: dict) -> dict[str, Any] | str:
+    def _attach_or_start(self, context: Context, run: RunState) -> RunStep:
         """Carry on with an earlier try's newest execution, or start one.
 
         A still-running execution is attached to. A finished one that no try has acted on yet
         (it ended after a try gave up waiting) is adopted when it succeeded or only lost tasks to
-        preemptions or task timeouts: its summary is returned, it is re-run, or the budget is
-        reported exhausted. A FAILED, FATAL or CANCELLED one was already acted on (the earlier
-        try raised): a new execution starts.
-
-        :return: the summary, or the name of the execution to wait for.
+        preemptions or task timeouts: the run is done, it is re-run, or the budget is reported
+        exhausted. A FAILED, FATAL or CANCELLED one was already acted on (the earlier try
+        raised): a new execution starts.
         """
-        found = hook.find_executions(job_name=self.job_name, region=self.region,
-                                     env={RUN_KEY_ENV: state["run_key"]}, project_id=state["project_id"])
+        found = self.hook.find_executions(job_name=self.job_name, region=self.region,
+                                          env={RUN_KEY_ENV: run.run_key}, project_id=run.project_id)
         newest = found[0] if found else None
         if newest is not None and execution_state(newest) is ExecutionState.RUNNING:
             self.log.info("Attaching to execution %s started by an earlier try", newest.name)
-            self._remember(context, hook, newest.name)
-            return newest.name
-        if newest is not None and self._adoptable(hook, state, newest):
+            self._remember(context, newest.name)
+            return RunStep.wait(newest.name)
+        if newest is not None and self._adoptable(run, newest):
             self.log.info("Adopting execution %s: it finished while no try was waiting", newest.name)
-            self._remember(context, hook, newest.name)
-            return self._after_finish(context, hook, state, newest.name, [])
-        return self._start(context, hook, state, rerun=0)
+            self._remember(context, newest.name)
+            return self._after_finish(context, run, newest.name, AttemptLog())
+        return RunStep.wait(self._start(context, run, rerun=0))
 
-    def _adoptable(self, hook: CloudRunGpuHook, state: dict, execution: run_v2.Execution) -> bool:
-        outcomes = [classify_task(t, self.fatal_exit_codes) for t in hook.list_tasks(execution=execution.name)]
-        decision = decide(outcomes, state=execution_state(execution), reruns_used=self._reruns_used(hook, state),
-                          max_reruns=state["budget"])
+    def _adoptable(self, run: RunState, execution: run_v2.Execution) -> bool:
+        tasks = self.hook.list_tasks(execution=execution.name)
+        decision = decide([classify_task(t, self.fatal_exit_codes) for t in tasks], state=execution_state(execution),
+                          reruns_used=self._reruns_used(run), max_reruns=run.budget)
         # A FAILED, FATAL or CANCELLED outcome was raised by an earlier try; the others never are
         # before the decision is acted on (a re-run, a summary, or "budget exhausted").
         return decision.outcome in (OutcomeClass.SUCCEEDED, *RESUMABLE)
 
-    def _wait(self, context: Context, hook: CloudRunGpuHook, state: dict, execution: str) -> dict[str, Any]:
-        while True:
-            limit, overall = self._wait_limit(state)
-            state["overall_limit"] = overall
-            if self.deferrable:
-                self.defer(
-                    trigger=CloudRunGpuExecutionTrigger(
-                        execution=execution, gcp_conn_id=self.gcp_conn_id,
-                        impersonation_chain=self.impersonation_chain, transport=self.transport,
-                        poll_interval=self.poll_interval, timeout=limit, carry=state,
-                    ),
-                    method_name="execute_complete",
-                    # The trigger's own timeout fires first; this one covers a lost triggerer.
-                    timeout=None if limit is None else timedelta(seconds=limit + DEFER_TIMEOUT_MARGIN),
-                )
-            attempts = self._poll_until_done(hook, state, execution, limit)
-            result = self._after_finish(context, hook, state, execution, attempts)
-            if isinstance(result, dict):
-                return result
-            execution = result
+    def _reruns_used(self, run: RunState) -> int:
+        """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
+        executions = self.hook.find_executions(job_name=self.job_name, region=self.region,
+                                               env={RUN_KEY_ENV: run.run_key}, project_id=run.project_id)
+        return sum(1 for e in executions if execution_env(e).get(RERUN_ENV, "0") != "0")
 
-    def _poll_until_done(self, hook: CloudRunGpuHook, state: dict, execution: str, limit: float | None) -> list:
-        attempts: list[dict] = []
-        seen: set[tuple[int, int]] = set()
+    def _start(self, context: Context, run: RunState, rerun: int) -> str:
+        env = {RUN_KEY_ENV: run.run_key, RERUN_ENV: str(rerun)}
+        name = self.hook.start_execution(
+            job_name=self.job_name, region=self.region, project_id=run.project_id,
+            overrides=with_env_overrides(self.overrides, env),
+        )
+        self.log.info("Started execution %s%s", name, f" (preemption re-run {rerun})" if rerun else "")
+        self._remember(context, name)
+        return name
+
+    def _remember(self, context: Context, name: str) -> None:
+        self._running_execution = name
+        context["ti"].xcom_push(key="execution_name", value=name)
+        log_uri = self.hook.get_execution(execution=name).log_uri
+        CloudRunGpuExecutionLink.persist(context, execution=name)
+        CloudRunGpuLogsLink.persist(context, execution=name, log_uri=log_uri)
+
+    # --- waiting in the worker -------------------------------------------------------------
+    def _poll_until_done(self, run: RunState, execution: str) -> AttemptLog:
+        """Block until ``execution`` finishes; the finished attempts seen while polling."""
+        limit = run.next_wait(self.wait_timeout, time.time())
+        attempts = AttemptLog()
         files = self._files()
 
-        def on_poll(current: run_v2.Execution, tasks: list[run_v2.Task]) -> None:
-            for record in observe_attempts(tasks, seen):
-                seen.add(record.key)
-                attempts.append(record.to_dict())
+        def log_progress(current: run_v2.Execution, tasks: list[run_v2.Task]) -> None:
             if files is not None and time.monotonic() - self._last_progress_log >= self.progress_log_interval:
                 self._last_progress_log = time.monotonic()
-                self._log_progress(files, state, current.task_count)
+                self._log_progress(files, run, current.task_count)
 
         try:
-            hook.wait_for_execution(execution, poll_interval=self.poll_interval, timeout=limit, on_poll=on_poll)
+            self.hook.wait_for_execution(execution, poll_interval=self.poll_interval, timeout=limit,
+                                         on_poll=log_progress, attempts=attempts)
         except TimeoutError:
-            self._timed_out(hook, state, execution, f"still running after {limit:g} s")
+            self._timed_out(run, execution, f"still running after {limit:g} s")
         return attempts
 
-    def _log_progress(self, files: CheckpointFilesHook, state: dict, task_count: int) -> None:
-        """Read and log the tasks' ``progress.json`` (first :data:`MAX_PROGRESS_TASKS` tasks)."""
-        for index in range(min(task_count or 1, MAX_PROGRESS_TASKS)):
-            progress = files.progress(index)
-            if progress is not None:
-                state["progress"][str(index)] = progress.to_dict()
-                self.log.info("Progress %s", progress.describe())
-
-    def _timed_out(self, hook: CloudRunGpuHook, state: dict, execution: str, message: str) -> None:
+    def _timed_out(self, run: RunState, execution: str, message: str) -> NoReturn:
         """Raise for a wait that hit its limit; cancel the execution if it was the overall ``timeout``."""
         self._running_execution = None
-        if not state.get("overall_limit"):
+        if not run.overall_limit:
             raise CloudRunGpuWaitTimeout(f"Execution {execution} {message}", execution=execution)
         self.log.warning("Overall timeout passed: cancelling execution %s", execution)
         try:
-            hook.cancel_execution(execution=execution)
+            self.hook.cancel_execution(execution=execution)
         except gexc.NotFound as exc:  # deleted meanwhile; a finished one is returned unchanged
             self.log.info("Cancel of %s not needed: %s", execution, exc)
         raise CloudRunGpuTimeoutError(
             f"The task's overall timeout passed: execution {execution} {message} and was cancelled "
-            f"({len(state['executions'])} earlier execution(s) in this try)",
+            f"({len(run.executions)} earlier execution(s) in this try)",
             execution=execution,
         )
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """Resume after the trigger: decide on the finished execution with a fresh hook.
-
-        :param event: the trigger's event (see :class:`CloudRunGpuExecutionTrigger`).
-        :return: the summary, or defers again after starting a re-run.
-        :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches
-            to the still-running execution).
-        :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
-        :raises CloudRunGpuExecutionError: a task FAILED, or the trigger hit an API error.
-        :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
-        """
-        execution, status = event["execution"], event["status"]
-        state = dict(event["carry"])
-        hook = self._hook()
-        self._running_execution = execution
-        files = self._files()
-        if files is not None:
-            self._log_progress(files, state, int(hook.get_execution(execution=execution).task_count))
-        if status == ExecutionEventStatus.TIMEOUT.value:
-            self._timed_out(hook, state, execution, event["message"])
-        if status == ExecutionEventStatus.ERROR.value:
-            raise CloudRunGpuExecutionError(f"Polling {execution} failed: {event['message']}", execution=execution)
-        result = self._after_finish(context, hook, state, execution, list(event.get("attempts") or []))
-        if isinstance(result, dict):
-            return result
-        return self._wait(context, hook, state, result)
-
-    # --- decisions -----------------------------------------------------------------------
-    def _after_finish(
-        self, context: Context, hook: CloudRunGpuHook, state: dict, execution: str, attempts: list[dict]
-    ) -> dict[str, Any] | str:
-        """Record the finished execution and act on the decision: a summary, or a new execution name."""
-        finished = hook.get_execution(execution=execution)
-        tasks = hook.list_tasks(execution=execution)
-        seen = {(a["task_index"], a["attempt"]) for a in attempts}
-        attempts = attempts + [r.to_dict() for r in observe_attempts(tasks, seen)]
+    # --- acting on a finished execution ----------------------------------------------------
+    def _after_finish(self, context: Context, run: RunState, execution: str, attempts: AttemptLog) -> RunStep:
+        """Record the finished execution and act on the decision: done, a re-run to wait for, or raise."""
+        finished = self.hook.get_execution(execution=execution)
+        tasks = self.hook.list_tasks(execution=execution)
+        attempts.observe(tasks)
         outcomes = [classify_task(t, self.fatal_exit_codes) for t in tasks]
-        reruns_used = self._reruns_used(hook, state)
-        decision = decide(
-            outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=state["budget"]
-        )
-        self._record(state, finished, outcomes, attempts, decision)
+        reruns_used = self._reruns_used(run)
+        decision = decide(outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=run.budget)
+        for entry in run.add_execution(finished, outcomes, attempts, decision, self.fatal_exit_codes):
+            self._log_attempt(entry)
         self.log.info("Execution %s: %s -> %s", execution, decision.reason, decision.action.value)
-        if decision.action is Action.SUCCEED:
-            self._running_execution = None
-            return self._summary(state, finished, len(tasks), reruns_used)
         if decision.action is Action.RERUN:
-            return self._start(context, hook, state, rerun=reruns_used + 1)
+            return RunStep.wait(self._start(context, run, rerun=reruns_used + 1))
         self._running_execution = None
-        blamed = decision.blamed
-        log_uri = (blamed.log_uri if blamed else "") or finished.log_uri
-        message = f"Execution {execution} {decision.outcome.value}: {decision.reason}. Logs: {log_uri}"
+        if decision.action is Action.SUCCEED:
+            job = execution.split("/executions/")[0]
+            return RunStep.done(run.summary(job, len(tasks), reruns_used, self._lost_work(run, len(tasks))))
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
-        raise error(
-            message, execution=execution, outcome=decision.outcome.value,
-            exit_code=blamed.exit_code if blamed else None, log_uri=log_uri,
+        raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished)
+
+    def _log_attempt(self, entry: AttemptEntry) -> None:
+        signal, took = entry["term_signal"], entry["duration_seconds"]
+        how = f"signal {signal}" if signal else f"exit code {entry['exit_code']}"
+        log = self.log.warning if OutcomeClass(entry["outcome"]) in RESUMABLE else self.log.info
+        log("Attempt: %s task %s attempt %s: %s (%s%s) %s", entry["execution"], entry["task_index"], entry["attempt"],
+            entry["outcome"], how, "" if took is None else f", {took:g} s", entry["message"])
+
+    # --- the worker's files ----------------------------------------------------------------
+    def _files(self) -> CheckpointFilesHook | None:
+        if not self.checkpoint_bucket:
+            return None
+        return CheckpointFilesHook(
+            self.checkpoint_bucket, self.checkpoint_prefix or self.job_name,
+            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
         )
 
-    def _record(self, state: dict, execution: run_v2.Execution, outcomes: list, attempts: list[dict], decision) -> None:
-        """Add the finished execution and its attempts to ``state``; log every attempt."""
-        state["executions"].append(
-            {
-                "name": execution.name,
-                "state": execution_state(execution).value,
-                "action": decision.action.value,
-                "reason": decision.reason,
-                "log_uri": execution.log_uri,
-                "duration_seconds": _duration(execution),
-                "tasks": [o.to_dict() for o in outcomes],
-            }
-        )
-        for raw in attempts:
-            record = AttemptRecord.from_dict(raw)
-            outcome = record.classify(self.fatal_exit_codes)
-            entry = {**record.to_dict(), "execution": execution.name, "outcome": outcome.value}
-            state["attempts"].append(entry)
-            how = f"signal {record.term_signal}" if record.term_signal else f"exit code {record.exit_code}"
-            took = "" if record.duration_seconds is None else f", {record.duration_seconds:g} s"
-            log = self.log.warning if outcome in RESUMABLE else self.log.info
-            log("Attempt: %s task %s attempt %s: %s (%s%s) %s", execution.name, record.task_index,
-                record.attempt, outcome.value, how, took, record.message)
+    def _log_progress(self, files: CheckpointFilesHook, run: RunState, task_count: int) -> None:
+        """Read and log the tasks' ``progress.json`` (first :data:`MAX_PROGRESS_TASKS` tasks)."""
+        for index in range(min(task_count or 1, MAX_PROGRESS_TASKS)):
+            progress = files.progress(index)
+            if progress is not None:
+                run.progress[str(index)] = progress.to_dict()
+                self.log.info("Progress %s", progress.describe())
 
-    def _summary(self, state: dict, execution: run_v2.Execution, task_count: int, reruns: int) -> dict[str, Any]:
-        per_task: dict[int, dict[str, Any]] = {}
-
-        def entry(index: int) -> dict[str, Any]:
-            return per_task.setdefault(index, {"index": index, "attempts": 0, "exit_codes": [], "outcomes": []})
-
-        for ex in state["executions"]:
-            for task in ex["tasks"]:
-                entry(task["index"])["attempts"] += task["attempts"]
-        for attempt in state["attempts"]:
-            item = entry(attempt["task_index"])
-            item["exit_codes"].append(attempt["exit_code"] if attempt["term_signal"] is None
-                                      else -int(attempt["term_signal"]))
-            item["outcomes"].append(attempt["outcome"])
-        resumable = {c.value for c in RESUMABLE}
-        lost = self._lost_work(state, task_count)
-        job = execution.name.split("/executions/")[0]
-        return {
-            "job": job, "job_name": job.rsplit("/", 1)[-1], "task_count": task_count, "outcome": "SUCCEEDED",
-            "reruns": reruns, "executions": state["executions"],
-            "tasks": [per_task[i] for i in sorted(per_task)], "attempts": state["attempts"],
-            "preemptions": [a for a in state["attempts"] if a["outcome"] in resumable],
-            "progress": state["progress"], "lost_work": lost,
-            "lost_steps_total": sum(item["lost_steps"] for item in lost),
-        }
-
-    def _lost_work(self, state: dict, task_count: int) -> list[dict[str, Any]]:
+    def _lost_work(self, run: RunState, task_count: int) -> list[LostWork]:
         """The work lost to each preemption, from the worker's files (empty without a bucket)."""
         files = self._files()
         if files is None:
             return []
-        self._log_progress(files, state, task_count)
+        self._log_progress(files, run, task_count)
         lost = [item for index in range(min(task_count, MAX_PROGRESS_TASKS)) for item in files.lost_work(index)]
         for item in lost:
             self.log.warning("Lost work: task %s lost %s steps (attempt %s of %s resumed from step %s)",
                              item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
                              item["resumed_from_step"])
-        return lost
-
-    def on_kill(self) -> None:
-        """Cancel the execution this operator is waiting for (the trigger does so when deferred)."""
-        if self._running_execution:
-            self.log.info("Cancelling execution %s", self._running_execution)
-            self._hook().cancel_execution(execution=self._running_execution)
+        return lost  # type: ignore[return-value]
 
 
-def _duration(execution: run_v2.Execution) -> float | None:
-    if not (execution.start_time and execution.completion_time):
-        return None
-    return round(max(0.0, (execution.completion_time - execution.start_time).total_seconds()), 3)
+def _seconds(name: str, value: float | str) -> float:
+    """A rendered number of seconds; :raises ValueError: naming ``name`` unless it is > 0."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    return seconds

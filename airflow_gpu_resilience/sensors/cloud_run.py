@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from datetime import timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 from google.cloud import run_v2
@@ -83,12 +83,14 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
         self.fatal_exit_codes = sorted(fatal_exit_codes if fatal_exit_codes is not None else DEFAULT_FATAL_EXIT_CODES)
         self.deferrable = deferrable
 
-    def _hook(self) -> CloudRunGpuHook:
+    @cached_property
+    def hook(self) -> CloudRunGpuHook:
+        """The Cloud Run hook for this task's connection (built once per operator instance)."""
         return CloudRunGpuHook(
             gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
         )
 
-    def _full_name(self, hook: CloudRunGpuHook) -> str:
+    def _full_name(self) -> str:
         """The execution's full name; for ``execution=None`` the job's newest.
 
         :raises ValueError: a short or missing name without ``job_name``, or a job without executions.
@@ -97,10 +99,10 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
             return self.execution
         if not self.job_name:
             raise ValueError(f"execution={self.execution!r} is a short name or missing: set job_name too")
-        project_id = self.project_id or hook.project_id
+        project_id = self.project_id or self.hook.project_id
         if self.execution:
-            return hook.execution_path(project_id, self.region, self.job_name, self.execution)
-        executions = hook.list_executions(job_name=self.job_name, region=self.region, project_id=project_id)
+            return self.hook.execution_path(project_id, self.region, self.job_name, self.execution)
+        executions = self.hook.list_executions(job_name=self.job_name, region=self.region, project_id=project_id)
         if not executions:
             raise ValueError(f"job {self.job_name!r} in {self.region} has no execution to wait for")
         self.execution = executions[0].name
@@ -111,44 +113,33 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
         """Poke (or reschedule) as a normal sensor, or defer to the trigger when ``deferrable``."""
         if not self.deferrable:
             return super().execute(context)
-        name = self._full_name(self._hook())
-        self.defer(
-            trigger=CloudRunGpuExecutionTrigger(
-                execution=name, gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
-                transport=self.transport, poll_interval=float(self.poke_interval), timeout=float(self.timeout),
-                cancel_on_kill=False,
-            ),
-            method_name="execute_complete",
-            timeout=timedelta(seconds=float(self.timeout)) + timedelta(minutes=1),
+        trigger = CloudRunGpuExecutionTrigger(
+            execution=self._full_name(), gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
+            transport=self.transport, poll_interval=float(self.poke_interval), timeout=float(self.timeout),
+            cancel_on_kill=False,
         )
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=trigger.defer_timeout)
 
     def poke(self, context: Context) -> PokeReturnValue | bool:
         """One check: done when the execution finished.
 
         :raises CloudRunGpuFatalError: if it ended in any outcome but SUCCEEDED.
         """
-        hook = self._hook()
-        execution = hook.get_execution(execution=self._full_name(hook))
+        execution = self.hook.get_execution(execution=self._full_name())
         state = execution_state(execution)
         self.log.info("Execution %s is %s", execution.name, state.value)
         if state is ExecutionState.RUNNING:
             return False
-        return PokeReturnValue(is_done=True, xcom_value=self._finished(hook, execution))
+        return PokeReturnValue(is_done=True, xcom_value=self._finished(execution))
 
-    def _finished(self, hook: CloudRunGpuHook, execution: run_v2.Execution) -> dict[str, Any]:
+    def _finished(self, execution: run_v2.Execution) -> dict[str, Any]:
         """Classify a finished execution: its XCom value, or raise for any outcome but SUCCEEDED."""
         state = execution_state(execution)
-        outcomes = [classify_task(t, self.fatal_exit_codes) for t in hook.list_tasks(execution=execution.name)]
+        outcomes = [classify_task(t, self.fatal_exit_codes) for t in self.hook.list_tasks(execution=execution.name)]
         decision = decide(outcomes, state=state, reruns_used=0, max_reruns=0)
         if decision.action is not Action.SUCCEED:
-            blamed = decision.blamed
-            log_uri = (blamed.log_uri if blamed else "") or execution.log_uri
-            raise CloudRunGpuFatalError(
-                f"Execution {execution.name} ended {state.value} ({decision.outcome.value}): "
-                f"{decision.reason}. Logs: {log_uri}",
-                execution=execution.name, outcome=decision.outcome.value,
-                exit_code=blamed.exit_code if blamed else None, log_uri=log_uri,
-            )
+            head = f"Execution {execution.name} ended {state.value} ({decision.outcome.value})"
+            raise CloudRunGpuFatalError.for_decision(head, decision, execution)
         return {
             "execution": execution.name, "state": state.value, "outcome": decision.outcome.value,
             "succeeded_count": execution.succeeded_count, "failed_count": execution.failed_count,
@@ -170,5 +161,4 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
                 f"Polling execution {event['execution']} failed: {event['message']}",
                 execution=event["execution"], outcome=event["status"],
             )
-        hook = self._hook()
-        return self._finished(hook, hook.get_execution(execution=event["execution"]))
+        return self._finished(self.hook.get_execution(execution=event["execution"]))

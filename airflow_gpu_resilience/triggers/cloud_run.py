@@ -6,17 +6,26 @@ import asyncio
 import enum
 import time
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 from typing import Any, Literal
 
 from google.api_core import exceptions as gexc
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_gpu_resilience.hooks.cloud_run import TRANSIENT_ERRORS, CloudRunGpuAsyncHook
-from airflow_gpu_resilience.outcome import ExecutionState, execution_state, observe_attempts
+from airflow_gpu_resilience.hooks.cloud_run import (
+    TRANSIENT_ERRORS,
+    CloudRunGpuAsyncHook,
+    ExecutionWatch,
+    PollState,
+)
+from airflow_gpu_resilience.outcome import ExecutionState, completion_message, execution_state
 
 #: Most attempt records one event carries (keeps events small; the oldest are kept).
 MAX_ATTEMPT_RECORDS = 200
+#: Seconds that a task deferring to this trigger adds to the trigger's ``timeout`` for Airflow's
+#: own defer timeout: the trigger's timeout event comes first, Airflow's covers a lost triggerer.
+DEFER_TIMEOUT_MARGIN = 60.0
 
 
 class ExecutionEventStatus(str, enum.Enum):
@@ -102,18 +111,23 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
             },
         )
 
+    @property
+    def defer_timeout(self) -> timedelta | None:
+        """The ``timeout`` to defer to this trigger with: ``timeout`` plus :data:`DEFER_TIMEOUT_MARGIN`."""
+        return None if self.timeout is None else timedelta(seconds=self.timeout + DEFER_TIMEOUT_MARGIN)
+
     def _hook(self) -> CloudRunGpuAsyncHook:
         return CloudRunGpuAsyncHook(
             gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
         )
 
-    def _event(self, status: ExecutionEventStatus, message: str, attempts: list[dict]) -> TriggerEvent:
+    def _event(self, status: ExecutionEventStatus, message: str, watch: ExecutionWatch) -> TriggerEvent:
         return TriggerEvent(
             {
                 "status": status.value,
                 "execution": self.execution,
                 "message": message,
-                "attempts": attempts[:MAX_ATTEMPT_RECORDS],
+                "attempts": watch.attempts.to_dicts(MAX_ATTEMPT_RECORDS),
                 "carry": self.carry,
             }
         )
@@ -121,33 +135,27 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll with ``asyncio.sleep`` until the execution finishes or ``timeout`` passes."""
         hook = self._hook()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        attempts: list[dict] = []
-        seen: set[tuple[int, int]] = set()
+        watch = ExecutionWatch(self.poll_interval, self.timeout, time.monotonic())
         while True:
+            execution, tasks = None, []
             try:
-                execution = await hook.get_execution(self.execution)
+                fetched = await hook.get_execution(self.execution)
                 tasks = await hook.list_tasks(self.execution)
+                execution = fetched
             except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
                 self.log.warning("Transient error polling %s: %s; retrying", self.execution, exc)
             except gexc.GoogleAPIError as exc:
-                yield self._event(ExecutionEventStatus.ERROR, f"{type(exc).__name__}: {exc}", attempts)
+                yield self._event(ExecutionEventStatus.ERROR, f"{type(exc).__name__}: {exc}", watch)
                 return
-            else:
-                for record in observe_attempts(tasks, seen):
-                    seen.add(record.key)
-                    attempts.append(record.to_dict())
-                state = execution_state(execution)
-                if state is not ExecutionState.RUNNING:
-                    message = next((c.message for c in execution.conditions if c.type_ == "Completed"), "")
-                    yield self._event(_STATUS_OF[state], message, attempts)
-                    return
-            if deadline is not None and time.monotonic() >= deadline:
-                yield self._event(
-                    ExecutionEventStatus.TIMEOUT, f"still running after {self.timeout} s", attempts
-                )
+            step = watch.step(execution, tasks, time.monotonic())
+            if step.state is PollState.FINISHED:
+                status = _STATUS_OF[execution_state(execution)]
+                yield self._event(status, completion_message(execution), watch)
                 return
-            await asyncio.sleep(self.poll_interval)
+            if step.state is PollState.TIMED_OUT:
+                yield self._event(ExecutionEventStatus.TIMEOUT, f"still running after {self.timeout} s", watch)
+                return
+            await asyncio.sleep(step.sleep_seconds)
 
     async def on_kill(self) -> None:
         """Cancel the execution when a user kills the deferred task (if ``cancel_on_kill``)."""

@@ -11,6 +11,8 @@ from google.cloud import run_v2
 from airflow_gpu_resilience.hooks.cloud_run import (
     START_ID_ENV,
     CloudRunGpuHook,
+    ExecutionWatch,
+    PollState,
     error_status,
     execution_env,
     location_of,
@@ -34,6 +36,19 @@ def test_endpoint_and_transport_come_from_the_connection(hook, emulator):
     assert hook.api_endpoint == emulator.endpoint
     assert hook.transport == "rest"
     assert hook.project_id == PROJECT
+
+
+def test_clients_take_credentials_and_endpoint_from_the_google_base_hook(hook, emulator, monkeypatch):
+    """The connection decides the credentials (``is_anonymous`` here), not the endpoint's scheme."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.oauth2.credentials import Credentials
+
+    assert isinstance(hook.jobs_client(REGION)._transport._credentials, AnonymousCredentials)
+    token = Credentials(token="from-the-connection")
+    monkeypatch.setattr(hook, "get_credentials", lambda: token)
+    client = hook.executions_client("europe-west4")
+    assert client._transport._credentials is token
+    assert client.api_endpoint == emulator.endpoint
 
 
 def test_clients_are_cached_per_location(hook):
@@ -179,6 +194,25 @@ def test_rest_error_status_comes_from_the_body_not_the_http_code(hook, job_name)
     with pytest.raises(gexc.NotFound) as info:
         hook.get_execution(execution=execution)
     assert error_status(info.value) == "NOT_FOUND"
+
+
+def test_the_shared_poll_step_sleeps_up_to_the_deadline_and_records_attempts_once():
+    """ExecutionWatch.step is the pure step of both waits (the hook's and the trigger's)."""
+    from google.protobuf import timestamp_pb2
+
+    running = run_v2.Execution(task_count=1)
+    done_at = timestamp_pb2.Timestamp(seconds=100)
+    finished = run_v2.Execution(task_count=1, succeeded_count=1, completion_time=done_at)
+    task = run_v2.Task(index=0, retried=0, completion_time=done_at, last_attempt_result=run_v2.TaskAttemptResult())
+    watch = ExecutionWatch(poll_interval=10.0, timeout=25.0, started=0.0)
+    step = watch.step(None, [], now=0.0)  # a transient error: poll again
+    assert (step.state, step.sleep_seconds) == (PollState.WAIT, 10.0)
+    assert watch.step(running, [], now=0.0) == step
+    assert watch.step(None, [], now=20.0).sleep_seconds == 5.0  # never sleeps past the deadline
+    assert watch.step(running, [task], now=25.0).state is PollState.TIMED_OUT
+    assert watch.step(finished, [task], now=26.0).state is PollState.FINISHED  # finished beats the deadline
+    assert [r.key for r in watch.attempts.records] == [(0, 0)]  # seen twice, recorded once
+    assert ExecutionWatch(poll_interval=2.0, timeout=None, started=0.0).step(running, [], now=1e9).sleep_seconds == 2.0
 
 
 def test_wait_for_execution_polls_through_persistent_errors(hook, job_name, faults, monkeypatch):

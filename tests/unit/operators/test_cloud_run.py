@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
 import threading
 import time
@@ -28,6 +30,7 @@ from airflow_gpu_resilience.operators.cloud_run import (
     RUN_KEY_ENV,
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
+    RunState,
 )
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
 from tests.unit.operators import dag_factory
@@ -146,9 +149,8 @@ def test_preempted_once_then_resumes_in_a_second_execution(gcp_conn, job_name, e
     assert (bucket_dir(emulator) / f"{job_name}-task0.marker").exists()
 
 
-def own_state(op, ti) -> dict:
-    return {"project_id": PROJECT, "run_key": op.run_key({"ti": ti}), "budget": 3, "deadline": None,
-            "executions": [], "attempts": [], "progress": {}}
+def own_state(op, ti) -> RunState:
+    return RunState(project_id=PROJECT, run_key=op.run_key({"ti": ti}), budget=3)
 
 
 def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
@@ -159,9 +161,9 @@ def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
     ti = _TI()
     state = own_state(op, ti)
     started = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
-                                   overrides=with_env_overrides(None, {RUN_KEY_ENV: state["run_key"]}))
+                                   overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     try:
-        assert op._attach_or_start({"ti": ti}, hook, state) == started
+        assert op._attach_or_start({"ti": ti}, state).execution == started
         assert ti.xcom["execution_name"] == started and len(executions(job_name)) == 1
     finally:
         hook.cancel_execution(execution=started, wait=True)
@@ -176,13 +178,15 @@ def test_a_finished_execution_is_adopted_only_if_no_try_acted_on_it(gcp_conn, jo
     ti = _TI()
     state = own_state(op, ti)
     finished = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
-                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state["run_key"]}))
+                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     hook.wait_for_execution(finished, poll_interval=0.1, timeout=30)
-    result = op._attach_or_start({"ti": ti}, hook, state)
+    step = op._attach_or_start({"ti": ti}, state)
     if adopted:
+        result = step.summary
         assert result["outcome"] == "SUCCEEDED" and result["executions"][0]["name"] == finished
         assert len(executions(job_name)) == 1
     else:
+        result = step.execution
         assert result != finished and len(executions(job_name)) == 2
         hook.wait_for_execution(result, poll_interval=0.1, timeout=30)
 
@@ -210,6 +214,26 @@ def test_deploy_operator_validates_templated_values_before_any_api_call():
     op.max_retries = "12"  # as rendered
     with pytest.raises(ValueError, match="max_retries=12 is out of range"):
         op.execute({})
+
+
+def test_deploy_operator_takes_every_spec_field_with_the_specs_default():
+    """The deploy operator's spec arguments are GpuJobSpec's fields (``name`` is ``job_name``)."""
+    from airflow.sdk import DAG
+
+    parameters = inspect.signature(CloudRunGpuDeployJobOperator.__init__).parameters
+    for spec_field in dataclasses.fields(GpuJobSpec):
+        if spec_field.name == "name":
+            continue
+        if spec_field.default_factory is not dataclasses.MISSING:
+            default = spec_field.default_factory()
+        else:
+            default = inspect.Parameter.empty if spec_field.default is dataclasses.MISSING else spec_field.default
+        assert parameters[spec_field.name].default == default, spec_field.name
+        assert spec_field.name in CloudRunGpuDeployJobOperator.template_fields
+    with DAG(dag_id="defaults", schedule=None, default_args={"memory": "32Gi", "max_retries": 5}):
+        op = CloudRunGpuDeployJobOperator(task_id="d", job_name="j", image="img", checkpoint_bucket=BUCKET)
+    spec = op.build_spec()
+    assert (spec.memory, spec.max_retries, spec.cpu, spec.env) == ("32Gi", 5, "4", {})
 
 
 def test_execute_operator_rejects_negative_budget():
