@@ -7,7 +7,9 @@ Start it::
         [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] \\
         [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]]
 
-It binds 127.0.0.1 only and prints one JSON ready line,
+It binds 127.0.0.1 only, answers only loopback ``Host`` values, refuses cross-origin requests and
+non-JSON bodies, and reads at most 4 MiB of a body (see :mod:`.guards`); it prints one JSON ready
+line,
 ``{"ready": true, "endpoint": "http://127.0.0.1:PORT", "gcsEndpoint": "http://127.0.0.1:PORT2",
 "dataDir": ..., "pid": ...}`` (``--port 0``/``--gcs-port 0`` pick free ports). SIGTERM or SIGINT
 stops it and every task process it started; a hard-killed emulator takes them along (Linux).
@@ -41,6 +43,7 @@ Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend`
 project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
 processes), :mod:`.validation`, :mod:`.responses` / :mod:`.urls` / :mod:`.app` (HTTP),
 :mod:`.exceptions`, :mod:`.faults`, :mod:`.gcs` (in-process GCS emulator and mounts),
+:mod:`.guards` (who may send what; paths stay inside the data folder),
 :mod:`.server` and ``__main__`` (CLI).
 
 Known differences from Cloud Run:

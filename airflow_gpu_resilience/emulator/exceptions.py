@@ -35,6 +35,23 @@ class FailedPrecondition(EmulatorError):
     http_code, grpc_code, status = 400, 9, "FAILED_PRECONDITION"
 
 
+class PermissionDenied(EmulatorError):
+    http_code, grpc_code, status = 403, 7, "PERMISSION_DENIED"
+
+
+class PayloadTooLarge(EmulatorError):
+    """A request body over the emulator's limit: HTTP 413; gRPC reports an oversized message
+    as RESOURCE_EXHAUSTED."""
+
+    http_code, grpc_code, status = 413, 8, "RESOURCE_EXHAUSTED"
+
+
+class UnsupportedMediaType(EmulatorError):
+    """A request body that is not JSON: HTTP 415, INVALID_ARGUMENT."""
+
+    http_code, grpc_code, status = 415, 3, "INVALID_ARGUMENT"
+
+
 class NotFound(EmulatorError):
     http_code, grpc_code, status = 404, 5, "NOT_FOUND"
 

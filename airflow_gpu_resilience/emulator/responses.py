@@ -37,7 +37,7 @@ class Request:
 
     @property
     def backend(self):
-        return self.registry.for_name(self.path_name)
+        return self.registry.for_name(self.path_name, "name" if "name" in self.params else "parent")
 
     def flag(self, key: str) -> bool:
         return str(self.query.get(key, "")).lower() in ("1", "true")
@@ -54,6 +54,8 @@ class Request:
             return cls.from_json(self.body or b"{}")
         except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument("Invalid JSON payload: nested too deeply.") from None
 
     def pb(self, pb_cls):
         """The body parsed into a plain protobuf message."""
@@ -61,6 +63,8 @@ class Request:
             return json_format.Parse(self.body or b"{}", pb_cls())
         except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument("Invalid JSON payload: nested too deeply.") from None
 
 
 def create_job(req: Request):

@@ -17,7 +17,8 @@ Known differences from Cloud Run:
   under the image table's and the container's env.
 - GCS volumes: processes cannot see ``/checkpoints``, so every env value, arg and command
   element equal to a mount path or starting with ``mountPath + "/"`` (also after ``--flag=``)
-  is rewritten to the bucket's local directory (honouring ``subPath``).
+  is rewritten to the bucket's local directory (honouring ``subPath``); a rewritten path never
+  leaves that directory (validation refuses such jobs, :func:`rewrite` refuses them again).
 - Only the first container runs; sidecars, probes, secrets (``valueSource``) are ignored.
 """
 
@@ -38,6 +39,7 @@ from typing import Optional
 
 from google.cloud import run_v2
 
+from .guards import PathEscape, climbs_out, contained, under_mount
 from .images import ImageEntry, ImageTable
 from .models import PREEMPTION_MESSAGE, AttemptResult, Task, utcnow
 
@@ -128,22 +130,34 @@ class RuntimeConfig:
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs) -> list:
-    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts."""
+    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts.
+
+    :raises PathEscape: when a ``subPath`` leads out of its bucket's folder (validation refuses
+        such a job first; this is the last line).
+    """
     buckets = {v.name: v.gcs.bucket for v in template.volumes if v.gcs.bucket}
     pairs = []
     for mount in template.containers[0].volume_mounts if template.containers else []:
         if mount.name in buckets:
             local = gcs.bucket_dir(buckets[mount.name])
-            pairs.append((mount.mount_path.rstrip("/") or "/", local / mount.sub_path if mount.sub_path else local))
+            pairs.append((mount.mount_path.rstrip("/") or "/", contained(local, mount.sub_path) if mount.sub_path else local))
     return pairs
 
 
 def rewrite(value: str, mounts: list) -> str:
-    """Map a container path under a mount path to its local directory; other values unchanged."""
-    prefix, sep, rest = value.partition("=") if value.startswith("-") else ("", "", value)
+    """Map a container path under a mount path to its local directory; other values unchanged.
+
+    :raises PathEscape: when the path would lead out of the mount's folder (``/checkpoints/../x``;
+        validation refuses such a job first).
+    """
     for mount_path, local in mounts:
-        if rest == mount_path or rest.startswith(mount_path + "/"):
-            return prefix + sep + str(local) + rest[len(mount_path):]
+        split = under_mount(value, mount_path)
+        if split is not None:
+            head, rest = split
+            if climbs_out(rest):
+                raise PathEscape(f"'{value}' leads out of the volume mounted at {mount_path}.")
+            contained(local, rest.lstrip("/"))
+            return head + str(local) + rest
     return value
 
 
