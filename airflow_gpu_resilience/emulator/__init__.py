@@ -23,7 +23,7 @@ Served (``/v2``, see :mod:`.urls`): CreateJob, GetJob, ListJobs, UpdateJob, Dele
 GetExecution, ListExecutions, CancelExecution, DeleteExecution, GetTask, ListTasks, and the
 operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
 ``$alt=json;enum-encoding=int``. Admin endpoints (``/_emulator``: health, reset, preempt,
-preemptions/schedule, faults, transitions, logs) are listed in :mod:`.app`; the image table
+preemptions/schedule, faults, transitions, logs, attempts) are listed in :mod:`.app`; the image table
 format is in :mod:`.images`.
 
 Fault injection: ``POST /_emulator/preempt`` (or ``python -m airflow_gpu_resilience.emulator
@@ -58,7 +58,8 @@ Known differences from Cloud Run:
   gets ``status.code`` 14 and a maintenance message (the real text is unconfirmed).
 - Attempts start through ``setpriv --pdeathsig KILL`` (util-linux) when it exists, so they die
   with a hard-killed emulator; without it a ``preexec_fn`` does the same, more slowly. On two
-  cores about 75-100 short attempts start per second (``benchmarks/bench_emulator.py``).
+  cores 1,000 short tasks at parallelism 50 run at about 180 per second
+  (``benchmarks/bench_emulator.py``).
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and
   ALREADY_EXISTS raises ``Conflict``. A failed execution's LRO carries gRPC code 9 (so

@@ -105,7 +105,7 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
             raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
         handler, params = found
         with state.registry.cond:  # a consistent snapshot: supervisors change state under it
-            result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
+            result = handler(responses.Request(state.registry, params, query, body))
             answer = serialize(result, "enum-encoding=int" in query.get("$alt", ""))
         lost = state.faults.lost_answer(method)  # applied, but the client never hears so
         if lost:

@@ -1,6 +1,6 @@
 """Typed API errors carrying Google's canonical code and status.
 
-Models and the backend raise these; :func:`airflow_gpu_resilience.emulator.app` serializes
+Models, the backend and the request checks raise these; :func:`~.app.error_response` serializes
 them in one place into Google's JSON error shape ``{"error": {"code", "message", "status"}}``,
 which ``google.api_core.exceptions.from_http_response`` maps back to the matching exception.
 """

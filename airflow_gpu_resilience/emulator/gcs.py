@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from gcp_storage_emulator.handlers import objects as gcs_objects
 from gcp_storage_emulator.server import RequestHandler
 from gcp_storage_emulator.settings import STORAGE_DIR
-from gcp_storage_emulator.storage import Storage
+from gcp_storage_emulator.storage import Storage as _EmulatorStorage
 
 from .exceptions import InvalidArgument, PayloadTooLarge, PermissionDenied
 from .guards import contained, header_lists, refusal
@@ -47,6 +47,50 @@ _MAX_BUCKET_INSERT_BYTES = 1024 * 1024
 def bucket_path(data_dir, bucket: str) -> Path:
     """Local directory of ``bucket`` for an emulator whose data directory is ``data_dir``."""
     return contained(Path(data_dir).resolve() / "gcs" / STORAGE_DIR, bucket)
+
+
+class StorageAdapter:
+    """The one place that reaches into ``gcp-storage-emulator`` beyond its request handler: its
+    storage object's index (``buckets``, ``objects``), its private ``_write_config_to_file`` and
+    the private object-resource helpers of its ``objects`` handlers. A new release of that package
+    that renames them breaks this class only.
+
+    :param data_dir: the folder the storage keeps its ``.cloudstorage`` tree and index in.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.backend = _EmulatorStorage(data_dir=str(Path(data_dir).resolve()))
+        #: the folder holding one sub-folder per bucket
+        self.root = Path(self.backend.get_storage_base(), STORAGE_DIR)
+
+    def bucket_names(self) -> list:
+        """Names of the buckets that exist."""
+        return list(self.backend.buckets)
+
+    def has_bucket(self, bucket: str) -> bool:
+        return self.backend.get_bucket(bucket) is not None
+
+    def wipe(self) -> None:
+        """Delete every bucket and object."""
+        self.backend.wipe()
+
+    def object_index(self, bucket: str) -> dict:
+        """The live ``{object name: object resource}`` index of ``bucket`` (changes go to disk
+        with :meth:`save_index`)."""
+        return self.backend.objects.setdefault(bucket, {})
+
+    def save_index(self) -> None:
+        """Write the index (``.meta``) to disk."""
+        self.backend._write_config_to_file()
+
+    def object_resource(self, endpoint: str, bucket: str, name: str, content: bytes, size: int) -> dict:
+        """The object resource the storage keeps for ``content`` (hashes included), typed
+        ``application/octet-stream``.
+
+        :param size: the object's size in bytes, as reported (the file's size when it was stat'ed).
+        """
+        obj = gcs_objects._make_object_resource(endpoint, bucket, name, "application/octet-stream", size)
+        return gcs_objects._checksums(content, obj)
 
 
 #: Paths of the Storage API's bucket insert (``POST``), with and without ``/storage/v1``.
@@ -83,7 +127,7 @@ class _SyncedHandler(RequestHandler):
 
     def __init__(self, service, *args, **kwargs):
         self._service = service
-        super().__init__(service.storage, *args, **kwargs)
+        super().__init__(service.storage.backend, *args, **kwargs)
 
     def _synced(self, method: str, handle) -> None:
         problem = self._refusal(self.headers.get("x-http-method-override") or method)
@@ -91,7 +135,7 @@ class _SyncedHandler(RequestHandler):
             self._send_error(problem)
             return
         with self._service.lock:
-            self._service.reconcile(list(self._service.storage.buckets))
+            self._service.reconcile(self._service.storage.bucket_names())
             try:
                 handle()
             except ValueError as exc:  # the storage refuses '..' in object paths, before answering
@@ -161,14 +205,16 @@ class _SyncedHandler(RequestHandler):
 class GcsService:
     """The storage server plus mount reconciliation.
 
+    :attr:`storage` is the :class:`StorageAdapter`; :attr:`root` its folder of bucket folders.
+
     :param data_dir: emulator data directory; storage goes under ``data_dir / "gcs"``.
     :param port: TCP port on 127.0.0.1 (0 picks a free one; see :attr:`port`).
     """
 
     def __init__(self, data_dir: Path, port: int) -> None:
         self.lock = threading.RLock()
-        self.storage = Storage(data_dir=str(Path(data_dir, "gcs").resolve()))
-        self.root = Path(self.storage.get_storage_base(), STORAGE_DIR)
+        self.storage = StorageAdapter(Path(data_dir, "gcs"))
+        self.root = self.storage.root
         self._httpd = HTTPServer(("127.0.0.1", port), partial(_SyncedHandler, self))
         self.port = self._httpd.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -186,7 +232,7 @@ class GcsService:
 
     def bucket_exists(self, bucket: str) -> bool:
         with self.lock:
-            return self.storage.get_bucket(bucket) is not None
+            return self.storage.has_bucket(bucket)
 
     def bucket_dir(self, bucket: str) -> Path:
         """Local directory backing ``bucket`` (the mount source).
@@ -205,15 +251,15 @@ class GcsService:
         """Index files written through mounts of ``buckets``; drop entries whose file is gone."""
         with self.lock:
             for bucket in buckets:
-                if self.storage.get_bucket(bucket) is not None and self._reconcile_bucket(bucket):
-                    self.storage._write_config_to_file()
+                if self.storage.has_bucket(bucket) and self._reconcile_bucket(bucket):
+                    self.storage.save_index()
 
     def _reconcile_bucket(self, bucket: str) -> bool:
         root = self.bucket_dir(bucket)
         # rglob does not descend into linked folders; linked files are skipped (they may point
         # out of the data folder, and the Storage API would serve what they point at)
         on_disk = {p.relative_to(root).as_posix(): p for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
-        index = self.storage.objects.setdefault(bucket, {})
+        index = self.storage.object_index(bucket)
         changed = False
         for name in [n for n in index if n not in on_disk]:
             del index[name]
@@ -237,7 +283,5 @@ class GcsService:
         self._seen[(bucket, name)] = (key, checked_at)
         if name in index and index[name].get("md5Hash") == md5:
             return False
-        obj = gcs_objects._make_object_resource(
-            self.endpoint, bucket, name, "application/octet-stream", stat.st_size)
-        index[name] = gcs_objects._checksums(content, obj)
+        index[name] = self.storage.object_resource(self.endpoint, bucket, name, content, stat.st_size)
         return True

@@ -1,7 +1,8 @@
 """REST handlers: parse the request, make one backend call, serialize the result.
 
 Each handler takes a :class:`Request` and returns a protobuf or proto-plus message (or a list
-response); :mod:`app` turns that into JSON (camelCase, integer enums when ``$alt`` asks).
+response); the route table in :mod:`.urls` names these functions, and :mod:`.app` turns their
+result into JSON (camelCase, integer enums when ``$alt`` asks).
 """
 
 from __future__ import annotations

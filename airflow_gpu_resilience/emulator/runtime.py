@@ -1,16 +1,19 @@
-"""Task attempts as local child processes, one supervisor thread per execution.
+"""Task attempts as local child processes: what one attempt runs, with which environment, where
+its output goes, and how its end becomes a ``TaskAttemptResult``.
 
-Each attempt runs in its own process group (``start_new_session=True``) with the container's
-argv from the :mod:`images` table, its env plus ``CLOUD_RUN_JOB``, ``CLOUD_RUN_EXECUTION``,
-``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and ``CLOUD_RUN_TASK_COUNT``.
-stdout and stderr go to ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt
-gets the parent-death signal SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has
-it, which keeps ``subprocess`` on its vfork path; else with a ``preexec_fn``), so attempts die
-with a hard-killed emulator.
+:func:`launch` starts one attempt in its own process group (``start_new_session=True``) with the
+container's argv from the :mod:`.images` table, its env plus ``CLOUD_RUN_JOB``,
+``CLOUD_RUN_EXECUTION``, ``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and
+``CLOUD_RUN_TASK_COUNT``. stdout and stderr go to
+``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt gets the parent-death signal
+SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has it, which keeps ``subprocess``
+on its vfork path; else with a ``preexec_fn``), so attempts die with a hard-killed emulator.
+:class:`Attempt` is one running attempt: it signals its process group (:meth:`Attempt.stop`:
+SIGTERM now, SIGKILL due after the grace) and translates its return code and stop reason
+(:meth:`Attempt.result`). :class:`RuntimePolicy` holds the settings (grace, pacing, retries).
 
-The supervisor is the only writer of execution and task state after creation: it starts up to
-``parallelism`` tasks, reaps attempts, enforces the per-attempt timeout (SIGTERM, grace,
-SIGKILL), applies retries (``maxRetries`` per task), and finishes the execution.
+When attempts start, are reaped, time out, are retried or end the execution is decided by the
+execution's :class:`~.supervisor.ExecutionSupervisor`, not here.
 
 Known differences from Cloud Run:
 - No container isolation: the process inherits the emulator's environment (PATH, HOME, ...)

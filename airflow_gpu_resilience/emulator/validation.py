@@ -1,6 +1,7 @@
 """Job validation as Cloud Run does it, raising ``InvalidArgument`` that names the field.
 
-Rules (see ``reference/cloud-run-admin-api-v2.md``; the preview rules are inferred):
+Rules (Cloud Run's documented ones; which features need a preview launch stage is inferred
+from its documentation, not confirmed):
 - job id: lowercase letters, digits and hyphens, starts with a letter, no trailing hyphen,
   at most 63 characters;
 - at least one container, each with an image; ``taskCount`` >= 1 (0 means the default 1);

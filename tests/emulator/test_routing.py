@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from airflow_gpu_resilience.emulator import urls
+from airflow_gpu_resilience.emulator import responses, urls
 from airflow_gpu_resilience.emulator.app import AppState, create_app
 from airflow_gpu_resilience.emulator.backend import Registry
 from airflow_gpu_resilience.emulator.faults import ApiFaults
@@ -20,15 +20,15 @@ BASE = "http://127.0.0.1:8123"
 
 
 @pytest.mark.parametrize("method, path, handler", [
-    ("POST", f"{P}/jobs", "create_job"),
-    ("GET", f"{P}/jobs/j", "get_job"),
-    ("POST", f"{P}/jobs/j:run", "run_job"),
-    ("GET", f"{P}/jobs/-/executions", "list_executions"),
-    ("POST", f"{P}/jobs/j/executions/e:cancel", "cancel_execution"),
-    ("GET", f"{P}/jobs/j/executions/e/tasks", "list_tasks"),
-    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", "get_task"),
-    ("POST", f"{P}/operations/abc:wait", "wait_operation"),
-    ("DELETE", f"{P}/operations/abc", "delete_operation"),
+    ("POST", f"{P}/jobs", responses.create_job),
+    ("GET", f"{P}/jobs/j", responses.get_job),
+    ("POST", f"{P}/jobs/j:run", responses.run_job),
+    ("GET", f"{P}/jobs/-/executions", responses.list_executions),
+    ("POST", f"{P}/jobs/j/executions/e:cancel", responses.cancel_execution),
+    ("GET", f"{P}/jobs/j/executions/e/tasks", responses.list_tasks),
+    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", responses.get_task),
+    ("POST", f"{P}/operations/abc:wait", responses.wait_operation),
+    ("DELETE", f"{P}/operations/abc", responses.delete_operation),
 ])
 def test_route_table(method, path, handler):
     assert urls.match(method, path)[0] == handler

@@ -132,8 +132,8 @@ def test_gcs_emulator_refuses_page_requests_and_serves_the_storage_client(emulat
 def test_a_50_mb_create_job_is_refused_with_413(jobs, job_id):
     big = make_job("local/exit:latest", env={"BIG": "x" * (50 << 20)})
     with pytest.raises(gexc.GoogleAPICallError) as err:
-        jobs.create_job(parent=PARENT, job=big, job_id=job_id).result(timeout=30)
-    assert err.value.code == 413 and "exceeds the limit" in err.value.message
+        jobs.create_job(parent=PARENT, job=big, job_id=job_id, timeout=120).result(timeout=30)
+    assert err.value.code == 413 and "exceeds the limit" in err.value.message, repr(err.value)
     with pytest.raises(gexc.NotFound):
         jobs.get_job(name=f"{PARENT}/jobs/{job_id}")
 
