@@ -38,7 +38,7 @@ from airflow_gpu_resilience.emulator.process import EmulatorProcess
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PARENT = "projects/bench/locations/us-central1"
+PARENT = "projects/bench-project/locations/us-central1"
 IMAGE = "bench/short:latest"
 SHORT_COMMAND = 'echo "task $CLOUD_RUN_TASK_INDEX attempt $CLOUD_RUN_TASK_ATTEMPT"; sleep "$TASK_SECONDS"'
 RESULTS = Path(__file__).resolve().parent / "results"

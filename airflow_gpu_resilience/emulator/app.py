@@ -21,7 +21,9 @@ Admin endpoints:
   "message", "stopReason", "log"}]}``: every ended attempt (``stopReason`` is ``preempted``,
   ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure.
 
-Errors from the backend are serialized here, once, into Google's JSON error shape.
+Every request first passes :class:`~.guards.GuardMiddleware` (loopback ``Host``, no foreign
+``Origin``, ``application/json`` bodies, at most 4 MiB). Errors from the backend are serialized
+here, once, into Google's JSON error shape.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -43,6 +46,7 @@ from . import responses, urls
 from .backend import Registry
 from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
+from .guards import GuardMiddleware, contained
 
 _TASK_NAME = "/tasks/"
 logger = logging.getLogger(__name__)
@@ -101,7 +105,7 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
             raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
         handler, params = found
         with state.registry.cond:  # a consistent snapshot: supervisors change state under it
-            result = getattr(responses, handler)(responses.Request(state.registry, params, query, body))
+            result = handler(responses.Request(state.registry, params, query, body))
             answer = serialize(result, "enum-encoding=int" in query.get("$alt", ""))
         lost = state.faults.lost_answer(method)  # applied, but the client never hears so
         if lost:
@@ -127,6 +131,7 @@ def _locked(cond, func, *args):
 def create_app(state: AppState) -> FastAPI:
     """Build the application around ``state``."""
     app = FastAPI(title="Cloud Run Admin API v2 emulator", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(GuardMiddleware)  # loopback Host, no foreign Origin, JSON only, body limit
     _add_admin_routes(app, state)
 
     @app.api_route("/v2/{path:path}", methods=["GET", "POST", "PATCH", "DELETE"])
@@ -141,9 +146,14 @@ def create_app(state: AppState) -> FastAPI:
 async def _json_body(request: HttpRequest) -> dict:
     raw = await request.body()
     try:
-        return json.loads(raw or b"{}")
+        body = json.loads(raw or b"{}")
     except ValueError:  # also UnicodeDecodeError
         raise InvalidArgument("Invalid JSON body.") from None
+    except RecursionError:
+        raise InvalidArgument("Invalid JSON body: nested too deeply.") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"Invalid JSON body: expected an object, got {type(body).__name__}.")
+    return body
 
 
 def _add_admin_routes(app: FastAPI, state: AppState) -> None:
@@ -187,7 +197,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/_emulator/attempts/{name:path}")
     def attempts(name: str):
-        return {"attempts": state.registry.for_name(name).attempts(name)}
+        return {"attempts": state.registry.for_name(name, "name").attempts(name)}
 
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):
@@ -238,12 +248,14 @@ def apply_transitions(policy, body: dict) -> dict:
 def _preempt(state: AppState, body: dict) -> dict:
     try:
         if "task" in body:
+            field = "task"
             execution, _, task = str(body["task"]).partition(_TASK_NAME)
             index = int(task.rsplit("-task", 1)[-1]) if "-task" in task else -1
         elif "execution" in body:
             raw_index = body.get("taskIndex", 0)
             if isinstance(raw_index, bool) or not isinstance(raw_index, int) or raw_index < 0:
                 raise InvalidArgument(f"taskIndex: must be an integer >= 0, got {raw_index!r}.")
+            field = "execution"
             execution, index = str(body["execution"]), raw_index
         else:
             raise InvalidArgument("execution: give 'execution' (and 'taskIndex') or 'task'.")
@@ -254,15 +266,27 @@ def _preempt(state: AppState, body: dict) -> dict:
     for key, value, limit in (("graceSeconds", grace, 3600.0), ("waitSeconds", wait, 3600.0)):
         if not 0 <= value <= limit:
             raise InvalidArgument(f"{key}: must be between 0 and {limit:g} seconds, got {value!r}.")
-    return state.registry.for_name(execution).preempt(execution, index, grace, wait)
+    return state.registry.for_name(execution, field).preempt(execution, index, grace, wait)
+
+
+#: An execution or task name as the emulator makes them (the log folder is the execution's id).
+_LOG_NAME = re.compile(
+    r"^projects/[^/]+/locations/[^/]+/jobs/[a-z][-a-z0-9]*/executions/(?P<execution>[a-z][-a-z0-9]*)"
+    r"(?:/tasks/(?P=execution)-task(?P<index>[0-9]+))?/?$")
 
 
 def read_logs(data_dir: Path, name: str) -> str:
-    """Concatenated attempt logs of an execution, or of one task when ``name`` is a task."""
-    execution, _, task = name.partition(_TASK_NAME)
-    short = execution.rstrip("/").rsplit("/", 1)[-1]
-    log_dir = Path(data_dir, "logs", short)
-    prefix = f"task{task.rsplit('-task', 1)[-1]}-" if task else "task"
+    """Concatenated attempt logs of an execution, or of one task when ``name`` is a task.
+
+    :raises InvalidArgument: when ``name`` is not an execution or task name.
+    :raises NotFound: when there are no logs.
+    """
+    found = _LOG_NAME.match(name)
+    if not found:
+        raise InvalidArgument(f"name: '{name}' is not an execution or task name.")
+    log_dir = contained(Path(data_dir, "logs"), found.group("execution"))
+    index = found.group("index")
+    prefix = f"task{index}-" if index is not None else "task"
     files = sorted(log_dir.glob(f"{prefix}*.log"), key=lambda p: p.name) if log_dir.is_dir() else []
     if not files:
         raise NotFound(f"No logs for '{name}'.")

@@ -63,12 +63,19 @@ class Registry:
         self.cond = threading.Condition(threading.RLock())
         self._backends: dict = {}
 
-    def for_name(self, name: str) -> "CloudRunBackend":
-        """The backend owning a resource (or parent) name ``projects/P/locations/L/...``."""
+    def for_name(self, name: str, field: str = "name") -> "CloudRunBackend":
+        """The backend owning a resource (or parent) name ``projects/P/locations/L/...``.
+
+        :param name: the resource or parent name.
+        :param field: the request field that carried it, for error messages.
+        :raises InvalidArgument: naming ``field``, when the name is not of that form or its
+            project id or location breaks Cloud Run's rules (see :mod:`.validation`).
+        """
         match = NAME.match(name)
         if not match:
-            raise InvalidArgument(f"name: '{name}' is not of the form projects/*/locations/*/...")
+            raise InvalidArgument(f"{field}: '{name}' is not of the form projects/*/locations/*/...")
         key = (match.group("p"), match.group("l"))
+        validation.validate_project_location(*key, field)
         with self.cond:
             if key not in self._backends:
                 self._backends[key] = CloudRunBackend(*key, registry=self)

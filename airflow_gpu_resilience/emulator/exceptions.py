@@ -1,6 +1,6 @@
 """Typed API errors carrying Google's canonical code and status.
 
-Models and the backend raise these; :func:`airflow_gpu_resilience.emulator.app` serializes
+Models, the backend and the request checks raise these; :func:`~.app.error_response` serializes
 them in one place into Google's JSON error shape ``{"error": {"code", "message", "status"}}``,
 which ``google.api_core.exceptions.from_http_response`` maps back to the matching exception.
 """
@@ -33,6 +33,23 @@ class InvalidArgument(EmulatorError):
 
 class FailedPrecondition(EmulatorError):
     http_code, grpc_code, status = 400, 9, "FAILED_PRECONDITION"
+
+
+class PermissionDenied(EmulatorError):
+    http_code, grpc_code, status = 403, 7, "PERMISSION_DENIED"
+
+
+class PayloadTooLarge(EmulatorError):
+    """A request body over the emulator's limit: HTTP 413; gRPC reports an oversized message
+    as RESOURCE_EXHAUSTED."""
+
+    http_code, grpc_code, status = 413, 8, "RESOURCE_EXHAUSTED"
+
+
+class UnsupportedMediaType(EmulatorError):
+    """A request body that is not JSON: HTTP 415, INVALID_ARGUMENT."""
+
+    http_code, grpc_code, status = 415, 3, "INVALID_ARGUMENT"
 
 
 class NotFound(EmulatorError):

@@ -25,7 +25,7 @@ drawn at random. ``POST /_emulator/preemptions/schedule`` (or ``serve --preempt-
     {"meanSeconds": 30,      # mean time between preemptions (required, > 0)
      "seed": 1,              # arrival times and picks are drawn from generators seeded with it
      "graceSeconds": 10,     # SIGTERM-to-SIGKILL grace (default: the emulator's graceSeconds)
-     "namePrefix": "projects/p/locations/l/jobs/train",  # only tasks whose name starts so
+     "namePrefix": "projects/my-project/locations/us-central1/jobs/train",  # only these tasks
      "maxPreemptions": 0}    # stop after this many (0: no limit)
 
 The arrival times depend on the seed only; the pick at an arrival is the seeded draw among

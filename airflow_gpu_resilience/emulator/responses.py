@@ -1,7 +1,8 @@
 """REST handlers: parse the request, make one backend call, serialize the result.
 
 Each handler takes a :class:`Request` and returns a protobuf or proto-plus message (or a list
-response); :mod:`app` turns that into JSON (camelCase, integer enums when ``$alt`` asks).
+response); the route table in :mod:`.urls` names these functions, and :mod:`.app` turns their
+result into JSON (camelCase, integer enums when ``$alt`` asks).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Request:
 
     @property
     def backend(self):
-        return self.registry.for_name(self.path_name)
+        return self.registry.for_name(self.path_name, "name" if "name" in self.params else "parent")
 
     def flag(self, key: str) -> bool:
         return str(self.query.get(key, "")).lower() in ("1", "true")
@@ -54,6 +55,8 @@ class Request:
             return cls.from_json(self.body or b"{}")
         except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument("Invalid JSON payload: nested too deeply.") from None
 
     def pb(self, pb_cls):
         """The body parsed into a plain protobuf message."""
@@ -61,6 +64,8 @@ class Request:
             return json_format.Parse(self.body or b"{}", pb_cls())
         except (json_format.ParseError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"Invalid JSON payload: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument("Invalid JSON payload: nested too deeply.") from None
 
 
 def create_job(req: Request):

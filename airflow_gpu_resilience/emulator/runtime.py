@@ -1,23 +1,27 @@
-"""Task attempts as local child processes, one supervisor thread per execution.
+"""Task attempts as local child processes: what one attempt runs, with which environment, where
+its output goes, and how its end becomes a ``TaskAttemptResult``.
 
-Each attempt runs in its own process group (``start_new_session=True``) with the container's
-argv from the :mod:`images` table, its env plus ``CLOUD_RUN_JOB``, ``CLOUD_RUN_EXECUTION``,
-``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and ``CLOUD_RUN_TASK_COUNT``.
-stdout and stderr go to ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt
-gets the parent-death signal SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has
-it, which keeps ``subprocess`` on its vfork path; else with a ``preexec_fn``), so attempts die
-with a hard-killed emulator.
+:func:`launch` starts one attempt in its own process group (``start_new_session=True``) with the
+container's argv from the :mod:`.images` table, its env plus ``CLOUD_RUN_JOB``,
+``CLOUD_RUN_EXECUTION``, ``CLOUD_RUN_TASK_INDEX``, ``CLOUD_RUN_TASK_ATTEMPT`` (0-based) and
+``CLOUD_RUN_TASK_COUNT``. stdout and stderr go to
+``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt gets the parent-death signal
+SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has it, which keeps ``subprocess``
+on its vfork path; else with a ``preexec_fn``), so attempts die with a hard-killed emulator.
+:class:`Attempt` is one running attempt: it signals its process group (:meth:`Attempt.stop`:
+SIGTERM now, SIGKILL due after the grace) and translates its return code and stop reason
+(:meth:`Attempt.result`). :class:`RuntimePolicy` holds the settings (grace, pacing, retries).
 
-The supervisor is the only writer of execution and task state after creation: it starts up to
-``parallelism`` tasks, reaps attempts, enforces the per-attempt timeout (SIGTERM, grace,
-SIGKILL), applies retries (``maxRetries`` per task), and finishes the execution.
+When attempts start, are reaped, time out, are retried or end the execution is decided by the
+execution's :class:`~.supervisor.ExecutionSupervisor`, not here.
 
 Known differences from Cloud Run:
 - No container isolation: the process inherits the emulator's environment (PATH, HOME, ...)
   under the image table's and the container's env.
 - GCS volumes: processes cannot see ``/checkpoints``, so every env value, arg and command
   element equal to a mount path or starting with ``mountPath + "/"`` (also after ``--flag=``)
-  is rewritten to the bucket's local directory (honouring ``subPath``).
+  is rewritten to the bucket's local directory (honouring ``subPath``); a rewritten path never
+  leaves that directory (validation refuses such jobs, :func:`rewrite` refuses them again).
 - Only the first container runs; sidecars, probes, secrets (``valueSource``) are ignored.
 """
 
@@ -38,6 +42,7 @@ from typing import Optional
 
 from google.cloud import run_v2
 
+from .guards import PathEscape, climbs_out, contained, under_mount
 from .images import ImageEntry, ImageTable
 from .models import PREEMPTION_MESSAGE, AttemptResult, Task, utcnow
 
@@ -128,22 +133,34 @@ class RuntimeConfig:
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs) -> list:
-    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts."""
+    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts.
+
+    :raises PathEscape: when a ``subPath`` leads out of its bucket's folder (validation refuses
+        such a job first; this is the last line).
+    """
     buckets = {v.name: v.gcs.bucket for v in template.volumes if v.gcs.bucket}
     pairs = []
     for mount in template.containers[0].volume_mounts if template.containers else []:
         if mount.name in buckets:
             local = gcs.bucket_dir(buckets[mount.name])
-            pairs.append((mount.mount_path.rstrip("/") or "/", local / mount.sub_path if mount.sub_path else local))
+            pairs.append((mount.mount_path.rstrip("/") or "/", contained(local, mount.sub_path) if mount.sub_path else local))
     return pairs
 
 
 def rewrite(value: str, mounts: list) -> str:
-    """Map a container path under a mount path to its local directory; other values unchanged."""
-    prefix, sep, rest = value.partition("=") if value.startswith("-") else ("", "", value)
+    """Map a container path under a mount path to its local directory; other values unchanged.
+
+    :raises PathEscape: when the path would lead out of the mount's folder (``/checkpoints/../x``;
+        validation refuses such a job first).
+    """
     for mount_path, local in mounts:
-        if rest == mount_path or rest.startswith(mount_path + "/"):
-            return prefix + sep + str(local) + rest[len(mount_path):]
+        split = under_mount(value, mount_path)
+        if split is not None:
+            head, rest = split
+            if climbs_out(rest):
+                raise PathEscape(f"'{value}' leads out of the volume mounted at {mount_path}.")
+            contained(local, rest.lstrip("/"))
+            return head + str(local) + rest
     return value
 
 

@@ -1,6 +1,8 @@
 """Assemble and run the emulator: GCS emulator, backends, FastAPI app, uvicorn.
 
-Everything binds to 127.0.0.1. Once both servers accept connections one JSON line is printed
+Everything binds to 127.0.0.1, and both servers apply the checks of :mod:`.guards` (loopback
+``Host``, no foreign ``Origin``, JSON bodies, a body limit). Once both accept connections one JSON
+line is printed
 to stdout: ``{"ready": true, "endpoint", "gcsEndpoint", "dataDir", "pid"}``. On SIGTERM or
 SIGINT uvicorn stops, then every task attempt's process group gets SIGTERM, and SIGKILL after
 a short grace, before the process exits.

@@ -1,6 +1,7 @@
 """Job validation as Cloud Run does it, raising ``InvalidArgument`` that names the field.
 
-Rules (see ``reference/cloud-run-admin-api-v2.md``; the preview rules are inferred):
+Rules (Cloud Run's documented ones; which features need a preview launch stage is inferred
+from its documentation, not confirmed):
 - job id: lowercase letters, digits and hyphens, starts with a letter, no trailing hyphen,
   at most 63 characters;
 - at least one container, each with an image; ``taskCount`` >= 1 (0 means the default 1);
@@ -10,7 +11,12 @@ Rules (see ``reference/cloud-run-admin-api-v2.md``; the preview rules are inferr
   minimum CPU and memory (nvidia-l4: 4 vCPU, 16 GiB; nvidia-rtx-pro-6000: 20 vCPU, 80 GiB);
 - launch stage ALPHA or BETA is required for the nvidia-rtx-pro-6000 GPU, for a GPU task
   timeout over 1 h, and for a non-GPU timeout over 24 h;
-- every GCS volume's bucket exists; every volume mount names a declared volume;
+- project ids (6-30 lowercase letters, digits, hyphens; or a project number) and regions in
+  names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
+- every GCS volume's bucket exists; every volume mount names a declared volume; a
+  ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
+  without ``..``; an env value, arg or command element under a GCS mount path does not lead out
+  of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
 - labels/annotations in reserved namespaces (``run.googleapis.com`` etc.) are rejected.
 
 Not validated: CPU/memory values beyond the GPU minimums, ports, probes, service accounts.
@@ -24,6 +30,7 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 
 from .exceptions import InvalidArgument
+from .guards import climbs_out, under_mount
 
 JOB_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 GPU_KEY = "nvidia.com/gpu"
@@ -36,6 +43,56 @@ _MEM_UNITS = {"": 1 / 2**30, "K": 1e3 / 2**30, "M": 1e6 / 2**30, "G": 1e9 / 2**3
               "Ki": 1 / 2**20, "Mi": 1 / 2**10, "Gi": 1.0, "Ti": 2.0**10}
 
 TT = "job.template.template"
+
+
+#: A project id (6-30 lowercase letters, digits or hyphens, starting with a letter, not ending
+#: with a hyphen) or a project number.
+PROJECT_ID = re.compile(r"^(?:[a-z][-a-z0-9]{4,28}[a-z0-9]|[1-9][0-9]{0,19})$")
+#: A Cloud Run region: lowercase words joined by hyphens, ending in a number (``us-central1``).
+LOCATION = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]{1,2}$")
+
+
+def validate_project_location(project: str, location: str, field: str) -> None:
+    """Reject a project id or location that Cloud Run would reject (``..`` included).
+
+    :param project: the ``projects/{project}`` segment of a name.
+    :param location: the ``locations/{location}`` segment.
+    :param field: the request field the name came in (``name``, ``parent``, ...), for the message.
+    :raises InvalidArgument: naming ``field`` and the rule broken.
+    """
+    if not PROJECT_ID.match(project):
+        raise InvalidArgument(
+            f"{field}: project '{project}' is not a project id (6 to 30 lowercase letters, digits or "
+            "hyphens, starting with a letter and not ending with a hyphen) or a project number.")
+    if not LOCATION.match(location):
+        raise InvalidArgument(f"{field}: location '{location}' is not a Cloud Run region such as 'us-central1'.")
+
+
+_BUCKET = re.compile(r"^[a-z0-9][-_.a-z0-9]*[a-z0-9]$")
+_DOTTED_QUAD = re.compile(r"^[0-9]{1,3}(?:\.[0-9]{1,3}){3}$")
+_GOOGLE = re.compile(r"g[o0][o0]g[l1]e")
+
+
+def validate_bucket_name(name, field: str = "name") -> None:
+    """Reject a bucket name that Cloud Storage would reject: 3-63 characters (222 with dots,
+    63 between dots), lowercase letters, digits, ``-``, ``_`` and ``.``, starting and ending with
+    a letter or digit; not an IP address; not starting with ``goog``; no ``google`` (or
+    ``g00gle`` and the like).
+
+    :param name: the proposed bucket name (any JSON value).
+    :param field: the request field, for the message.
+    :raises InvalidArgument: naming ``field`` and the rule broken.
+    """
+    rules = ("Bucket names must be 3-63 characters (222 with dots, 63 between dots) of lowercase letters, "
+             "digits, '-', '_' and '.', start and end with a letter or digit, not be an IP address, not "
+             "start with 'goog' and not contain 'google'.")
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{field}: a bucket name must be a string, got {name!r}. {rules}")
+    parts = name.split(".")
+    if (not _BUCKET.match(name) or len(name) < 3 or len(name) > (222 if len(parts) > 1 else 63)
+            or any(not part or len(part) > 63 for part in parts) or _DOTTED_QUAD.match(name)
+            or name.startswith("goog") or _GOOGLE.search(name)):
+        raise InvalidArgument(f"{field}: invalid bucket name '{name}'. {rules}")
 
 
 def validate_job_id(job_id: str) -> None:
@@ -146,17 +203,56 @@ def validate_task_template(template: run_v2.TaskTemplate, bucket_exists) -> str:
 
 
 def _validate_volumes(template: run_v2.TaskTemplate, bucket_exists) -> None:
-    names = set()
+    names, gcs_names = set(), set()
     for i, volume in enumerate(template.volumes):
+        if not volume.name:
+            raise InvalidArgument(f"{TT}.volumes[{i}].name: a volume name is required.")
         names.add(volume.name)
-        if "gcs" in volume and not bucket_exists(volume.gcs.bucket):
-            raise InvalidArgument(
-                f"{TT}.volumes[{i}].gcs.bucket: bucket '{volume.gcs.bucket}' does not exist.")
-    for c, container in enumerate(template.containers):
-        for m, mount in enumerate(container.volume_mounts):
-            if mount.name not in names:
+        if "gcs" in volume:
+            gcs_names.add(volume.name)
+            if not bucket_exists(volume.gcs.bucket):
                 raise InvalidArgument(
-                    f"{TT}.containers[{c}].volume_mounts[{m}].name: no volume named '{mount.name}'.")
+                    f"{TT}.volumes[{i}].gcs.bucket: bucket '{volume.gcs.bucket}' does not exist.")
+    sql = {v.name for v in template.volumes if "cloud_sql_instance" in v}
+    for c, container in enumerate(template.containers):
+        mounted = []
+        for m, mount in enumerate(container.volume_mounts):
+            field = f"{TT}.containers[{c}].volume_mounts[{m}]"
+            if mount.name not in names:
+                raise InvalidArgument(f"{field}.name: no volume named '{mount.name}'.")
+            _validate_mount_paths(mount, field, mount.name in sql)
+            if mount.name in gcs_names:
+                mounted.append(mount.mount_path.rstrip("/"))
+        _validate_paths_in_volumes(container, f"{TT}.containers[{c}]", mounted)
+
+
+def _validate_mount_paths(mount: run_v2.VolumeMount, field: str, cloud_sql: bool) -> None:
+    """``mountPath``: absolute, no ``:``, no ``..``, not ``/`` (empty only for Cloud SQL);
+    ``subPath``: relative, no ``..`` (it must stay inside the volume)."""
+    path = mount.mount_path
+    if not path and not cloud_sql:
+        raise InvalidArgument(f"{field}.mount_path: a mount path is required.")
+    if path and (not path.startswith("/") or ":" in path or ".." in path.split("/") or not path.strip("/")):
+        raise InvalidArgument(
+            f"{field}.mount_path: '{path}' must be an absolute path other than '/', without ':' or '..'.")
+    sub = mount.sub_path
+    if sub and (sub.startswith("/") or ".." in sub.split("/")):
+        raise InvalidArgument(f"{field}.sub_path: '{sub}' must be a relative path inside the volume, without '..'.")
+
+
+def _validate_paths_in_volumes(container: run_v2.Container, field: str, mount_paths: list) -> None:
+    """Env values, args and command elements under a GCS mount path (the emulator rewrites them
+    to the bucket's folder) must not lead out of the volume (``/checkpoints/../x``)."""
+    if not mount_paths:
+        return
+    values = [(f"{field}.env[{i}].value", var.value) for i, var in enumerate(container.env)]
+    values += [(f"{field}.args[{i}]", arg) for i, arg in enumerate(container.args)]
+    values += [(f"{field}.command[{i}]", part) for i, part in enumerate(container.command)]
+    for where, value in values:
+        for mount_path in mount_paths:
+            split = under_mount(value, mount_path)
+            if split is not None and climbs_out(split[1]):
+                raise InvalidArgument(f"{where}: '{value}' leads out of the volume mounted at {mount_path}.")
 
 
 def _validate_containers(template: run_v2.TaskTemplate) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from airflow_gpu_resilience.emulator import urls
+from airflow_gpu_resilience.emulator import responses, urls
 from airflow_gpu_resilience.emulator.app import AppState, create_app
 from airflow_gpu_resilience.emulator.backend import Registry
 from airflow_gpu_resilience.emulator.faults import ApiFaults
@@ -14,19 +14,21 @@ from airflow_gpu_resilience.emulator.runtime import RuntimeConfig
 
 from .test_backend import FakeGcs
 
-P = "projects/p/locations/us-central1"
+P = "projects/test-project/locations/us-central1"
+#: The emulator answers loopback Host values only.
+BASE = "http://127.0.0.1:8123"
 
 
 @pytest.mark.parametrize("method, path, handler", [
-    ("POST", f"{P}/jobs", "create_job"),
-    ("GET", f"{P}/jobs/j", "get_job"),
-    ("POST", f"{P}/jobs/j:run", "run_job"),
-    ("GET", f"{P}/jobs/-/executions", "list_executions"),
-    ("POST", f"{P}/jobs/j/executions/e:cancel", "cancel_execution"),
-    ("GET", f"{P}/jobs/j/executions/e/tasks", "list_tasks"),
-    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", "get_task"),
-    ("POST", f"{P}/operations/abc:wait", "wait_operation"),
-    ("DELETE", f"{P}/operations/abc", "delete_operation"),
+    ("POST", f"{P}/jobs", responses.create_job),
+    ("GET", f"{P}/jobs/j", responses.get_job),
+    ("POST", f"{P}/jobs/j:run", responses.run_job),
+    ("GET", f"{P}/jobs/-/executions", responses.list_executions),
+    ("POST", f"{P}/jobs/j/executions/e:cancel", responses.cancel_execution),
+    ("GET", f"{P}/jobs/j/executions/e/tasks", responses.list_tasks),
+    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", responses.get_task),
+    ("POST", f"{P}/operations/abc:wait", responses.wait_operation),
+    ("DELETE", f"{P}/operations/abc", responses.delete_operation),
 ])
 def test_route_table(method, path, handler):
     assert urls.match(method, path)[0] == handler
@@ -34,14 +36,15 @@ def test_route_table(method, path, handler):
 
 def test_http_errors_use_google_shape(tmp_path):
     config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
-    registry = Registry(config, "http://testserver")
-    client = TestClient(create_app(AppState(registry, ApiFaults(), config.gcs, tmp_path)))
+    registry = Registry(config, BASE)
+    client = TestClient(create_app(AppState(registry, ApiFaults(), config.gcs, tmp_path)), base_url=BASE)
     missing = client.post(f"/v2/{P}/jobs/nope:run", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["status"] == "NOT_FOUND" and "nope" in missing.json()["error"]["message"]
     assert client.get(f"/v2/{P}/jobs/j:run").json()["error"]["status"] == "UNIMPLEMENTED"
     assert client.get("/v2/nothing/here").status_code == 404
-    bad = client.post(f"/v2/{P}/jobs?jobId=j", content=b'{"notAField": 1}')
+    bad = client.post(f"/v2/{P}/jobs?jobId=j", content=b'{"notAField": 1}',
+                      headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
     created = client.post(f"/v2/{P}/jobs?jobId=j&$alt=json;enum-encoding=int",
                           json={"template": {"template": {"containers": [{"image": "x"}]}}})
@@ -51,7 +54,7 @@ def test_http_errors_use_google_shape(tmp_path):
 
 def test_transitions_endpoint(tmp_path):
     config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
-    client = TestClient(create_app(AppState(Registry(config, "http://testserver"), ApiFaults(), config.gcs, tmp_path)))
+    client = TestClient(create_app(AppState(Registry(config, BASE), ApiFaults(), config.gcs, tmp_path)), base_url=BASE)
     answer = client.post("/_emulator/transitions", json={"taskStartDelaySeconds": 1.5, "preemptionConsumesRetry": False})
     assert answer.json()["taskStartDelaySeconds"] == 1.5 and config.policy.preemption_consumes_retry is False
     assert client.post("/_emulator/transitions", json={"nope": 1}).json()["error"]["status"] == "INVALID_ARGUMENT"
@@ -61,8 +64,8 @@ def test_transitions_endpoint(tmp_path):
 
 def test_bad_admin_requests_use_google_shape(tmp_path):
     config = RuntimeConfig(data_dir=tmp_path, images=ImageTable({}, tmp_path), gcs=FakeGcs(tmp_path))
-    client = TestClient(create_app(AppState(Registry(config, "http://testserver"), ApiFaults(), config.gcs, tmp_path)),
-                        raise_server_exceptions=False)
+    client = TestClient(create_app(AppState(Registry(config, BASE), ApiFaults(), config.gcs, tmp_path)),
+                        raise_server_exceptions=False, base_url=BASE)
     bad = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e", "taskIndex": "x"})
     assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
     missing = client.post("/_emulator/preempt", json={"execution": f"{P}/jobs/j/executions/e"})
