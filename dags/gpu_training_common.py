@@ -12,9 +12,9 @@ import json
 import re
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
-from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
 from airflow.sdk import Param, task
 
+from airflow_gpu_resilience.hooks.gcs import MANAGED_BY_LABEL, MANAGED_BY_VALUE, CheckpointBucketHook
 from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator, CloudRunGpuExecuteJobOperator
 
 #: Object name of the full dataset inside the checkpoint bucket: the worker's default ``--data``,
@@ -73,23 +73,33 @@ WORKER_ARGS = [
 ]
 
 
-def create_bucket_operator() -> GCSCreateBucketOperator:
-    """:return: the ``create_bucket`` task: the checkpoint bucket, regional (in the job's region),
-    standard storage class; an existing bucket is left as it is."""
-    return GCSCreateBucketOperator(
-        task_id="create_bucket",
-        bucket_name="{{ params.bucket }}",
-        location="{{ params.region }}",
+@task
+def create_bucket(params: dict | None = None) -> dict:
+    """The checkpoint bucket: regional (in the job's region), standard class, labelled
+    ``managed-by=airflow-gpu-resilience`` and ``gcp-project=<project_id>``.
+
+    An existing bucket is used only if it is ours from an earlier run (that label, the same
+    project); someone else's bucket fails this task, naming the bucket and what to do, before
+    the grant, the upload or anything else touches it
+    (:meth:`~airflow_gpu_resilience.hooks.gcs.CheckpointBucketHook.ensure_bucket`).
+
+    :return: ``{"bucket", "created", "labels", "project_number"}``.
+    :raises CheckpointBucketNotOursError: the bucket exists and is not ours.
+    """
+    return CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).ensure_bucket(
+        bucket_name=params["bucket"], project_id=params["project_id"], location=params["region"],
         storage_class="STANDARD",
-        project_id="{{ params.project_id }}",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
     )
+
+
+#: Labels on the deployed Cloud Run job: cleanup deletes only a job that carries them.
+JOB_LABELS = {MANAGED_BY_LABEL: MANAGED_BY_VALUE}
 
 
 def deploy_operator() -> CloudRunGpuDeployJobOperator:
     """:return: the ``deploy_job`` task: the GPU job from the params (L4 by default, no zonal
     redundancy, task timeout, max retries, service account, the bucket mounted at
-    ``/checkpoints``); deploying an unchanged spec changes nothing."""
+    ``/checkpoints``), labelled ``JOB_LABELS``; deploying an unchanged spec changes nothing."""
     return CloudRunGpuDeployJobOperator(
         task_id="deploy_job",
         gcp_conn_id="{{ params.gcp_conn_id }}",
@@ -103,6 +113,7 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
         max_retries="{{ params.max_retries }}",
         service_account="{{ params.service_account }}",
         checkpoint_bucket="{{ params.bucket }}",
+        labels=JOB_LABELS,
     )
 
 

@@ -18,7 +18,7 @@ import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
     common_params,
-    create_bucket_operator,
+    create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
@@ -40,7 +40,7 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "sensor"],
 ) as dag:
-    create_bucket = create_bucket_operator()
+    bucket = create_bucket()
     deploy = deploy_operator()
     start = execute_operator("start_execution", wait_for_completion=False)
     wait = CloudRunGpuExecutionSensor(
@@ -51,5 +51,5 @@ with DAG(
         poke_interval=30.0,
         timeout=7 * 24 * 3600,
     )
-    create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
+    bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
     wait >> report({"task_count": 1}, namespace="{{ namespace_for(run_id) }}")

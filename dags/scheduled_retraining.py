@@ -13,8 +13,10 @@ create_bucket -> grant_bucket_access -> land_partition -> deploy_job -> execute_
 - ``catchup`` is off and at most one run is active, so two days never share the GPU job's
   checkpoints or its quota.
 
-Creating the bucket and granting access are idempotent too: an existing bucket or binding is
-left as it is.
+Creating the bucket and granting access are idempotent too: the bucket from an earlier run
+(labelled ``managed-by=airflow-gpu-resilience``, same project) and an existing binding are left
+as they are; a bucket of that name that is not ours fails ``create_bucket`` before anything
+touches it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from airflow.sdk import DAG
 from gpu_training_common import (
     WORKER_ARGS,
     common_params,
-    create_bucket_operator,
+    create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
@@ -48,7 +50,7 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "scheduled"],
 ) as dag:
-    create_bucket = create_bucket_operator()
+    bucket = create_bucket()
     land = upload_dataset.override(task_id="land_partition")(object_name=PARTITION_OBJECT, partition="{{ ds }}")
     deploy = deploy_operator()
     execute = execute_operator(
@@ -61,5 +63,5 @@ with DAG(
             ]
         },
     )
-    create_bucket >> grant_bucket_access() >> land >> deploy >> execute
+    bucket >> grant_bucket_access() >> land >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}")
