@@ -1,8 +1,10 @@
 """Train a PyTorch classifier on a Cloud Run GPU job that survives maintenance preemptions.
 
-create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job -> execute_job -> report,
-with cleanup as a teardown (it runs after failures too):
+check_job_is_ours -> create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job
+-> execute_job -> report, with cleanup as a teardown (it runs after failures too):
 
+- ``check_job_is_ours``: a Cloud Run job of the ``job_name`` param that exists without the
+  label ``managed-by=airflow-gpu-resilience`` is someone else's: fail before touching anything;
 - ``create_bucket``: the checkpoint bucket, regional (in the job's region), standard class,
   labelled ``managed-by=airflow-gpu-resilience``; an existing bucket is used only if it is ours
   (that label, the same project), someone else's fails the task before anything touches it;
@@ -10,7 +12,7 @@ with cleanup as a teardown (it runs after failures too):
   that bucket only;
 - ``upload_dataset``: scikit-learn's handwritten-digits set as ``data/digits.npz``;
 - ``deploy_job``: the GPU job (L4, no zonal redundancy, task timeout, max retries 3, the bucket
-  mounted at ``/checkpoints``); idempotent;
+  mounted at ``/checkpoints``, label ``managed-by=airflow-gpu-resilience``); idempotent;
 - ``execute_job``: runs it, deferrable; a preempted task resumes from its last committed
   checkpoint, through Cloud Run's retries and, when those run out, the operator's re-runs. Each
   DAG run has its own checkpoint namespace (``CHECKPOINT_RUN_ID``, from the run id): clearing a
@@ -34,12 +36,13 @@ import pendulum
 from airflow.sdk import DAG, Param, task
 from google.api_core.exceptions import NotFound
 from gpu_training_common import (
-    JOB_LABELS,
     common_params,
+    check_job_is_ours,
     create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
+    job_is_ours,
     namespace_for,
     report,
     upload_dataset,
@@ -71,12 +74,12 @@ def cleanup(params: dict | None = None) -> dict:
     except NotFound:
         job_result = "absent"
     else:
-        if all(job.labels.get(k) == v for k, v in JOB_LABELS.items()):
+        if job_is_ours(job):
             run.delete_job(**where)
             job_result = "deleted"
         else:
-            log.warning("Job %s lacks the labels %s: not deployed by this DAG, left as it is",
-                        params["job_name"], JOB_LABELS)
+            log.warning("Job %s has no label managed-by=airflow-gpu-resilience: not deployed by this DAG, left "
+                        "as it is", params["job_name"])
             job_result = "not ours, kept"
     deleted = None
     if params["delete_bucket"]:
@@ -105,6 +108,6 @@ with DAG(
     deploy = deploy_operator()
     execute = execute_operator()
     done = cleanup()
-    bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
+    check_job_is_ours() >> bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}") >> done
     done.as_teardown(setups=bucket)

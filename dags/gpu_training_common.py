@@ -92,8 +92,47 @@ def create_bucket(params: dict | None = None) -> dict:
     )
 
 
-#: Labels on the deployed Cloud Run job: cleanup deletes only a job that carries them.
+#: Labels on the deployed Cloud Run job: deploy updates and cleanup deletes only a job that carries them.
 JOB_LABELS = {MANAGED_BY_LABEL: MANAGED_BY_VALUE}
+
+
+def job_is_ours(job) -> bool:
+    """:return: whether a ``run_v2.Job`` carries ``JOB_LABELS`` (deployed by these DAGs, or adopted).
+
+    :param job: the job as GetJob returns it.
+    """
+    return all(job.labels.get(key) == value for key, value in JOB_LABELS.items())
+
+
+@task
+def check_job_is_ours(params: dict | None = None) -> str:
+    """Fail before any side effect when a Cloud Run job of the ``job_name`` param exists and is
+    not ours (no ``managed-by=airflow-gpu-resilience`` label): deploying would overwrite someone
+    else's job, and cleanup would delete it.
+
+    :return: ``"absent"`` (deploy creates it) or ``"ours"`` (deploy updates it).
+    :raises AirflowFailException: the job exists without our label; the message says what to do.
+    """
+    from airflow.sdk.exceptions import AirflowFailException
+    from google.api_core.exceptions import NotFound
+
+    from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+
+    name = params["job_name"]
+    try:
+        job = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"]).get_job(
+            job_name=name, project_id=params["project_id"], region=params["region"])
+    except NotFound:
+        return "absent"
+    if not job_is_ours(job):
+        raise AirflowFailException(
+            f"Cloud Run job {name!r} already exists in {params['project_id']}/{params['region']} and is not this "
+            f"deployment's: it has no label {MANAGED_BY_LABEL}={MANAGED_BY_VALUE} (its labels: {dict(job.labels)}). "
+            f"Nothing was changed. Choose another `job_name` param, or, to let these DAGs redeploy and delete it, "
+            f"label it: gcloud run jobs update {name} --region {params['region']} "
+            f"--update-labels={MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"
+        )
+    return "ours"
 
 
 def deploy_operator() -> CloudRunGpuDeployJobOperator:

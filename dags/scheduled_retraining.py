@@ -1,6 +1,7 @@
 """Daily retraining on the day's data partition, on the same Cloud Run GPU job every day.
 
-create_bucket -> grant_bucket_access -> land_partition -> deploy_job -> execute_job -> report
+check_job_is_ours -> create_bucket -> grant_bucket_access -> land_partition -> deploy_job
+-> execute_job -> report
 
 - ``land_partition`` stands in for the upstream system that lands each day's data at
   ``data/{{ ds }}/digits.npz`` in the checkpoint bucket (replace it with your own sensor or
@@ -26,6 +27,7 @@ from airflow.sdk import DAG
 from gpu_training_common import (
     WORKER_ARGS,
     common_params,
+    check_job_is_ours,
     create_bucket,
     deploy_operator,
     execute_operator,
@@ -63,5 +65,5 @@ with DAG(
             ]
         },
     )
-    bucket >> grant_bucket_access() >> land >> deploy >> execute
+    check_job_is_ours() >> bucket >> grant_bucket_access() >> land >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}")

@@ -26,6 +26,7 @@ credentials and ``STORAGE_EMULATOR_HOST`` apply as for any GCS task.
 
 from __future__ import annotations
 
+import re
 from itertools import islice
 from typing import Any
 
@@ -44,12 +45,22 @@ PROJECT_LABEL = "gcp-project"
 DELETE_BATCH_SIZE = 100
 
 
-def ownership_labels(project_id: str) -> dict[str, str]:
-    """:return: the labels :meth:`CheckpointBucketHook.ensure_bucket` puts on a bucket it creates.
+def project_label_value(project_id: str) -> str:
+    """:return: ``project_id`` as a label value: ``[a-z0-9_-]``, at most 63 characters (a
+    domain-scoped id such as ``example.com:proj`` becomes ``example_com_proj``).
 
-    :param project_id: the Google Cloud project id (a valid label value: 6-30 of ``[a-z0-9-]``).
+    :param project_id: the Google Cloud project id.
     """
-    return {MANAGED_BY_LABEL: MANAGED_BY_VALUE, PROJECT_LABEL: project_id}
+    return re.sub(r"[^a-z0-9_-]", "_", project_id.lower())[:63]
+
+
+def ownership_labels(project_id: str) -> dict[str, str]:
+    """:return: the labels :meth:`CheckpointBucketHook.ensure_bucket` puts on a bucket it creates:
+    ``managed-by=airflow-gpu-resilience`` and ``gcp-project=<project id as a label value>``.
+
+    :param project_id: the Google Cloud project id.
+    """
+    return {MANAGED_BY_LABEL: MANAGED_BY_VALUE, PROJECT_LABEL: project_label_value(project_id)}
 
 
 class CheckpointBucketHook(GCSHook):
@@ -117,7 +128,7 @@ class CheckpointBucketHook(GCSHook):
         if labels.get(MANAGED_BY_LABEL) != MANAGED_BY_VALUE:
             raise CheckpointBucketNotOursError(
                 bucket.name, f"it has no label {MANAGED_BY_LABEL}={MANAGED_BY_VALUE} (its labels: {dict(labels)})")
-        if labels.get(PROJECT_LABEL, project_id) != project_id:
+        if labels.get(PROJECT_LABEL, project_label_value(project_id)) != project_label_value(project_id):
             raise CheckpointBucketNotOursError(
                 bucket.name, f"its label {PROJECT_LABEL}={labels[PROJECT_LABEL]} names another project than {project_id}")
         listed = self._listed_in_project(bucket, project_id)

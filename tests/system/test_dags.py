@@ -190,9 +190,8 @@ def test_a_bucket_that_is_not_ours_fails_setup_before_the_grant_and_upload(tmp_p
     """Item 7: someone else's bucket of the same name (no ``managed-by`` label) fails
     ``create_bucket`` with an error naming the bucket and what to do; its IAM policy, its objects
     and the bucket itself stay as they were, even with ``delete_bucket`` set (the cleanup teardown
-    does not run, its setup failed). A job of the same name that this run did not deploy stays."""
+    does not run, its setup failed), and no job is deployed."""
     from airflow_gpu_resilience.emulator.process import EmulatorProcess
-    from airflow_gpu_resilience.job_spec import GpuJobSpec
 
     demo = _load_demo()
     conf = {"steps": 20, "checkpoint_every": 10, "poll_interval_seconds": 1.0, "delete_bucket": True}
@@ -200,9 +199,6 @@ def test_a_bucket_that_is_not_ours_fails_setup_before_the_grant_and_upload(tmp_p
         theirs = _storage(emulator).create_bucket(BUCKET)
         theirs.blob("their-data.csv").upload_from_string(b"a,b\n1,2\n")
         bindings_before = list(theirs.get_iam_policy(requested_policy_version=3).bindings)
-        parent = "projects/local-project/locations/us-central1"
-        _jobs(emulator).create_job(parent=parent, job_id=JOB, job=GpuJobSpec(name=JOB, image=IMAGE, checkpoint_bucket=BUCKET).to_job()).result(
-            timeout=60)
         log_path = tmp_path / "run.log"
         rc = demo.run_dag(demo.airflow_env(tmp_path, emulator), conf, log_path)
         log = log_path.read_text()
@@ -215,8 +211,7 @@ def test_a_bucket_that_is_not_ours_fails_setup_before_the_grant_and_upload(tmp_p
         assert list(after.get_iam_policy(requested_policy_version=3).bindings) == bindings_before == []
         assert [b.name for b in client.list_blobs(BUCKET)] == ["their-data.csv"]  # no dataset uploaded
         assert after.labels == {}
-        job = _jobs(emulator).get_job(name=f"{parent}/jobs/{JOB}")  # not deleted: not deployed by this run
-        assert dict(job.labels) == {}
+        assert list(_jobs(emulator).list_jobs(parent="projects/local-project/locations/us-central1")) == []
 
 
 @pytest.mark.e2e
@@ -240,10 +235,20 @@ def test_sensor_variant_waits_in_reschedule_mode(tmp_path: Path) -> None:
     assert metrics["steps"] == 40
 
 
+def test_every_dag_checks_the_job_is_ours_before_creating_the_bucket() -> None:
+    bag = _dagbag()
+    for dag_id in ("gpu_resilient_training", "gpu_training_sensor", "scheduled_retraining"):
+        dag = bag.dags[dag_id]
+        assert dag.get_task("check_job_is_ours").downstream_task_ids == {"create_bucket"}, dag_id
+        assert dag.get_task("create_bucket").downstream_task_ids >= {"grant_bucket_access"}, dag_id
+        assert not dag.get_task("check_job_is_ours").upstream_task_ids, dag_id
+
+
 def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cleanup task's code, called as Airflow calls it, against the emulators: a job of the
-    DAG's name without our label (deployed by someone else) is kept, and ``delete_bucket`` on a
-    bucket without our label raises, naming it, and deletes nothing; our job is deleted."""
+    """The task code, called as Airflow calls it, against the emulators: a job of the DAG's name
+    without our label (someone else's) fails ``check_job_is_ours``, naming it and what to do, and
+    cleanup keeps it; ``delete_bucket`` on a bucket without our label raises, naming it, and
+    deletes nothing; our job passes the check and cleanup deletes it."""
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_gpu_resilience.emulator.process import EmulatorProcess
@@ -262,6 +267,9 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
         jobs.create_job(parent=parent, job_id=JOB, job=GpuJobSpec(name=JOB, image=IMAGE).to_job()).result(timeout=60)
         params = {**_dagbag().dags["gpu_resilient_training"].params.dump(), "delete_bucket": True}
 
+        check = _dagbag().dags["gpu_resilient_training"].get_task("check_job_is_ours").python_callable
+        with pytest.raises(AirflowFailException, match=f"Cloud Run job '{JOB}' already exists .* is not this"):
+            check(params=params)
         with pytest.raises(AirflowFailException, match=f"Bucket '{BUCKET}' already exists and is not"):
             cleanup(params=params)
         assert jobs.get_job(name=f"{parent}/jobs/{JOB}").name.endswith(JOB)  # not ours: kept
@@ -269,6 +277,8 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
 
         job = GpuJobSpec(name="ours", image=IMAGE, labels={"managed-by": "airflow-gpu-resilience"}).to_job()
         jobs.create_job(parent=parent, job_id="ours", job=job).result(timeout=60)
+        assert check(params={**params, "job_name": "ours"}) == "ours"
+        assert check(params={**params, "job_name": "absent"}) == "absent"
         assert cleanup(params={**params, "job_name": "ours", "delete_bucket": False}) == {"job": "deleted",
                                                                                          "bucket": None}
         assert [j.name.rsplit("/", 1)[-1] for j in jobs.list_jobs(parent=parent)] == [JOB]

@@ -52,6 +52,10 @@ def test_a_new_bucket_is_created_with_the_ownership_labels(hook, client, name):
     assert client.get_bucket(name).labels == ownership_labels(PROJECT) == result["labels"]
 
 
+def test_a_domain_scoped_project_id_becomes_a_valid_label_value():
+    assert ownership_labels("example.com:My-Proj")["gcp-project"] == "example_com_my-proj"
+
+
 def test_our_bucket_from_an_earlier_run_is_used(hook, client, name):
     hook.ensure_bucket(bucket_name=name, project_id=PROJECT, location=REGION)
     again = hook.ensure_bucket(bucket_name=name, project_id=PROJECT, location=REGION)
