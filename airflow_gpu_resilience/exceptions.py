@@ -107,3 +107,27 @@ class CloudRunGpuTimeoutError(AirflowException):
     def __init__(self, message: str, *, execution: str | None = None) -> None:
         super().__init__(message)
         self.execution = execution
+
+
+class CheckpointBucketNotOursError(AirflowFailException):
+    """The checkpoint bucket exists and is not ours; nothing was granted, uploaded or deleted on it.
+
+    Not retryable: another try finds the same bucket. The message says what to do: choose another
+    ``bucket`` param, or adopt the bucket deliberately by adding the label
+    ``managed-by=airflow-gpu-resilience`` to it.
+
+    :param bucket: the bucket name.
+    :param reason: why it is not ours (missing label, another project, unreadable).
+    """
+
+    def __init__(self, bucket: str, reason: str) -> None:
+        super().__init__(
+            f"Bucket {bucket!r} already exists and is not this deployment's: {reason}. Nothing was granted, uploaded "
+            f"or deleted on it. Choose another `bucket` param, or, to use this bucket deliberately, label it: "
+            f"gcloud storage buckets update gs://{bucket} --update-labels=managed-by=airflow-gpu-resilience"
+        )
+        self.bucket = bucket
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.bucket, self.reason)

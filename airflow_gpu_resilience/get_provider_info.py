@@ -33,7 +33,7 @@ def get_provider_info() -> dict[str, Any]:
         "hooks": [
             {
                 "integration-name": "Google Cloud Run GPU jobs",
-                "python-modules": [f"{_PKG}.hooks.cloud_run"],
+                "python-modules": [f"{_PKG}.hooks.cloud_run", f"{_PKG}.hooks.gcs"],
             }
         ],
         "operators": [

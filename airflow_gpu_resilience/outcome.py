@@ -12,7 +12,8 @@ PREEMPTED     exit 143 or 137, or termSignal 15/9 not for memory, or a    re-run
 TIMED_OUT     the attempt hit the task timeout                            re-run (same budget)
 FAILED        any other non-zero exit, including out of memory            fail; Airflow retries
 FATAL         exit code in the non-retryable set (default 64-78)          fail, no retry
-CANCELLED     cancelled by a user or by ``on_kill``                       fail, no re-run
+CANCELLED     status CANCELLED (a user, ``on_kill``), even with the exit  fail, no re-run
+              143 or signal 15 the stop leaves
 ============  ==========================================================  ======================
 
 Two helper classes complete the picture: RUNNING (not finished yet) and INCOMPLETE (a task that
@@ -149,7 +150,9 @@ def classify_attempt(
     """Classify one finished task attempt from its primitive result fields.
 
     Precedence: out-of-memory (FAILED, even when killed by SIGKILL) > a FATAL exit code > a task
-    timeout > success > a preemption trace > a cancelled status > FAILED.
+    timeout > success > a cancelled status (``google.rpc.Code`` 1) without a maintenance message >
+    a preemption trace > FAILED. A cancelled attempt also ends by SIGTERM (exit 143, signal 15),
+    so the status, not the exit code, tells it from a preemption.
 
     :param exit_code: the container's exit code, ``None`` when unset (signal death or no start).
     :param term_signal: the signal that terminated the container, ``None`` or 0 when unset.
@@ -167,6 +170,10 @@ def classify_attempt(
         return OutcomeClass.TIMED_OUT
     if status_code == _CODE_OK and not exit_code and signal is None:
         return OutcomeClass.SUCCEEDED
+    # A cancellation stops the container with SIGTERM too, so it leaves exit 143 or signal 15:
+    # the CANCELLED status decides, unless the message names a maintenance preemption.
+    if status_code == _CODE_CANCELLED and not _MAINTENANCE_RE.search(message):
+        return OutcomeClass.CANCELLED
     if (
         exit_code in PREEMPTION_EXIT_CODES
         or signal in PREEMPTION_SIGNALS

@@ -1,20 +1,26 @@
 """Train a PyTorch classifier on a Cloud Run GPU job that survives maintenance preemptions.
 
-create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job -> execute_job -> report,
-with cleanup as a teardown (it runs after failures too):
+check_job_is_ours -> create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job
+-> execute_job -> report, with cleanup as a teardown (it runs after failures too):
 
-- ``create_bucket``: the checkpoint bucket, regional (in the job's region), standard class;
+- ``check_job_is_ours``: a Cloud Run job of the ``job_name`` param that exists without the
+  label ``managed-by=airflow-gpu-resilience`` is someone else's: fail before touching anything;
+- ``create_bucket``: the checkpoint bucket, regional (in the job's region), standard class,
+  labelled ``managed-by=airflow-gpu-resilience``; an existing bucket is used only if it is ours
+  (that label, the same project), someone else's fails the task before anything touches it;
 - ``grant_bucket_access``: ``roles/storage.objectAdmin`` for the job's service account, on
   that bucket only;
 - ``upload_dataset``: scikit-learn's handwritten-digits set as ``data/digits.npz``;
 - ``deploy_job``: the GPU job (L4, no zonal redundancy, task timeout, max retries 3, the bucket
-  mounted at ``/checkpoints``); idempotent;
+  mounted at ``/checkpoints``, label ``managed-by=airflow-gpu-resilience``); idempotent;
 - ``execute_job``: runs it, deferrable; a preempted task resumes from its last committed
   checkpoint, through Cloud Run's retries and, when those run out, the operator's re-runs. Each
   DAG run has its own checkpoint namespace (``CHECKPOINT_RUN_ID``, from the run id): clearing a
   task resumes that run's checkpoints; a new run, with other params or not, trains afresh;
 - ``report``: held-out accuracy, steps, attempts and lost work from each task's ``metrics.json``;
-- ``cleanup``: deletes the job; deletes the bucket too when the ``delete_bucket`` param says so.
+- ``cleanup``: deletes the job if it is ours (its labels); deletes the bucket too, if it is ours,
+  when the ``delete_bucket`` param says so: its objects in batches, then the bucket, and
+  reports the objects and bytes deleted.
 
 Everything a user changes is a DAG param or the ``google_cloud_platform`` connection named by
 ``gcp_conn_id``. With a connection whose extra holds ``api_endpoint`` (the local Cloud Run
@@ -24,31 +30,64 @@ with a connection without ``api_endpoint`` the same file targets real Cloud Run.
 
 from __future__ import annotations
 
+import logging
+
 import pendulum
-from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.sdk import DAG, Param, task
+from google.api_core.exceptions import NotFound
 from gpu_training_common import (
     common_params,
-    create_bucket_operator,
+    check_job_is_ours,
+    create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
+    job_is_ours,
     namespace_for,
     report,
     upload_dataset,
 )
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.hooks.gcs import CheckpointBucketHook
+
+log = logging.getLogger(__name__)
 
 
 @task
-def cleanup(params: dict | None = None) -> None:
-    """Delete the Cloud Run job; delete the bucket too when the ``delete_bucket`` param says so."""
-    CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"]).delete_job(
-        job_name=params["job_name"], project_id=params["project_id"], region=params["region"]
-    )
+def cleanup(params: dict | None = None) -> dict:
+    """Delete the Cloud Run job if it is ours; delete the bucket too when ``delete_bucket`` says so.
+
+    The job is deleted only when it carries ``JOB_LABELS`` (the deploy task sets them): a job of
+    the same name that this DAG did not deploy is left as it is, with a warning. The bucket is
+    deleted only when it is ours (see ``create_bucket``); its objects go in batches first, so a
+    bucket with thousands of checkpoints is deleted too.
+
+    :return: ``{"job": "deleted" | "absent" | "not ours, kept", "bucket": None or
+        {"bucket", "deleted", "objects_deleted", "bytes_deleted"}}``.
+    :raises CheckpointBucketNotOursError: ``delete_bucket`` is set and the bucket is not ours.
+    """
+    run = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"])
+    where = {"job_name": params["job_name"], "project_id": params["project_id"], "region": params["region"]}
+    try:
+        job = run.get_job(**where)
+    except NotFound:
+        job_result = "absent"
+    else:
+        if job_is_ours(job):
+            run.delete_job(**where)
+            job_result = "deleted"
+        else:
+            log.warning("Job %s has no label managed-by=airflow-gpu-resilience: not deployed by this DAG, left "
+                        "as it is", params["job_name"])
+            job_result = "not ours, kept"
+    deleted = None
     if params["delete_bucket"]:
-        GCSHook(gcp_conn_id=params["gcp_conn_id"]).delete_bucket(bucket_name=params["bucket"], force=True)
+        deleted = CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).delete_bucket_and_contents(
+            bucket_name=params["bucket"], project_id=params["project_id"])
+        log.info("Cleanup: bucket %s: %s objects, %s bytes deleted", deleted["bucket"], deleted["objects_deleted"],
+                 deleted["bytes_deleted"])
+    return {"job": job_result, "bucket": deleted}
 
 
 with DAG(
@@ -65,10 +104,10 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example"],
 ) as dag:
-    create_bucket = create_bucket_operator()
+    bucket = create_bucket()
     deploy = deploy_operator()
     execute = execute_operator()
     done = cleanup()
-    create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
+    check_job_is_ours() >> bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}") >> done
-    done.as_teardown(setups=create_bucket)
+    done.as_teardown(setups=bucket)

@@ -12,9 +12,9 @@ import json
 import re
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
-from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
 from airflow.sdk import Param, task
 
+from airflow_gpu_resilience.hooks.gcs import MANAGED_BY_LABEL, MANAGED_BY_VALUE, CheckpointBucketHook
 from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator, CloudRunGpuExecuteJobOperator
 
 #: Object name of the full dataset inside the checkpoint bucket: the worker's default ``--data``,
@@ -73,23 +73,72 @@ WORKER_ARGS = [
 ]
 
 
-def create_bucket_operator() -> GCSCreateBucketOperator:
-    """:return: the ``create_bucket`` task: the checkpoint bucket, regional (in the job's region),
-    standard storage class; an existing bucket is left as it is."""
-    return GCSCreateBucketOperator(
-        task_id="create_bucket",
-        bucket_name="{{ params.bucket }}",
-        location="{{ params.region }}",
+@task
+def create_bucket(params: dict | None = None) -> dict:
+    """The checkpoint bucket: regional (in the job's region), standard class, labelled
+    ``managed-by=airflow-gpu-resilience`` and ``gcp-project=<project_id>``.
+
+    An existing bucket is used only if it is ours from an earlier run (that label, the same
+    project); someone else's bucket fails this task, naming the bucket and what to do, before
+    the grant, the upload or anything else touches it
+    (:meth:`~airflow_gpu_resilience.hooks.gcs.CheckpointBucketHook.ensure_bucket`).
+
+    :return: ``{"bucket", "created", "labels", "project_number"}``.
+    :raises CheckpointBucketNotOursError: the bucket exists and is not ours.
+    """
+    return CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).ensure_bucket(
+        bucket_name=params["bucket"], project_id=params["project_id"], location=params["region"],
         storage_class="STANDARD",
-        project_id="{{ params.project_id }}",
-        gcp_conn_id="{{ params.gcp_conn_id }}",
     )
+
+
+#: Labels on the deployed Cloud Run job: deploy updates and cleanup deletes only a job that carries them.
+JOB_LABELS = {MANAGED_BY_LABEL: MANAGED_BY_VALUE}
+
+
+def job_is_ours(job) -> bool:
+    """:return: whether a ``run_v2.Job`` carries ``JOB_LABELS`` (deployed by these DAGs, or adopted).
+
+    :param job: the job as GetJob returns it.
+    """
+    return all(job.labels.get(key) == value for key, value in JOB_LABELS.items())
+
+
+@task
+def check_job_is_ours(params: dict | None = None) -> str:
+    """Fail before any side effect when a Cloud Run job of the ``job_name`` param exists and is
+    not ours (no ``managed-by=airflow-gpu-resilience`` label): deploying would overwrite someone
+    else's job, and cleanup would delete it.
+
+    :return: ``"absent"`` (deploy creates it) or ``"ours"`` (deploy updates it).
+    :raises AirflowFailException: the job exists without our label; the message says what to do.
+    """
+    from airflow.sdk.exceptions import AirflowFailException
+    from google.api_core.exceptions import NotFound
+
+    from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+
+    name = params["job_name"]
+    try:
+        job = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"]).get_job(
+            job_name=name, project_id=params["project_id"], region=params["region"])
+    except NotFound:
+        return "absent"
+    if not job_is_ours(job):
+        raise AirflowFailException(
+            f"Cloud Run job {name!r} already exists in {params['project_id']}/{params['region']} and is not this "
+            f"deployment's: it has no label {MANAGED_BY_LABEL}={MANAGED_BY_VALUE} (its labels: {dict(job.labels)}). "
+            f"Nothing was changed. Choose another `job_name` param, or, to let these DAGs redeploy and delete it, "
+            f"label it: gcloud run jobs update {name} --region {params['region']} "
+            f"--update-labels={MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"
+        )
+    return "ours"
 
 
 def deploy_operator() -> CloudRunGpuDeployJobOperator:
     """:return: the ``deploy_job`` task: the GPU job from the params (L4 by default, no zonal
     redundancy, task timeout, max retries, service account, the bucket mounted at
-    ``/checkpoints``); deploying an unchanged spec changes nothing."""
+    ``/checkpoints``), labelled ``JOB_LABELS``; deploying an unchanged spec changes nothing."""
     return CloudRunGpuDeployJobOperator(
         task_id="deploy_job",
         gcp_conn_id="{{ params.gcp_conn_id }}",
@@ -103,6 +152,7 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
         max_retries="{{ params.max_retries }}",
         service_account="{{ params.service_account }}",
         checkpoint_bucket="{{ params.bucket }}",
+        labels=JOB_LABELS,
     )
 
 

@@ -1,7 +1,10 @@
 """The training DAG for teams without a triggerer: start the execution, then sense it.
 
-create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job -> start_execution
--> wait_for_execution (reschedule mode) -> report
+check_job_is_ours -> create_bucket -> grant_bucket_access -> upload_dataset -> deploy_job
+-> start_execution -> wait_for_execution (reschedule mode) -> report
+
+``check_job_is_ours`` and ``create_bucket`` fail, before anything is changed, on a job or
+bucket of that name that is not ours (no ``managed-by=airflow-gpu-resilience`` label).
 
 ``start_execution`` runs the job and returns at once (``wait_for_completion=False``), pushing
 the execution name to XCom. ``wait_for_execution`` is the execution sensor in ``reschedule``
@@ -18,7 +21,8 @@ import pendulum
 from airflow.sdk import DAG
 from gpu_training_common import (
     common_params,
-    create_bucket_operator,
+    check_job_is_ours,
+    create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
@@ -40,7 +44,7 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "sensor"],
 ) as dag:
-    create_bucket = create_bucket_operator()
+    bucket = create_bucket()
     deploy = deploy_operator()
     start = execute_operator("start_execution", wait_for_completion=False)
     wait = CloudRunGpuExecutionSensor(
@@ -51,5 +55,5 @@ with DAG(
         poke_interval=30.0,
         timeout=7 * 24 * 3600,
     )
-    create_bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
+    check_job_is_ours() >> bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
     wait >> report({"task_count": 1}, namespace="{{ namespace_for(run_id) }}")

@@ -1,6 +1,7 @@
 """Daily retraining on the day's data partition, on the same Cloud Run GPU job every day.
 
-create_bucket -> grant_bucket_access -> land_partition -> deploy_job -> execute_job -> report
+check_job_is_ours -> create_bucket -> grant_bucket_access -> land_partition -> deploy_job
+-> execute_job -> report
 
 - ``land_partition`` stands in for the upstream system that lands each day's data at
   ``data/{{ ds }}/digits.npz`` in the checkpoint bucket (replace it with your own sensor or
@@ -13,8 +14,10 @@ create_bucket -> grant_bucket_access -> land_partition -> deploy_job -> execute_
 - ``catchup`` is off and at most one run is active, so two days never share the GPU job's
   checkpoints or its quota.
 
-Creating the bucket and granting access are idempotent too: an existing bucket or binding is
-left as it is.
+Creating the bucket and granting access are idempotent too: the bucket from an earlier run
+(labelled ``managed-by=airflow-gpu-resilience``, same project) and an existing binding are left
+as they are; a bucket of that name that is not ours fails ``create_bucket`` before anything
+touches it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from airflow.sdk import DAG
 from gpu_training_common import (
     WORKER_ARGS,
     common_params,
-    create_bucket_operator,
+    check_job_is_ours,
+    create_bucket,
     deploy_operator,
     execute_operator,
     grant_bucket_access,
@@ -48,7 +52,7 @@ with DAG(
     render_template_as_native_obj=True,
     tags=["gpu", "cloud-run", "example", "scheduled"],
 ) as dag:
-    create_bucket = create_bucket_operator()
+    bucket = create_bucket()
     land = upload_dataset.override(task_id="land_partition")(object_name=PARTITION_OBJECT, partition="{{ ds }}")
     deploy = deploy_operator()
     execute = execute_operator(
@@ -61,5 +65,5 @@ with DAG(
             ]
         },
     )
-    create_bucket >> grant_bucket_access() >> land >> deploy >> execute
+    check_job_is_ours() >> bucket >> grant_bucket_access() >> land >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,91 @@ def _run_against_emulator(tmp_path: Path, dag_id: str, conf: dict, logical_date:
         return emulator.bucket_dir("gpu-resilient-checkpoints"), log.read_text()
 
 
+BUCKET = "gpu-resilient-checkpoints"
+JOB = "gpu-resilient-training"
+OURS = {"managed-by": "airflow-gpu-resilience", "gcp-project": "local-project"}
+
+
+def _storage(emulator):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(project="local-project", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": emulator.gcs_endpoint})
+
+
+def _jobs(emulator):
+    from google.api_core.client_options import ClientOptions
+    from google.auth.credentials import AnonymousCredentials
+
+    return run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                             client_options=ClientOptions(api_endpoint=emulator.endpoint))
+
+
+def _task_log(log: str, task_id: str) -> str:
+    """The lines ``airflow dags test`` printed that name ``task_id`` or a traceback."""
+    return "\n".join(line for line in log.splitlines() if task_id in line or line.startswith("  File"))
+
+
+@pytest.mark.e2e
+def test_cleanup_deletes_our_bucket_with_300_checkpoints_and_reports_it(tmp_path: Path) -> None:
+    """Item 6: the bucket from an earlier run holds 300 more objects than the 256 the client's
+    forced delete accepts; cleanup deletes them in batches, then the bucket, and reports the
+    count and bytes in its log and its return value (XCom)."""
+    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+    demo = _load_demo()
+    conf = {"steps": 20, "checkpoint_every": 10, "poll_interval_seconds": 1.0, "delete_bucket": True}
+    with EmulatorProcess(tmp_path / "emulator", images_file=REPO / "worker" / "emulator-image.json") as emulator:
+        bucket = _storage(emulator).create_bucket(BUCKET)
+        bucket.labels = OURS  # ours, from an earlier run
+        bucket.patch()
+        for i in range(300):
+            bucket.blob(f"{JOB}/earlier-run/task-0/ckpt-{i:08d}.pt").upload_from_string(b"c" * 100)
+        log_path = tmp_path / "run.log"
+        rc = demo.run_dag(demo.airflow_env(tmp_path, emulator), conf, log_path)
+        log = log_path.read_text()
+        assert rc == 0, log[-6000:]
+        assert _storage(emulator).lookup_bucket(BUCKET) is None, _task_log(log, "cleanup")[-4000:]
+        assert not emulator.bucket_dir(BUCKET).exists()
+    [(objects, size)] = re.findall(rf"Deleted bucket {BUCKET}: (\d+) objects, (\d+) bytes", log)
+    # the 300 earlier checkpoints, plus this run's dataset, checkpoints, progress and metrics
+    assert int(objects) > 300 and int(size) > 300 * 100
+    returned = re.search(r"Returned value was: (\{'job'.*\})", log)  # cleanup's return value (XCom)
+    assert returned, _task_log(log, "cleanup")[-4000:]
+    assert f"'objects_deleted': {objects}" in returned.group(1) and f"'bytes_deleted': {size}" in returned.group(1)
+    assert "'job': 'deleted'" in returned.group(1)
+
+
+@pytest.mark.e2e
+def test_a_bucket_that_is_not_ours_fails_setup_before_the_grant_and_upload(tmp_path: Path) -> None:
+    """Item 7: someone else's bucket of the same name (no ``managed-by`` label) fails
+    ``create_bucket`` with an error naming the bucket and what to do; its IAM policy, its objects
+    and the bucket itself stay as they were, even with ``delete_bucket`` set (the cleanup teardown
+    does not run, its setup failed), and no job is deployed."""
+    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+    demo = _load_demo()
+    conf = {"steps": 20, "checkpoint_every": 10, "poll_interval_seconds": 1.0, "delete_bucket": True}
+    with EmulatorProcess(tmp_path / "emulator", images_file=REPO / "worker" / "emulator-image.json") as emulator:
+        theirs = _storage(emulator).create_bucket(BUCKET)
+        theirs.blob("their-data.csv").upload_from_string(b"a,b\n1,2\n")
+        bindings_before = list(theirs.get_iam_policy(requested_policy_version=3).bindings)
+        log_path = tmp_path / "run.log"
+        rc = demo.run_dag(demo.airflow_env(tmp_path, emulator), conf, log_path)
+        log = log_path.read_text()
+
+        assert rc != 0, log[-6000:]
+        assert f"Bucket '{BUCKET}' already exists and is not this deployment's" in log
+        assert "Choose another `bucket` param" in log and "--update-labels=managed-by=airflow-gpu-resilience" in log
+        client = _storage(emulator)
+        after = client.get_bucket(BUCKET)
+        assert list(after.get_iam_policy(requested_policy_version=3).bindings) == bindings_before == []
+        assert [b.name for b in client.list_blobs(BUCKET)] == ["their-data.csv"]  # no dataset uploaded
+        assert after.labels == {}
+        assert list(_jobs(emulator).list_jobs(parent="projects/local-project/locations/us-central1")) == []
+
+
 @pytest.mark.e2e
 def test_scheduled_retraining_trains_on_the_days_partition(tmp_path: Path) -> None:
     conf = {"steps": 40, "checkpoint_every": 20, "poll_interval_seconds": 1.0}
@@ -174,3 +260,52 @@ def test_sensor_variant_waits_in_reschedule_mode(tmp_path: Path) -> None:
     [metrics_file] = (bucket / "gpu-training-sensor").glob("*/task-0/metrics.json")
     metrics = json.loads(metrics_file.read_text())
     assert metrics["steps"] == 40
+
+
+def test_every_dag_checks_the_job_is_ours_before_creating_the_bucket() -> None:
+    bag = _dagbag()
+    for dag_id in ("gpu_resilient_training", "gpu_training_sensor", "scheduled_retraining"):
+        dag = bag.dags[dag_id]
+        assert dag.get_task("check_job_is_ours").downstream_task_ids == {"create_bucket"}, dag_id
+        assert dag.get_task("create_bucket").downstream_task_ids >= {"grant_bucket_access"}, dag_id
+        assert not dag.get_task("check_job_is_ours").upstream_task_ids, dag_id
+
+
+def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task code, called as Airflow calls it, against the emulators: a job of the DAG's name
+    without our label (someone else's) fails ``check_job_is_ours``, naming it and what to do, and
+    cleanup keeps it; ``delete_bucket`` on a bucket without our label raises, naming it, and
+    deletes nothing; our job passes the check and cleanup deletes it."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from airflow_gpu_resilience.job_spec import GpuJobSpec
+
+    demo = _load_demo()
+    cleanup = _dagbag().dags["gpu_resilient_training"].get_task("cleanup").python_callable
+    parent = "projects/local-project/locations/us-central1"
+    with EmulatorProcess(tmp_path / "emulator", images_file=REPO / "worker" / "emulator-image.json") as emulator:
+        for key, value in demo.airflow_env(tmp_path, emulator).items():
+            if key.startswith(("AIRFLOW_CONN_", "STORAGE_EMULATOR_HOST", "GCE_", "NO_GCE")):
+                monkeypatch.setenv(key, value)
+        theirs = _storage(emulator).create_bucket(BUCKET)
+        theirs.blob("their-data.csv").upload_from_string(b"1")
+        jobs = _jobs(emulator)
+        jobs.create_job(parent=parent, job_id=JOB, job=GpuJobSpec(name=JOB, image=IMAGE).to_job()).result(timeout=60)
+        params = {**_dagbag().dags["gpu_resilient_training"].params.dump(), "delete_bucket": True}
+
+        check = _dagbag().dags["gpu_resilient_training"].get_task("check_job_is_ours").python_callable
+        with pytest.raises(AirflowFailException, match=f"Cloud Run job '{JOB}' already exists .* is not this"):
+            check(params=params)
+        with pytest.raises(AirflowFailException, match=f"Bucket '{BUCKET}' already exists and is not"):
+            cleanup(params=params)
+        assert jobs.get_job(name=f"{parent}/jobs/{JOB}").name.endswith(JOB)  # not ours: kept
+        assert [b.name for b in _storage(emulator).list_blobs(BUCKET)] == ["their-data.csv"]
+
+        job = GpuJobSpec(name="ours", image=IMAGE, labels={"managed-by": "airflow-gpu-resilience"}).to_job()
+        jobs.create_job(parent=parent, job_id="ours", job=job).result(timeout=60)
+        assert check(params={**params, "job_name": "ours"}) == "ours"
+        assert check(params={**params, "job_name": "absent"}) == "absent"
+        assert cleanup(params={**params, "job_name": "ours", "delete_bucket": False}) == {"job": "deleted",
+                                                                                         "bucket": None}
+        assert [j.name.rsplit("/", 1)[-1] for j in jobs.list_jobs(parent=parent)] == [JOB]

@@ -64,6 +64,12 @@ C = OutcomeClass
         (63, None, 2, ERROR, C.FAILED),
         # CANCELLED status without a preemption trace
         (None, None, 1, "Cancelled by user", C.CANCELLED),
+        # CANCELLED although the stop left a preemption trace (SIGTERM: exit 143 or signal 15)
+        (143, None, 1, "The task was cancelled.", C.CANCELLED),
+        (None, 15, 1, "The task was cancelled.", C.CANCELLED),
+        (None, 9, 1, "The task was cancelled.", C.CANCELLED),
+        # ... unless the message names a maintenance preemption
+        (143, None, 1, MAINTENANCE, C.PREEMPTED),
     ],
 )
 def test_classify_attempt(exit_code, signal, code, message, expected):

@@ -19,7 +19,13 @@ from airflow_gpu_resilience.hooks.cloud_run import (
     with_env_overrides,
 )
 from airflow_gpu_resilience.job_spec import GpuJobSpec
-from airflow_gpu_resilience.outcome import ExecutionState, OutcomeClass, classify_task, execution_state
+from airflow_gpu_resilience.outcome import (
+    ExecutionState,
+    OutcomeClass,
+    classify_task,
+    execution_state,
+    observe_attempts,
+)
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 
 
@@ -127,6 +133,22 @@ def test_cancel_execution(hook, job_name):
     assert isinstance(cancelled, run_v2.Execution)
     final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
     assert execution_state(final) is ExecutionState.CANCELLED
+
+
+def test_a_cancelled_attempt_is_recorded_as_cancelled_not_preempted(hook, job_name):
+    """Cancelling stops the container with SIGTERM, like a preemption; the attempt record (what the
+    execute operator logs per attempt) is CANCELLED, from the attempt's CANCELLED status."""
+    from tests.unit.conftest import wait_until_running
+
+    hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"], max_retries=0), region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    wait_until_running(hook, execution)
+    hook.cancel_execution(execution=execution, wait=True)
+    hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
+    [record] = observe_attempts(hook.list_tasks(execution=execution))
+    assert record.term_signal == 15 or record.exit_code == 143  # the stop's trace
+    assert record.status_code == 1 and "cancelled" in record.message
+    assert record.classify() is OutcomeClass.CANCELLED
 
 
 def test_wait_for_execution_times_out(hook, job_name):
