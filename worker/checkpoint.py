@@ -48,6 +48,9 @@ _SUFFIX = {DATA: ".pt", COMMIT: ".commit.json"}
 #: Smallest ``chunk_bytes`` a commit record may carry, in bytes (one 4 KiB page): bounds the
 #: work and memory a record asks of the verifier.
 MIN_CHUNK_BYTES = 4096
+#: Largest commit record read, in bytes (8 MiB: the hash list of about 7 TiB of data in 64 MiB
+#: chunks). A larger one is invalid, like a torn one, and is never read whole.
+MAX_RECORD_BYTES = 8 << 20
 _NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
 
 
@@ -481,9 +484,23 @@ class CheckpointManager:
                 steps.add(parsed.step)
         return sorted(steps, reverse=True)
 
+    def _read_record_bytes(self, step: int) -> bytes:
+        """:return: the commit record's bytes; ``ValueError`` past :data:`MAX_RECORD_BYTES`."""
+        parts, left = [], MAX_RECORD_BYTES + 1
+        with self._storage.open_read(self.path(step, COMMIT)) as handle:
+            while left > 0:
+                part = handle.read(min(left, 1 << 20))
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+        if left <= 0:
+            raise ValueError(f"commit record is larger than {MAX_RECORD_BYTES} bytes")
+        return b"".join(parts)
+
     def _record(self, step: int) -> tuple[CommitRecord | None, str]:
         try:
-            record = CommitRecord.from_bytes(self._storage.read(self.path(step, COMMIT)))
+            record = CommitRecord.from_bytes(self._read_record_bytes(step))
         except FileNotFoundError:
             return None, "no commit record (uncommitted)"
         except (OSError, ValueError) as exc:
@@ -559,8 +576,11 @@ class CheckpointManager:
                 continue
             commit_name = CheckpointName.build(parsed.step, COMMIT)
             if parsed.temporary or (parsed.kind == DATA and commit_name not in names):
-                self._storage.remove(f"{self.config.folder.rstrip('/')}/{name}")
-                self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
+                if self._storage.remove_entry(self.config.folder, name):
+                    self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
+                else:
+                    self._log.warning("not removing a stale checkpoint file: a symlink, or in a "
+                                      "symlinked folder", file=name, step=parsed.step)
 
     def due(self, step: int) -> bool:
         """:return: whether the save policy wants a checkpoint at ``step`` now."""
@@ -665,7 +685,9 @@ class CheckpointManager:
         for step in doomed:
             for kind in (COMMIT, DATA):
                 try:
-                    self._storage.remove(self.path(step, kind))
+                    if not self._storage.remove_entry(self.config.folder, CheckpointName.build(step, kind)):
+                        self._log.warning("not deleting an old checkpoint file: a symlink, or in a "
+                                          "symlinked folder", step=step, file=self.path(step, kind))
                 except OSError as exc:
                     self._log.warning("could not delete old checkpoint", step=step, error=str(exc))
 
