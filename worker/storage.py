@@ -41,9 +41,13 @@ class Storage(Protocol):
     def remove_entry(self, folder: str, name: str) -> bool:
         """Delete the file ``name`` directly in ``folder``, following no symlink.
 
-        :return: whether it was deleted; ``False`` (nothing deleted) when ``folder`` is a
-            symlink, or the entry is a symlink, not a regular file, or missing.
+        :return: ``False`` when refused (nothing deleted): ``folder`` or the entry is a symlink,
+            or the entry is not a regular file; ``True`` when it is gone (deleted, or missing).
         """
+
+    def local_path(self, path: str) -> str | None:
+        """:return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped,
+        or ``None`` when it must be read through :meth:`open_read`."""
 
 
 def _fsync_dir(folder: str) -> None:
@@ -120,8 +124,9 @@ class LocalStorage:
         """Delete the regular file ``name`` in ``folder``, never through a symlink: the folder
         is opened with ``O_NOFOLLOW`` and the entry is checked and unlinked relative to it.
 
-        :return: whether it was deleted (``False`` for a symlinked folder or entry, an entry
-            that is not a regular file, or a missing one); other ``OSError`` propagate.
+        :return: ``False`` when refused (a symlinked folder or entry, or an entry that is not a
+            regular file), ``True`` when the entry is gone (deleted, or missing); other
+            ``OSError`` propagate.
         :raises ValueError: when ``name`` is not a plain file name.
         """
         if not name or name in (".", "..") or "/" in name:
@@ -129,7 +134,7 @@ class LocalStorage:
         try:
             fd = os.open(folder.rstrip("/") or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            return False
+            return True
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink (ENOTDIR: on some systems)
                 return False
@@ -141,6 +146,10 @@ class LocalStorage:
             os.unlink(name, dir_fd=fd)
             return True
         except FileNotFoundError:
-            return False
+            return True
         finally:
             os.close(fd)
+
+    def local_path(self, path: str) -> str:
+        """:return: ``path`` itself: every path of this storage is local."""
+        return path

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.worker.conftest import REPO_ROOT, worker_env
+from tests.worker.conftest import worker_env
 from tests.worker.test_readme_example import _example
 
 GRACE_SECONDS = 10.0
