@@ -19,7 +19,7 @@ from worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, OutputError, Worke
 from worker.files import FATAL, METRICS, read_json, write_json
 from worker.logs import StructuredLogger, utc_now
 from worker.preemption import PreemptionWatcher
-from worker.storage import LocalStorage
+from worker.storage import LocalStorage, Storage
 
 
 def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
@@ -98,9 +98,10 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
     return code
 
 
-def run_is_complete(config: WorkerConfig, logger: StructuredLogger) -> bool:
-    """:return: whether ``metrics.json`` and the final checkpoint of this run both exist."""
-    storage = LocalStorage()
+def run_is_complete(config: WorkerConfig, logger: StructuredLogger, storage: Storage | None = None) -> bool:
+    """:return: whether ``metrics.json`` and the final checkpoint of this run both exist (a
+    read-only look: nothing is deleted)."""
+    storage = storage or LocalStorage()
     metrics = read_json(storage, os.path.join(config.namespace, METRICS))
     if metrics is None:
         return False
@@ -117,8 +118,9 @@ def run_is_complete(config: WorkerConfig, logger: StructuredLogger) -> bool:
         return manager.latest_step() == config.train.steps
 
 
-def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher) -> int:
-    if run_is_complete(config, logger):
+def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
+           storage: Storage | None) -> int:
+    if run_is_complete(config, logger, storage):
         logger.info("run already complete; nothing to do", step=config.train.steps)
         return EXIT_OK
     check_writable(config.namespace)
@@ -129,14 +131,17 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
         margin = min(config.grace_seconds, config.task_timeout_seconds / 2)
         watcher.timeout_at = watcher.started_at + config.task_timeout_seconds
         watcher.deadline = watcher.timeout_at - margin
-    return Trainer(config, logger, watcher).run()
+    return Trainer(config, logger, watcher, storage).run()
 
 
-def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, *,
+         storage: Storage | None = None) -> int:
     """Run the CLI.
 
     :param argv: arguments without the program name; default ``sys.argv[1:]``.
     :param env: environment; default ``os.environ``.
+    :param storage: the storage of checkpoints, progress and metrics; default
+        :class:`~worker.storage.LocalStorage` (tests wrap it).
     :return: the process exit code.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -155,7 +160,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if code is not None:
             return code
         try:
-            return _train(config, logger, watcher)
+            return _train(config, logger, watcher, storage)
         except WorkerError as exc:
             return write_fatal(config.namespace, exc, logger, called_as)
         except Exception as exc:  # noqa: BLE001 - the retryable catch-all

@@ -295,8 +295,6 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
             folder=namespace, keep_latest_k=args.keep, mtbi_seconds=args.mtbi,
             **parse_interval(args.checkpoint_interval, args.checkpoint_every),  # type: ignore[arg-type]
             async_mode=AsyncMode.DISABLED if args.sync_save else AsyncMode.ASYNC,
-            pause_before_commit_s=_env_float(env, "WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", 0.0) or 0.0,
-            pause_mid_write_s=_env_float(env, "WORKER_TEST_PAUSE_MID_WRITE_SECONDS", 0.0) or 0.0,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

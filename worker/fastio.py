@@ -4,8 +4,7 @@ A checkpoint's data file is hashed as a *hash list*: the sha256 of every :data:`
 bytes (the last chunk may be shorter), so the chunks hash on several threads at once, and the
 commit record's ``sha256`` is the sha256 of the concatenated 32-byte chunk digests
 (:func:`root_digest`). ``hashlib`` and file reads/writes release the GIL on large buffers, so
-hashing overlaps the writes and the chunks of a file verify in parallel. Records without a hash
-list (``sha256`` of the whole file) are still verified with :func:`hash_file`.
+hashing overlaps the writes and the chunks of a file verify in parallel.
 
 While a big file is written, :func:`start_writeback` asks Linux to start writing each piece to
 disk (``sync_file_range``), so the final ``fsync`` finds little left to flush.
@@ -276,56 +275,6 @@ def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> t
             return hasher.size, hasher.digests()
         pending = hasher.submit(buffer[:count])
         index += 1
-
-
-def hash_stream(handle: BinaryIO) -> tuple[int, str]:
-    """sha256 of a whole stream (records without a hash list), hashing chunk ``i`` while chunk
-    ``i + 1`` is read.
-
-    :param handle: an unbuffered binary file opened for reading.
-    :return: ``(size in bytes, sha256 hex digest)``.
-    :raises OSError: when reading fails.
-    """
-    digest, pool, size = hashlib.sha256(), _pool(), 0
-    buffers = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
-    pending = None
-    index = 0
-    while True:
-        buffer = buffers[index % 2]
-        count = handle.readinto(buffer) or 0
-        if pending is not None:
-            pending.result()  # the other buffer is free again
-        if count == 0:
-            return size, digest.hexdigest()
-        size += count
-        pending = pool.submit(digest.update, buffer[:count])
-        index += 1
-
-
-def hash_file(path: str) -> tuple[int, str]:
-    """sha256 of a whole local file (records without a hash list), through a read-only map.
-
-    :param path: a local (or FUSE-mounted) file.
-    :return: ``(size in bytes, sha256 hex digest)``.
-    :raises OSError: when the file cannot be opened or mapped.
-    """
-    import mmap
-
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
-            return 0, digest.hexdigest()
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if hasattr(mapped, "madvise"):
-                mapped.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mapped)
-            try:
-                for offset in range(0, size, CHUNK):
-                    digest.update(view[offset : offset + CHUNK])
-            finally:
-                view.release()
-    return size, digest.hexdigest()
 
 
 class SnapshotBuffers:

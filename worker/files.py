@@ -14,6 +14,9 @@ PROGRESS = "progress.json"
 METRICS = "metrics.json"
 FATAL = "FATAL"
 ATTEMPTS = "attempts.json"
+#: Fewest seconds between two writes of one file name in the namespace: Cloud Storage accepts
+#: about one mutation per second of one object name.
+MIN_REWRITE_SECONDS = 1.0
 
 
 def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
@@ -33,39 +36,59 @@ def read_json(storage: Storage, path: str) -> dict[str, Any] | None:
 class ProgressReporter:
     """Writes ``progress.json`` at most every ``min_interval`` seconds, and logs progress.
 
+    The file is never written twice within :data:`MIN_REWRITE_SECONDS` (1 s), forced or not:
+    ``min_interval`` below that is raised to it, and a forced write (a status change: preempted,
+    completed) that comes sooner first sleeps the rest of that second, or, when ``max_wait``
+    is shorter than that rest, is skipped (logged at INFO).
+
     :param storage: the storage backend.
     :param namespace: the task folder.
     :param total_steps: steps of the whole run.
     :param start_step: the step this attempt started from (for steps per second).
     :param logger: structured logger.
-    :param min_interval: minimum seconds between writes, unless forced; default 1.
+    :param min_interval: minimum seconds between writes; default 1, at least
+        :data:`MIN_REWRITE_SECONDS`.
     :param log_interval: minimum seconds between progress log lines, unless forced; default 5.
     :param clock: monotonic clock in seconds.
+    :param sleep: sleeps this many seconds (for a forced write within a second of the last).
     """
 
     def __init__(
         self, storage: Storage, namespace: str, total_steps: int, start_step: int,
         logger: StructuredLogger, *, min_interval: float = 1.0, log_interval: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._storage, self._path = storage, os.path.join(namespace, PROGRESS)
         self.total_steps, self.start_step = total_steps, start_step
-        self._log, self._clock = logger, clock
-        self._min_interval, self._log_interval = min_interval, log_interval
+        self._log, self._clock, self._sleep = logger, clock, sleep
+        self._min_interval, self._log_interval = max(min_interval, MIN_REWRITE_SECONDS), log_interval
         self._started = clock()
         self._last_write = self._last_log = float("-inf")
 
-    def update(self, step: int, loss: float | None, *, status: str = "running", force: bool = False) -> None:
+    def update(self, step: int, loss: float | None, *, status: str = "running", force: bool = False,
+               max_wait: float = MIN_REWRITE_SECONDS) -> bool:
         """Write progress now if forced or due.
 
         :param step: steps done.
         :param loss: the running loss, or ``None`` before any step.
         :param status: ``running``, ``preempted`` or ``completed``.
-        :param force: write regardless of the interval.
+        :param force: write regardless of ``min_interval`` (still never within 1 s of the last).
+        :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to
+            pass; default 1 (always wait).
+        :return: whether the file was written.
         """
         now = self._clock()
-        if not force and now - self._last_write < self._min_interval:
-            return
+        since = now - self._last_write
+        if not force and since < self._min_interval:
+            return False
+        if since < MIN_REWRITE_SECONDS:
+            rest = MIN_REWRITE_SECONDS - since
+            if rest > max_wait:
+                self._log.info("progress write skipped: written less than a second ago",
+                               step=step, status=status, wait_seconds=round(rest, 3))
+                return False
+            self._sleep(rest)
+            now = self._clock()
         elapsed = now - self._started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else None
@@ -74,13 +97,14 @@ class ProgressReporter:
             "loss": loss, "steps_per_second": round(rate, 3),
         }
         write_json(self._storage, self._path, record)
-        self._last_write = now
+        self._last_write = self._clock()
         if force or now - self._last_log >= self._log_interval:
             self._last_log = now
             eta_s = None if eta is None else round(eta, 1)
             self._log.info(f"progress: step {step}/{self.total_steps}", step=step,
                            total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
                            eta_seconds=eta_s, status=status)
+        return True
 
 
 def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ checks :attr:`PreemptionWatcher.requested` at every step boundary and does the r
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -99,13 +100,42 @@ class PreemptionWatcher:
 
 
 def ignore_termination_signals(worker_id: int | None = None) -> None:
-    """Make this process ignore SIGTERM and SIGINT; use it as a DataLoader ``worker_init_fn``.
+    """Make this process ignore SIGTERM and SIGINT from anyone but its parent; use it as a
+    DataLoader ``worker_init_fn``.
 
     Cloud Run signals the whole process group. DataLoader worker processes that died of that
-    SIGTERM would break the main process's next batch while it is still saving its final
-    checkpoint; ignoring it lets the main process finish, and the workers end with it.
+    SIGTERM would break the main process's next batch (and torch's SIGCHLD handler could raise
+    in the middle of its final save); ignoring it lets the main process finish its batch and
+    its save. A SIGTERM sent by the parent itself still ends this process at once (exit 0): at
+    interpreter exit, Python's ``multiprocessing`` terminates its daemonic children with SIGTERM
+    and then joins them, so workers deaf to every SIGTERM would keep the main process from ever
+    exiting (persistent workers, or an iterator still referenced at exit).
+
+    On Linux (``signal.sigwaitinfo``), both signals are blocked and one daemon thread waits for
+    them and reads their sender; elsewhere they are simply ignored (then end the main process
+    with :func:`os._exit`, after flushing, as ``python -m worker`` does).
 
     :param worker_id: the DataLoader worker index (unused).
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+    parent = os.getppid()
+    wanted = {signal.SIGTERM, signal.SIGINT}
+    for signum in wanted:  # a no-op if one is ever delivered to a thread not blocking it
+        signal.signal(signum, _ignore)
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)  # threads started later inherit the mask
+    threading.Thread(target=_exit_on_parent_signal, args=(parent, wanted),
+                     name="termination-signals", daemon=True).start()
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """A signal handler doing nothing."""
+
+
+def _exit_on_parent_signal(parent: int, signals: set[signal.Signals]) -> None:
+    while True:
+        info = signal.sigwaitinfo(signals)
+        if info.si_pid == parent and info.si_signo == signal.SIGTERM:
+            os._exit(0)  # the parent's terminate() at its exit: end now, cleanly

@@ -7,7 +7,9 @@ read (see :mod:`worker.checkpoint`).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from typing import BinaryIO, Callable, Protocol, Union
 
 #: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an
@@ -35,6 +37,17 @@ class Storage(Protocol):
 
     def remove(self, path: str) -> None:
         """Delete ``path``; a missing file is not an error."""
+
+    def remove_entry(self, folder: str, name: str) -> bool:
+        """Delete the file ``name`` directly in ``folder``, following no symlink.
+
+        :return: ``False`` when refused (nothing deleted): ``folder`` or the entry is a symlink,
+            or the entry is not a regular file; ``True`` when it is gone (deleted, or missing).
+        """
+
+    def local_path(self, path: str) -> str | None:
+        """:return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped,
+        or ``None`` when it must be read through :meth:`open_read`."""
 
 
 def _fsync_dir(folder: str) -> None:
@@ -106,3 +119,37 @@ class LocalStorage:
             os.remove(path)
         except FileNotFoundError:
             pass
+
+    def remove_entry(self, folder: str, name: str) -> bool:
+        """Delete the regular file ``name`` in ``folder``, never through a symlink: the folder
+        is opened with ``O_NOFOLLOW`` and the entry is checked and unlinked relative to it.
+
+        :return: ``False`` when refused (a symlinked folder or entry, or an entry that is not a
+            regular file), ``True`` when the entry is gone (deleted, or missing); other
+            ``OSError`` propagate.
+        :raises ValueError: when ``name`` is not a plain file name.
+        """
+        if not name or name in (".", "..") or "/" in name:
+            raise ValueError(f"name must be a plain file name, got {name!r}")
+        try:
+            fd = os.open(folder.rstrip("/") or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink (ENOTDIR: on some systems)
+                return False
+            raise
+        try:
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                return False
+            os.unlink(name, dir_fd=fd)
+            return True
+        except FileNotFoundError:
+            return True
+        finally:
+            os.close(fd)
+
+    def local_path(self, path: str) -> str:
+        """:return: ``path`` itself: every path of this storage is local."""
+        return path

@@ -212,8 +212,8 @@ class Trainer:
                 return self._on_stop(manager, parts, progress)
             state.observe(self._train_step(parts, data))
             state.step += 1
-            saved = self._save(manager, parts, state.step)
-            progress.update(state.step, state.loss_ema, force=saved)
+            self._save(manager, parts, state.step)
+            progress.update(state.step, state.loss_ema)  # at most once a second, saves or not
             if delay:
                 self._watcher.wait(delay)
         return EXIT_OK
@@ -257,7 +257,8 @@ class Trainer:
                           remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         if self._settle_in_flight(manager, step):
             self._final_save(manager, parts, step)
-        progress.update(step, parts.state.loss_ema, status="preempted", force=True)
+        progress.update(step, parts.state.loss_ema, status="preempted", force=True,
+                        max_wait=watcher.remaining_grace() - 1.0)
         self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
                           last_checkpoint_step=manager.last_saved_step)
         return EXIT_PREEMPTED

@@ -51,12 +51,21 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: The worker on :class:`tests.worker.pausing.PausingStorage`, for ``WORKER_TEST_PAUSE_*``.
+PAUSING_WORKER = "tests.worker.pausing"
+
+
 class WorkerProcess:
-    """A ``python -m worker train`` child whose JSON log lines are collected as they arrive."""
+    """A ``python -m worker train`` child whose JSON log lines are collected as they arrive.
+
+    With a ``WORKER_TEST_PAUSE_*`` variable in ``env``, the child is ``python -m``
+    :data:`PAUSING_WORKER` instead: the same worker, on storage that pauses inside saves.
+    """
 
     def __init__(self, args: list[str], env: dict[str, str], *, new_group: bool = False) -> None:
+        module = PAUSING_WORKER if any(k.startswith("WORKER_TEST_PAUSE_") for k in env) else "worker"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", *args], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_group,
         )
         self.records: list[dict] = []

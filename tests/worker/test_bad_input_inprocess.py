@@ -4,7 +4,6 @@ ONE clear error line, the sysexits code, existing checkpoints untouched."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from worker import __main__ as cli
 from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
 from worker.data import load_dataset
+from worker.fastio import chunk_digests
 from worker.errors import DataError
 from worker.logs import StructuredLogger
 from worker.storage import LocalStorage
@@ -131,7 +131,7 @@ def test_pickled_payload_is_refused_not_executed(tmp_path: Path) -> None:
     torch.save({"box": {"t": torch.zeros(1)}, "evil": _Exploit(marker)}, buffer)
     payload = buffer.getvalue()
     (folder / "ckpt-00000020.pt").write_bytes(payload)
-    record = CommitRecord(20, len(payload), hashlib.sha256(payload).hexdigest(), "now")
+    record = CommitRecord.of_chunks(20, len(payload), chunk_digests(payload), "now")
     (folder / "ckpt-00000020.commit.json").write_bytes(record.to_bytes())
     log, restored = ListLog(), Box()
     with CheckpointManager(config, {"box": restored}, logger=StructuredLogger(log)) as manager:

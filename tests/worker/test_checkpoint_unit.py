@@ -99,7 +99,6 @@ def test_fixed_interval_policy(interval: int, step: int, expected: bool) -> None
         ({"mtbi_seconds": 0.0}, "interruptions"),
         ({"load_step": -2}, "load_step"),
         ({"folder": ""}, "folder"),
-        ({"pause_before_commit_s": -1.0}, "pauses"),
     ],
 )
 def test_checkpoint_config_validation(kwargs: dict, match: str) -> None:
@@ -152,17 +151,12 @@ def test_commit_record_nested_too_deep_is_a_value_error() -> None:
         CommitRecord.from_bytes(raw)
 
 
-def test_commit_record_round_trips_with_and_without_a_hash_list() -> None:
+def test_commit_record_round_trips() -> None:
     listed = CommitRecord.of_chunks(3, 8192, [_A, _B], "now", chunk_bytes=4096)
     assert listed.sha256 == _ROOT_AB and CommitRecord.from_bytes(listed.to_bytes()) == listed
-    whole = CommitRecord(3, 8192, _A, "now")
-    assert set(json.loads(whole.to_bytes())) == {"step", "size", "sha256", "created_at"}
-    assert CommitRecord.from_bytes(whole.to_bytes()) == whole
 
 
-def test_verify_names_the_corrupt_byte_range_and_still_accepts_whole_file_records(tmp_path: Path) -> None:
-    import hashlib
-
+def test_verify_names_the_corrupt_byte_range(tmp_path: Path) -> None:
     box = Box(1.0)
     with _manager(tmp_path, box) as manager:
         manager.save(10)
@@ -176,11 +170,6 @@ def test_verify_names_the_corrupt_byte_range_and_still_accepts_whole_file_record
     with _manager(tmp_path, Box()) as manager:
         ok, reason = manager.verify(20)
         assert not ok and reason == f"sha256 of bytes 0-{len(data) - 1} does not match the commit record"
-    # a record of an older version (sha256 of the whole file, no hash list) still verifies
-    record_path.write_text(json.dumps({"step": 20, "size": len(data), "created_at": "then",
-                                       "sha256": hashlib.sha256(bytes(data)).hexdigest()}))
-    with _manager(tmp_path, Box()) as manager:
-        assert manager.verify(20) == (True, "")
 
 
 class Box:
@@ -234,7 +223,7 @@ def test_manager_save_load_keep_and_fallback(tmp_path: Path) -> None:
     assert warnings and warnings[0]["file"].endswith("ckpt-00000030.pt")
 
 
-def test_manager_cleans_uncommitted_and_temp_files_at_startup(tmp_path: Path) -> None:
+def test_manager_cleans_uncommitted_and_temp_files_at_its_first_save(tmp_path: Path) -> None:
     box = Box()
     with _manager(tmp_path, box) as manager:
         manager.save(10)
@@ -242,6 +231,7 @@ def test_manager_cleans_uncommitted_and_temp_files_at_startup(tmp_path: Path) ->
     (tmp_path / "ckpt-00000020.commit.json.tmp").write_bytes(b"{")
     (tmp_path / "unrelated.txt").write_text("keep me")
     with _manager(tmp_path, Box()) as manager:
+        manager.cleanup_stale()  # what the first save does
         assert manager.present_steps() == [10]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-00000010.commit.json", "ckpt-00000010.pt", "unrelated.txt",
@@ -253,14 +243,15 @@ def test_manager_refuses_unsafe_pickles(tmp_path: Path) -> None:
     box = Box()
     with _manager(tmp_path, box) as manager:
         manager.save(10)
-    import hashlib
     import io
+
+    from worker.fastio import chunk_digests
 
     buffer = io.BytesIO()
     torch.save({"box": {"t": torch.zeros(1)}, "evil": Path("/")}, buffer)
     payload = buffer.getvalue()
     (tmp_path / "ckpt-00000020.pt").write_bytes(payload)
-    record = CommitRecord(20, len(payload), hashlib.sha256(payload).hexdigest(), "now")
+    record = CommitRecord.of_chunks(20, len(payload), chunk_digests(payload), "now")
     (tmp_path / "ckpt-00000020.commit.json").write_bytes(record.to_bytes())
     log = ListLog()
     with _manager(tmp_path, Box(), log) as manager:
@@ -272,7 +263,7 @@ def test_records_that_do_not_fit_the_data_are_rejected_before_hashing(tmp_path: 
     """A record whose size differs from the data file is refused on the size alone (no hashing,
     whatever chunk_bytes it claims), and a record nested too deep is a torn record: both are
     skipped with a warning and the previous checkpoint loads."""
-    import worker.checkpoint as checkpoint
+    import worker.commit as checkpoint
 
     box = Box(1.0)
     with _manager(tmp_path, box, keep=3) as manager:

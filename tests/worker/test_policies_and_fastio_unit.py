@@ -21,7 +21,7 @@ from worker.checkpoint import (
 from worker.config import SWEEP, config_from_args, parse_interval
 from worker.errors import ConfigError
 from worker.fastio import (
-    HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, hash_file, hash_stream, root_digest,
+    HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, root_digest,
     start_writeback, stream_chunk_digests,
 )
 from worker.logs import StructuredLogger
@@ -150,11 +150,6 @@ def test_hashing_writer_and_readers_agree_with_hashlib(tmp_path: Path, sizes: li
     assert file_chunk_digests(str(path), chunk_bytes) == (len(data), chunks)
     with open(path, "rb", buffering=0) as handle:
         assert stream_chunk_digests(handle, chunk_bytes) == (len(data), chunks)
-    # the legacy whole-file readers (records without a hash list)
-    whole = hashlib.sha256(data).hexdigest()
-    with open(path, "rb", buffering=0) as handle:
-        assert hash_stream(handle) == (len(data), whole)
-    assert hash_file(str(path)) == (len(data), whole)
 
 
 def test_empty_files_hash_to_empty_lists(tmp_path: Path) -> None:
@@ -162,8 +157,6 @@ def test_empty_files_hash_to_empty_lists(tmp_path: Path) -> None:
     assert file_chunk_digests(str(tmp_path / "empty")) == (0, [])
     assert stream_chunk_digests(io.BytesIO(b"")) == (0, [])
     assert root_digest([]) == hashlib.sha256(b"").hexdigest()
-    assert hash_file(str(tmp_path / "empty")) == (0, hashlib.sha256(b"").hexdigest())
-    assert hash_stream(io.BytesIO(b"")) == (0, hashlib.sha256(b"").hexdigest())
 
 
 def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from worker.preemption import ignore_termination_signals
@@ -31,12 +34,26 @@ def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path: Path, monk
     assert namespace["progress"].step == 30
 
 
-def test_ignore_termination_signals_for_dataloader_workers() -> None:
-    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+def test_ignore_termination_signals_ignores_others_but_not_the_parent(tmp_path: Path) -> None:
+    """A process that called it survives SIGTERM and SIGINT from a stranger (here, a signal to
+    its process group), and exits 0 at once on a SIGTERM from its parent."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from worker.preemption import ignore_termination_signals\n"
+         "ignore_termination_signals(0)\nprint('ready', flush=True)\ntime.sleep(60)\n"],
+        cwd=README.parents[1], stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
     try:
-        ignore_termination_signals(0)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert child.stdout.readline().strip() == "ready"
+        stranger = subprocess.run(  # a sibling, not the parent, signals the group
+            [sys.executable, "-c", f"import os, signal; os.killpg({child.pid}, signal.SIGTERM); "
+             f"os.killpg({child.pid}, signal.SIGINT)"], check=True)
+        assert stranger.returncode == 0
+        time.sleep(0.5)
+        assert child.poll() is None, "the signal from a stranger ended the process"
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=5) == 0
     finally:
-        signal.signal(signal.SIGTERM, previous[0])
-        signal.signal(signal.SIGINT, previous[1])
+        if child.poll() is None:
+            child.kill()
+            child.wait()

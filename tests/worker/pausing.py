@@ -1,0 +1,59 @@
+"""A storage wrapper that pauses inside checkpoint writes, so tests can kill a worker there.
+
+``python -m tests.worker.pausing train [flags]`` runs the worker on it, reading the pauses from
+``WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS`` (sleep before each commit record is written, after
+the data file is) and ``WORKER_TEST_PAUSE_MID_WRITE_SECONDS`` (write half of each data file, log
+``checkpoint data half written``, sleep, then write all of it).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from typing import Mapping
+
+from worker.logs import StructuredLogger
+from worker.storage import LocalStorage, Payload
+
+
+class PausingStorage(LocalStorage):
+    """:class:`~worker.storage.LocalStorage` with pauses in checkpoint writes.
+
+    :param before_commit_s: seconds to sleep before writing a ``.commit.json``; default 0.
+    :param mid_write_s: seconds to sleep with half of a ``.pt`` data file written; default 0.
+    :param logger: where ``checkpoint data half written`` goes; default stdout.
+    """
+
+    def __init__(self, before_commit_s: float = 0.0, mid_write_s: float = 0.0,
+                 logger: StructuredLogger | None = None) -> None:
+        if before_commit_s < 0 or mid_write_s < 0:
+            raise ValueError("pauses must be >= 0 seconds")
+        self.before_commit_s, self.mid_write_s = before_commit_s, mid_write_s
+        self._log = logger or StructuredLogger()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PausingStorage:
+        """:return: the storage with the pauses of the ``WORKER_TEST_PAUSE_*`` variables."""
+        return cls(float(env.get("WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", "0") or 0),
+                   float(env.get("WORKER_TEST_PAUSE_MID_WRITE_SECONDS", "0") or 0))
+
+    def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
+        """Write like :class:`LocalStorage`, pausing as configured."""
+        if self.before_commit_s and path.endswith(".commit.json"):
+            time.sleep(self.before_commit_s)
+        if self.mid_write_s and path.endswith(".pt"):
+            if callable(data):
+                buffer = io.BytesIO()
+                data(buffer)  # type: ignore[arg-type]
+                data = buffer.getvalue()
+            super().write(path, data[: len(data) // 2], atomic=atomic)
+            self._log.debug("checkpoint data half written", file=path)
+            time.sleep(self.mid_write_s)
+        super().write(path, data, atomic=atomic)
+
+
+if __name__ == "__main__":
+    from worker.__main__ import _exit_now, main
+
+    _exit_now(main(storage=PausingStorage.from_env(os.environ)))

@@ -1,0 +1,203 @@
+"""When to checkpoint and what to keep: the save and keep policies, the save measurements they
+use, and :class:`CheckpointConfig`, which selects them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedIntervalPolicy:
+    """Save every ``interval`` steps.
+
+    :param interval: steps between checkpoints (> 0).
+    """
+
+    interval: int
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``step`` is a multiple of the interval (``elapsed``, ``cost`` unused)."""
+        return step > 0 and step % self.interval == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeIntervalPolicy:
+    """Save when ``seconds`` have passed since the last save (or the start).
+
+    :param seconds: wall seconds between checkpoints (> 0).
+    """
+
+    seconds: float
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``elapsed`` (seconds since the last save) reached the interval."""
+        return step > 0 and elapsed >= self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class YoungDalyPolicy:
+    """Save at the Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after the last save.
+
+    :param mtbi: mean time between interruptions, in seconds (> 0).
+    :param floor: never save more often than this, in seconds; default 0.
+    """
+
+    mtbi: float
+    floor: float = 0.0
+
+    def interval(self, cost: float) -> float:
+        """:return: the interval in seconds for a checkpoint costing ``cost`` seconds."""
+        return max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether ``elapsed`` seconds since the last save reached the optimum."""
+        return step > 0 and elapsed >= self.interval(cost)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnySavePolicy:
+    """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`save`)."""
+
+    policies: tuple[Any, ...]
+
+    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
+        """:return: whether any policy wants a checkpoint at ``step``."""
+        return any(policy.should_save(step, elapsed, cost) for policy in self.policies)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatestN:
+    """Keep the newest ``n`` valid checkpoints.
+
+    :param n: how many valid checkpoints to keep (>= 1 here; the manager requires >= 2).
+    """
+
+    n: int
+
+    def to_keep(self, valid_steps: Iterable[int]) -> list[int]:
+        """:return: the steps to keep, newest first."""
+        return sorted(set(valid_steps), reverse=True)[: self.n]
+
+    def to_delete(self, present_steps: Iterable[int], valid_steps: Iterable[int]) -> list[int]:
+        """:return: the steps to delete, oldest first.
+
+        Only steps older than the newest kept one are deleted, so a checkpoint newer than the
+        last valid one (possibly still being written) is never touched. With no valid checkpoint,
+        nothing is deleted.
+
+        :param present_steps: every step with any file (valid or not).
+        :param valid_steps: the steps whose checkpoint is committed and verified.
+        """
+        keep = self.to_keep(valid_steps)
+        if not keep:
+            return []
+        return sorted(s for s in set(present_steps) if s not in keep and s < keep[0])
+
+
+class AsyncMode(enum.Enum):
+    """How interval checkpoints are written."""
+
+    DISABLED = "disabled"
+    """Synchronously, on the training thread."""
+    ASYNC = "async"
+    """State copied to CPU on the training thread, written and committed on a background thread."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Configuration of a :class:`CheckpointManager`.
+
+    :param folder: the task's checkpoint namespace (a plain path string).
+    :param interval: save every this many optimizer steps; default 50; 0: no step interval.
+    :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
+        may be incomplete when the process is killed, and the previous one must still exist.
+    :param async_mode: :attr:`AsyncMode.ASYNC` (default) or :attr:`AsyncMode.DISABLED`.
+    :param load_step: step to load, or -1 for the newest valid one.
+    :param interval_seconds: also save when this many seconds passed since the last save;
+        default 0 (off).
+    :param auto_interval: save at the Young/Daly optimum from the measured save cost and
+        ``mtbi_seconds``; default off.
+    :param mtbi_seconds: mean time between interruptions for ``auto_interval``, in seconds;
+        default 3600.
+
+    With ``interval`` 0, ``interval_seconds`` 0 and no ``auto_interval``, checkpointing is off
+    (:attr:`enabled` is false): only forced saves write.
+    """
+
+    folder: str
+    interval: int = 50
+    keep_latest_k: int = 2
+    async_mode: AsyncMode = AsyncMode.ASYNC
+    load_step: int = -1
+    interval_seconds: float = 0.0
+    auto_interval: bool = False
+    mtbi_seconds: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.folder:
+            raise ValueError("checkpoint folder must not be empty")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
+            raise ValueError(f"checkpoint interval must be an int >= 0 (0: never), got {self.interval!r}")
+        if self.keep_latest_k == 1:
+            raise ValueError(
+                "keep_latest_k=1 is refused: the newest checkpoint may still be in flight "
+                "when the task is killed, so at least 2 must be kept"
+            )
+        if not isinstance(self.keep_latest_k, int) or self.keep_latest_k < 2:
+            raise ValueError(f"keep_latest_k must be an int >= 2, got {self.keep_latest_k!r}")
+        if not isinstance(self.async_mode, AsyncMode):
+            raise ValueError(f"async_mode must be an AsyncMode, got {self.async_mode!r}")
+        if not isinstance(self.load_step, int) or self.load_step < -1:
+            raise ValueError(f"load_step must be -1 or a step >= 0, got {self.load_step!r}")
+        if not self.interval_seconds >= 0:
+            raise ValueError(f"checkpoint interval seconds must be >= 0, got {self.interval_seconds!r}")
+        if not self.mtbi_seconds > 0:
+            raise ValueError(f"mean time between interruptions must be > 0 s, got {self.mtbi_seconds!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any save policy is on (else only forced saves write)."""
+        return self.interval > 0 or self.interval_seconds > 0 or self.auto_interval
+
+    def save_policy(self) -> AnySavePolicy:
+        """:return: the combination of the configured step, time and Young/Daly policies."""
+        policies: list[Any] = []
+        if self.interval:
+            policies.append(FixedIntervalPolicy(self.interval))
+        if self.interval_seconds:
+            policies.append(TimeIntervalPolicy(self.interval_seconds))
+        if self.auto_interval:
+            policies.append(YoungDalyPolicy(self.mtbi_seconds))
+        return AnySavePolicy(tuple(policies))
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """Measurements of the saves of one manager (for intervals and deadline decisions).
+
+    :param blocking: seconds the caller was blocked per save (the snapshot, for async saves).
+    :param durations: seconds from start to commit per save.
+    :param sizes: bytes per save.
+    """
+
+    blocking: list[float] = dataclasses.field(default_factory=list)
+    durations: list[float] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+
+    def cost(self, default: float = 1.0) -> float:
+        """:return: the median blocking time of the last five saves, seconds (``default`` before any)."""
+        recent = sorted(self.blocking[-5:])
+        return recent[len(recent) // 2] if recent else default
+
+    def bytes_per_second(self) -> float | None:
+        """:return: the slowest write throughput of the last five saves, or ``None``."""
+        rates = [size / max(d, 1e-6) for size, d in zip(self.sizes[-5:], self.durations[-5:])]
+        return min(rates) if rates else None
+
+    def estimated_seconds(self, default: float = 1.0) -> float:
+        """:return: seconds a synchronous save of the last size takes at the measured throughput."""
+        rate = self.bytes_per_second()
+        return self.sizes[-1] / rate if rate and self.sizes else default
