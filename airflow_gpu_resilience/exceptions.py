@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow_gpu_resilience.compat import AirflowException, AirflowFailException
 
 
 class _ExecutionErrorDetails:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pendulum
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
-from airflow.sdk import DAG, Param, task
+from airflow_gpu_resilience.compat import DAG, Param, task
 from gpu_training_common import (
     common_params,
     create_bucket_operator,

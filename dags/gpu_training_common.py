@@ -13,7 +13,7 @@ import re
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.providers.google.cloud.operators.gcs import GCSCreateBucketOperator
-from airflow.sdk import Param, task
+from airflow_gpu_resilience.compat import Param, task
 
 from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator, CloudRunGpuExecuteJobOperator
 
