@@ -135,29 +135,29 @@ def default_deferrable(fallback: bool) -> bool:
     deployment sets it, else ``fallback``.
 
     Airflow's own default of the option is ``False``, and the Google provider's operators use it
-    as their default directly. A sensor whose default is ``False`` gets the same behaviour with
-    ``fallback=False``. The execute operator, whose jobs run for hours, keeps deferring by default
-    (``fallback=True``) unless the deployment sets the option in ``airflow.cfg`` or in the
-    ``AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE`` environment variable; then the deployment's
-    choice wins, ``False`` included. It is read once, when the operator's module is imported, as
-    the Google provider's operators do.
+    as their default directly; the sensor does the same (``fallback=False``). The execute
+    operator, whose jobs run for hours, keeps deferring by default (``fallback=True``) unless the
+    deployment sets the option:
+
+    - the ``AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE`` environment variable, ``True`` or ``False``,
+      always counts;
+    - a value in ``airflow.cfg`` (or a secrets/command form of it) counts when it differs from
+      Airflow's built-in default. Airflow 3 writes every default into the ``airflow.cfg`` it
+      generates, so a ``False`` there cannot be told from the generated file.
+
+    It is read once, when the operator's module is imported, as the Google provider's operators
+    do.
 
     :param fallback: the default when the deployment does not set the option.
     :return: the value of ``deferrable`` for an operator that is not given one.
     """
     from airflow.configuration import conf
 
-    if DEFAULT_DEFERRABLE_ENV not in os.environ and not _set_in_config_file(conf):
-        return fallback
-    return conf.getboolean("operators", "default_deferrable", fallback=fallback)
-
-
-def _set_in_config_file(conf: Any) -> bool:
-    """``True`` when ``[operators] default_deferrable`` is written in the loaded ``airflow.cfg``.
-
-    Airflow's parser answers ``has_option`` from its built-in defaults too; the plain
-    ``ConfigParser`` lookup sees only what was read from the file.
-    """
-    from configparser import ConfigParser
-
-    return isinstance(conf, ConfigParser) and ConfigParser.has_option(conf, "operators", "default_deferrable")
+    value = conf.getboolean("operators", "default_deferrable", fallback=fallback)
+    if DEFAULT_DEFERRABLE_ENV in os.environ:
+        return value
+    try:
+        builtin = str(conf.get_default_value("operators", "default_deferrable")).strip().lower() == "true"
+    except Exception:  # no built-in default known: the value is the deployment's
+        return value
+    return value if value != builtin else fallback
