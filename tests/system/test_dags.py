@@ -27,7 +27,7 @@ IMAGE = "us-central1-docker.pkg.dev/local-project/ml/airflow-gpu-resilience-work
 
 
 def _dagbag():
-    from airflow.dag_processing.dagbag import DagBag
+    from tests.airflow_compat import DagBag
 
     bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}
@@ -35,7 +35,7 @@ def _dagbag():
 
 
 def _rendered(dag_id: str, task_id: str, **context):
-    from airflow.dag_processing.dagbag import DagBag
+    from tests.airflow_compat import DagBag
 
     dag = DagBag(dag_folder=str(DAGS / f"{dag_id}.py")).dags[dag_id]
     task = dag.get_task(task_id)
