@@ -1,6 +1,7 @@
 """Install the built wheel as a production deployment would, and check what Airflow sees.
 
-For each target (Airflow 2.11 pinned by ``constraints/airflow2.txt``, and the newest Airflow 3):
+For each target (Airflow 2.11 pinned by ``constraints/airflow2.txt``, the newest Airflow 3 by
+``constraints/airflow3.txt``):
 a fresh virtual environment under ``build/check-install/``, ``pip install`` of the wheel with the
 matching Google provider and no extra, then:
 
@@ -33,7 +34,7 @@ OFFLINE = {"NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_META
 #: target -> (pip arguments besides the wheel, description)
 TARGETS = {
     "airflow2": (["-c", str(REPO / "constraints" / "airflow2.txt")], "Airflow 2.11 (constraints/airflow2.txt)"),
-    "airflow3": ([], "newest Airflow 3 (unpinned)"),
+    "airflow3": (["-c", str(REPO / "constraints" / "airflow3.txt")], "newest Airflow 3 (constraints/airflow3.txt)"),
 }
 #: Parses dags/ in the target environment; prints {"errors": {...}, "dags": [...]} as JSON.
 PARSE = r"""

@@ -29,6 +29,7 @@ from airflow_gpu_resilience.operators.cloud_run import (
     CloudRunGpuDeployJobOperator,
     CloudRunGpuExecuteJobOperator,
 )
+from tests.airflow_compat import allow_execute_in_this_thread
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
 from tests.unit.operators import dag_factory
 from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
@@ -376,6 +377,7 @@ def test_on_kill_cancels_the_running_execution(gcp_conn, job_name):
     outcome = {}
 
     def run():
+        allow_execute_in_this_thread()
         try:
             op.execute({"ti": _TI()})
         except Exception as exc:  # noqa: BLE001 - the test inspects it
