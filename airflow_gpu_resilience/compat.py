@@ -9,8 +9,8 @@ looks at the Airflow version.
 Names:
 
 - authoring: :data:`BaseOperator`, :data:`BaseSensorOperator`, :data:`PokeReturnValue`,
-  :data:`BaseOperatorLink`, :data:`DAG`, :data:`Param`, :data:`task`, :data:`Context` (typing only
-  on Airflow 2, where it is a class; a ``TypedDict`` on 3);
+  :data:`BaseOperatorLink`, :data:`DAG`, :data:`Param`, :data:`task`, :data:`Context` (a class on
+  Airflow 2, a ``TypedDict`` on 3: use it in annotations only);
 - triggers: :data:`BaseTrigger`, :data:`TriggerEvent` (``airflow.triggers.base`` on every version);
 - exceptions: :data:`AirflowException`, :data:`AirflowFailException`, :data:`AirflowSensorTimeout`,
   :data:`TaskDeferred`;
@@ -43,12 +43,22 @@ if AIRFLOW_V_3_0_PLUS:
         PokeReturnValue,
         task,
     )
-    from airflow.sdk.exceptions import (
-        AirflowException,
-        AirflowFailException,
-        AirflowSensorTimeout,
-        TaskDeferred,
-    )
+    from airflow.sdk import Context
+
+    try:  # the Task SDK's own exceptions (Airflow 3.1 and later)
+        from airflow.sdk.exceptions import (
+            AirflowException,
+            AirflowFailException,
+            AirflowSensorTimeout,
+            TaskDeferred,
+        )
+    except ImportError:  # Airflow 3.0 keeps them in airflow.exceptions
+        from airflow.exceptions import (  # type: ignore[no-redef]
+            AirflowException,
+            AirflowFailException,
+            AirflowSensorTimeout,
+            TaskDeferred,
+        )
 else:  # Airflow 2.11
     from airflow.decorators import task
     from airflow.exceptions import (
@@ -62,6 +72,7 @@ else:  # Airflow 2.11
     from airflow.models.dag import DAG
     from airflow.models.param import Param
     from airflow.sensors.base import BaseSensorOperator, PokeReturnValue
+    from airflow.utils.context import Context  # type: ignore[assignment]
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -82,11 +93,6 @@ if not AIRFLOW_V_3_0_PLUS:
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
-
-    if AIRFLOW_V_3_0_PLUS:
-        from airflow.sdk import Context
-    else:
-        from airflow.utils.context import Context
 
 __all__ = [
     "AIRFLOW_VERSION",
@@ -116,17 +122,17 @@ DEFAULT_DEFERRABLE_ENV = "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"
 def xcom_value(*, key: str, ti_key: TaskInstanceKey) -> Any:
     """The XCom value a task instance pushed under ``key``, or ``None`` when it pushed none.
 
-    Airflow 3 reads it through the Task SDK's ``XCom`` (the API server in the UI process);
-    Airflow 2.11 through ``airflow.models.xcom.XCom`` (the metadata database).
+    Airflow 3 reads it through the Task SDK's ``XCom``; Airflow 2.11 through
+    ``airflow.models.xcom.XCom`` (the metadata database).
 
     :param key: the XCom key.
     :param ti_key: the task instance's key, as Airflow passes it to ``BaseOperatorLink.get_link``.
     :return: the deserialized value, or ``None``.
     """
-    if AIRFLOW_V_3_0_PLUS:
+    try:  # Airflow 3: the Task SDK's XCom, which the API server serves links from
         from airflow.sdk.execution_time.xcom import XCom
-    else:
-        from airflow.models.xcom import XCom
+    except ImportError:  # Airflow 2.11
+        from airflow.models.xcom import XCom  # type: ignore[no-redef]
     return XCom.get_value(key=key, ti_key=ti_key)
 
 
