@@ -43,7 +43,7 @@ try:
     from airflow.dag_processing.dagbag import DagBag
 except ImportError:
     from airflow.models.dagbag import DagBag
-bag = DagBag(dag_folder=sys.argv[1], include_examples=False)
+bag = DagBag(dag_folder=sys.argv[1])  # AIRFLOW__CORE__LOAD_EXAMPLES=False keeps the examples out
 print(json.dumps({"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": sorted(bag.dag_ids)}))
 """
 
