@@ -1,25 +1,54 @@
 # The two commands: `make demo` runs the main job, `make test` runs the tests.
-# Each creates the virtual environment in .venv when it is missing.
+# Each creates the virtual environment in .venv when it is missing (the newest Airflow 3).
+# `make test-airflow2` creates .venv-airflow2 (Airflow 2.11, pinned by constraints/airflow2.txt)
+# and runs the provider, trigger, sensor and example-DAG tests there.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VENV2 := .venv-airflow2
+PY2 := $(VENV2)/bin/python
+STAMP2 := $(VENV2)/.installed
+# Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
+# the bundled worker's torch and the benchmarks' plots.
+EXTRAS := emulator,examples,dev
+# The tests that exercise the provider against an Airflow release: hook, operators, sensor,
+# trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
+# two end-to-end runs through `airflow dags test`).
+AIRFLOW2_TESTS := tests/unit tests/system/test_dags.py
 
-.PHONY: venv demo test test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
+.PHONY: venv venv-airflow2 demo test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[worker,dev,bench]'
+	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
+
+venv-airflow2: $(STAMP2)
+
+$(STAMP2): pyproject.toml constraints/dev.txt constraints/airflow2.txt
+	test -x $(PY2) || $(PYTHON) -m venv $(VENV2)
+	$(PY2) -m pip install --quiet --upgrade pip
+	$(PY2) -m pip install --quiet -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS)]'
+	touch $(STAMP2)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-airflow2: $(STAMP2)
+	$(PY2) -m pytest $(AIRFLOW2_TESTS) $(PYTEST_ARGS)
+
+# Build the wheel and install it, without the emulator extra, into fresh virtual environments
+# with Airflow 2.11 and with the newest Airflow 3; each must list the provider and parse the
+# example DAGs with no import errors.
+check-install: $(STAMP)
+	$(PY) scripts/check_install.py $(CHECK_ARGS)
 
 # The fault-injection suite at full size (CI runs it bounded, as part of `make test`).
 test-faults-long: $(STAMP)
@@ -41,4 +70,4 @@ bench-emulator: $(STAMP)
 	$(PY) benchmarks/bench_emulator.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV2) .pytest_cache build dist *.egg-info

@@ -13,6 +13,9 @@ def get_provider_info() -> dict[str, Any]:
     Airflow reads it through the ``apache_airflow_provider`` entry point to list the hooks,
     operators, sensors, triggers, extra links and connection types this package contributes.
 
+    Only keys that Airflow's ``provider_info.schema.json`` defines appear (the version is the
+    package's own, which ``airflow providers list`` reads from the distribution metadata).
+
     :return: the provider metadata dict in the shape of Airflow's ``provider_info.schema.json``.
     """
     return {
@@ -22,7 +25,6 @@ def get_provider_info() -> dict[str, Any]:
             "Run long PyTorch GPU jobs on Google Cloud Run from Airflow, surviving "
             "maintenance preemptions by re-running from checkpoints."
         ),
-        "versions": ["0.1.0"],
         "integrations": [
             {
                 "integration-name": "Google Cloud Run GPU jobs",
@@ -33,7 +35,7 @@ def get_provider_info() -> dict[str, Any]:
         "hooks": [
             {
                 "integration-name": "Google Cloud Run GPU jobs",
-                "python-modules": [f"{_PKG}.hooks.cloud_run", f"{_PKG}.hooks.gcs"],
+                "python-modules": [f"{_PKG}.hooks.cloud_run", f"{_PKG}.hooks.gcs", f"{_PKG}.hooks.progress"],
             }
         ],
         "operators": [

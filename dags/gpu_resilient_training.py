@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 
 import pendulum
-from airflow.sdk import DAG, Param, task
 from google.api_core.exceptions import NotFound
+
+from airflow_gpu_resilience.compat import DAG, Param, task
 from gpu_training_common import (
     common_params,
     check_job_is_ours,

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
 
-from airflow.sdk import BaseOperatorLink
+from airflow_gpu_resilience.compat import BaseOperatorLink, xcom_value
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
-    from airflow.sdk import BaseOperator, Context
+    from airflow_gpu_resilience.compat import BaseOperator, Context
 
 CONSOLE = "https://console.cloud.google.com"
 
@@ -79,9 +79,7 @@ class _PersistedLink(BaseOperatorLink):
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         """The stored URL, or ``""`` before the task started an execution."""
-        from airflow.sdk.execution_time.xcom import XCom
-
-        value: Any = XCom.get_value(key=self.xcom_key, ti_key=ti_key)
+        value: Any = xcom_value(key=self.xcom_key, ti_key=ti_key)
         return value if isinstance(value, str) else ""
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow.sdk import BaseOperator
+from airflow_gpu_resilience.compat import BaseOperator, default_deferrable
 
 from airflow_gpu_resilience.exceptions import (
     CloudRunGpuExecutionError,
@@ -57,7 +57,7 @@ from airflow_gpu_resilience.triggers.cloud_run import (
 )
 
 if TYPE_CHECKING:
-    from airflow.sdk import Context
+    from airflow_gpu_resilience.compat import Context
 
 __all__ = [
     "DEFER_TIMEOUT_MARGIN",
@@ -494,7 +494,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         in total over all tries of the task instance; separate from Airflow's ``retries``
         (default 3; an integer >= 0; templated).
     :param fatal_exit_codes: exit codes that fail without retry (default 64-78, BSD sysexits).
-    :param deferrable: wait in the triggerer (default ``True``); ``False`` polls in the worker.
+    :param deferrable: wait in the triggerer; ``False`` polls in the worker (default ``True``, or
+        ``[operators] default_deferrable`` where the deployment sets it).
     :param poll_interval: seconds between polls (default 10; templated).
     :param wait_for_completion: wait for the execution and act on its outcome (default ``True``);
         ``False`` starts the execution (or attaches to this task instance's running one), pushes
@@ -537,7 +538,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         overrides: dict[str, Any] | None = None,
         max_preemption_reruns: int | str = 3,
         fatal_exit_codes: Collection[int] | None = None,
-        deferrable: bool = True,
+        deferrable: bool = default_deferrable(fallback=True),
         poll_interval: float | str = 10.0,
         wait_for_completion: bool = True,
         wait_timeout: float | None = None,

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from google.cloud import run_v2
 
-from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowSensorTimeout
+from airflow_gpu_resilience.compat import AirflowSensorTimeout, BaseSensorOperator, PokeReturnValue, default_deferrable
 
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
@@ -24,7 +23,7 @@ from airflow_gpu_resilience.outcome import (
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger, ExecutionEventStatus
 
 if TYPE_CHECKING:
-    from airflow.sdk import Context
+    from airflow_gpu_resilience.compat import Context
 
 
 class CloudRunGpuExecutionSensor(BaseSensorOperator):
@@ -52,7 +51,8 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
     :param impersonation_chain: service account (or chain) to impersonate (templated).
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
     :param fatal_exit_codes: exit codes classed FATAL (default 64-78).
-    :param deferrable: wait in the triggerer instead of poking (default ``False``). The trigger
+    :param deferrable: wait in the triggerer instead of poking (default ``[operators]
+        default_deferrable``, which is ``False`` unless the deployment sets it). The trigger
         polls every ``poke_interval`` seconds and gives up after ``timeout`` seconds.
     :param kwargs: ``BaseSensorOperator`` arguments (``mode`` ``poke`` or ``reschedule``,
         ``poke_interval`` seconds (default 60), ``timeout`` seconds (default 7 days), ``soft_fail``, ...).
@@ -74,7 +74,7 @@ class CloudRunGpuExecutionSensor(BaseSensorOperator):
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
         fatal_exit_codes: Collection[int] | None = None,
-        deferrable: bool = False,
+        deferrable: bool = default_deferrable(fallback=False),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)

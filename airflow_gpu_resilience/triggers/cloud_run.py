@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from google.api_core import exceptions as gexc
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow_gpu_resilience.compat import BaseTrigger, TriggerEvent
 
 from airflow_gpu_resilience.hooks.cloud_run import (
     TRANSIENT_ERRORS,

@@ -18,7 +18,7 @@ from airflow.providers.google.cloud.operators.cloud_run import (
     CloudRunDeleteJobOperator,
     CloudRunExecuteJobOperator,
 )
-from airflow.sdk import DAG
+from airflow_gpu_resilience.compat import DAG
 from google.cloud import run_v2
 
 from .conftest import make_job

@@ -26,7 +26,7 @@ PROJECT = "faults-bad-inputs"
 @pytest.fixture(scope="module")
 def training_dag():
     sys.path.insert(0, str(DAGS))
-    from airflow.dag_processing.dagbag import DagBag
+    from tests.airflow_compat import DagBag
 
     return DagBag(dag_folder=str(DAGS / f"{DAG_ID}.py")).dags[DAG_ID]
 
@@ -67,7 +67,7 @@ BAD_PARAMS = [
 def first_error(dag, conf: dict, context_ti) -> Exception:
     """What a user sees for ``conf``: the param check when the DAG run is created, else the error
     of rendering and executing ``deploy_job`` (which validates before its first API call)."""
-    from airflow.sdk.exceptions import ParamValidationError
+    from tests.airflow_compat import ParamValidationError
 
     params = copy.deepcopy(dag.params)
     try:

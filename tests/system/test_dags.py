@@ -28,7 +28,7 @@ IMAGE = "us-central1-docker.pkg.dev/local-project/ml/airflow-gpu-resilience-work
 
 
 def _dagbag():
-    from airflow.dag_processing.dagbag import DagBag
+    from tests.airflow_compat import DagBag
 
     bag = DagBag(dag_folder=str(DAGS))
     assert bag.import_errors == {}
@@ -36,7 +36,7 @@ def _dagbag():
 
 
 def _rendered(dag_id: str, task_id: str, **context):
-    from airflow.dag_processing.dagbag import DagBag
+    from tests.airflow_compat import DagBag
 
     dag = DagBag(dag_folder=str(DAGS / f"{dag_id}.py")).dags[dag_id]
     task = dag.get_task(task_id)
@@ -276,7 +276,7 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
     without our label (someone else's) fails ``check_job_is_ours``, naming it and what to do, and
     cleanup keeps it; ``delete_bucket`` on a bucket without our label raises, naming it, and
     deletes nothing; our job passes the check and cleanup deletes it."""
-    from airflow.sdk.exceptions import AirflowFailException
+    from airflow_gpu_resilience.compat import AirflowFailException
 
     from airflow_gpu_resilience.emulator.process import EmulatorProcess
     from airflow_gpu_resilience.job_spec import GpuJobSpec

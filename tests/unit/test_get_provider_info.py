@@ -19,6 +19,34 @@ def test_every_listed_module_and_class_imports():
         assert hasattr(importlib.import_module(module), name)
 
 
+def test_matches_the_installed_airflows_provider_info_schema():
+    """Valid against Airflow's own ``provider_info.schema.json``; on Airflow 3 (whose schema lists
+    every section a provider may have) no key the schema does not define, at any level."""
+    import json
+    from pathlib import Path
+
+    import airflow
+    import jsonschema
+
+    from airflow_gpu_resilience.compat import AIRFLOW_V_3_0_PLUS
+
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    info = get_provider_info()
+    jsonschema.validate(info, schema)
+    if AIRFLOW_V_3_0_PLUS:
+        assert set(info) <= set(schema["properties"])
+        for key, value in info.items():
+            items = schema["properties"][key].get("items", {})
+            for entry in value if isinstance(value, list) else []:
+                if isinstance(entry, dict):
+                    assert set(entry) <= set(items["properties"]), (key, entry)
+    hooks = {m for entry in info["hooks"] for m in entry["python-modules"]}
+    assert hooks == {"airflow_gpu_resilience.hooks.cloud_run", "airflow_gpu_resilience.hooks.progress"}
+    assert {i["integration-name"] for i in info["integrations"]} >= {
+        e["integration-name"] for kind in ("hooks", "operators", "sensors", "triggers") for e in info[kind]
+    }
+
+
 def test_does_not_take_over_the_google_connection_type():
     assert get_provider_info()["connection-types"] == []
 
@@ -37,5 +65,7 @@ def test_airflow_providers_list_shows_the_installed_provider(tmp_path):
     )
     start = listed.stdout.index("[")  # skip any log lines before the JSON
     providers = {p["package_name"]: p for p in json.loads(listed.stdout[start:])}
-    assert providers["airflow-gpu-resilience"]["version"] == "0.1.0"
+    from airflow_gpu_resilience import __version__
+
+    assert providers["airflow-gpu-resilience"]["version"] == __version__
     assert "Cloud Run" in providers["airflow-gpu-resilience"]["description"]

@@ -32,6 +32,7 @@ from airflow_gpu_resilience.operators.cloud_run import (
     CloudRunGpuExecuteJobOperator,
     RunState,
 )
+from tests.airflow_compat import allow_execute_in_this_thread
 from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
 from tests.unit.operators import dag_factory
 from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
@@ -218,7 +219,7 @@ def test_deploy_operator_validates_templated_values_before_any_api_call():
 
 def test_deploy_operator_takes_every_spec_field_with_the_specs_default():
     """The deploy operator's spec arguments are GpuJobSpec's fields (``name`` is ``job_name``)."""
-    from airflow.sdk import DAG
+    from airflow_gpu_resilience.compat import DAG
 
     parameters = inspect.signature(CloudRunGpuDeployJobOperator.__init__).parameters
     for spec_field in dataclasses.fields(GpuJobSpec):
@@ -400,6 +401,7 @@ def test_on_kill_cancels_the_running_execution(gcp_conn, job_name):
     outcome = {}
 
     def run():
+        allow_execute_in_this_thread()
         try:
             op.execute({"ti": _TI()})
         except Exception as exc:  # noqa: BLE001 - the test inspects it
