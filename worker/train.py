@@ -163,6 +163,7 @@ class Trainer:
             checkpoint_every_seconds=checkpoint.interval_seconds or None,
             checkpoint_interval_auto=checkpoint.auto_interval, checkpointing=checkpoint.enabled,
             save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
+            threads=torch.get_num_threads(), mkl_cbwr=os.environ.get("MKL_CBWR"),
         )
 
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
@@ -194,12 +195,13 @@ class Trainer:
         """Train on with the intra-op thread count the checkpoint was written with.
 
         On CPU, torch's matrix products split their work by the number of intra-op threads,
-        and the split changes the order of the floating-point sums (with ``--hidden 1024``,
-        1 and 2 threads already give different products). The default count comes from the
-        machine and from ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a retry may not share;
-        so without ``--threads`` a resumed attempt uses the recorded count, and an explicit
-        ``--threads`` that differs from it is obeyed with a warning: the run then ends with
-        other hashes than an uninterrupted one.
+        and outside oneMKL's strict reproducibility mode (``MKL_CBWR=AUTO,STRICT``, which the
+        CLI sets unless ``MKL_CBWR`` is set) the split changes the order of the floating-point
+        sums: with ``--hidden 1024``, 1 and 2 threads give different products. The default
+        count comes from the machine and from ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a
+        retry may not share; so without ``--threads`` a resumed attempt uses the recorded
+        count, and an explicit ``--threads`` that differs from it is obeyed with a warning: the
+        run may then end with other hashes than an uninterrupted one.
 
         :param saved: the thread count in the loaded ``train_state`` (``None``: not recorded).
         :param step: the resumed step, for the log.
@@ -214,7 +216,7 @@ class Trainer:
         else:
             self._log.warning(
                 f"--threads {current} differs from the {saved} threads the checkpoint of step {step} was "
-                "written with: the result will not be bit-identical to an uninterrupted run",
+                "written with: the result may not be bit-identical to an uninterrupted run",
                 threads=current, checkpoint_threads=saved,
             )
 

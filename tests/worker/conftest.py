@@ -104,7 +104,7 @@ class WorkerProcess:
         """Send ``signum`` to the child's whole process group (started with ``new_group``)."""
         os.killpg(self.proc.pid, signum)
 
-    def wait(self, timeout: float = 60.0) -> int:
+    def wait(self, timeout: float = 300.0) -> int:
         """:return: the exit code (negative for a signal), after the log reader drained."""
         code = self.proc.wait(timeout=timeout)
         self._reader.join(timeout=5)
@@ -144,7 +144,7 @@ class Task:
         args = ["train", "--checkpoint-dir", str(self.root), "--data", str(self.data), *flags, *extra]
         return WorkerProcess(args, environment, new_group=new_group)
 
-    def run(self, *extra: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> WorkerProcess:
+    def run(self, *extra: str, env: dict[str, str] | None = None, timeout: float = 300.0) -> WorkerProcess:
         """Run one attempt to its end."""
         process = self.start(*extra, env=env)
         process.wait(timeout=timeout)
