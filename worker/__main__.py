@@ -118,12 +118,19 @@ def run_is_complete(config: WorkerConfig, logger: StructuredLogger, storage: Sto
         return manager.latest_step() == config.train.steps
 
 
+#: oneMKL's conditional numerical reproducibility mode, set before torch (and MKL) load unless
+#: ``MKL_CBWR`` is already set: ``STRICT`` makes MKL's matrix products give the same bits for
+#: any number of threads and from run to run (without it, 1 and 2 threads give other products).
+MKL_CBWR_DEFAULT = "AUTO,STRICT"
+
+
 def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
            storage: Storage | None) -> int:
     if run_is_complete(config, logger, storage):
         logger.info("run already complete; nothing to do", step=config.train.steps)
         return EXIT_OK
     check_writable(config.namespace)
+    os.environ.setdefault("MKL_CBWR", MKL_CBWR_DEFAULT)  # read when MKL loads, with torch below
     from worker.train import Trainer  # torch is imported only when there is work to do
 
     watcher.grace_seconds = config.grace_seconds

@@ -111,7 +111,7 @@ class TrainConfig:
     :param seed: seed of initialization, dropout and data order; default 0.
     :param step_delay: seconds to sleep after each step (demos of preemption); default 0.
     :param device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
-    :param threads: torch CPU threads; default unchanged.
+    :param threads: torch CPU threads; default torch's (on resume: the count recorded in the checkpoint).
     """
 
     steps: int = 600
@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: with CLOUD_RUN_TASK_COUNT > 1 task i trains sweep member i mod 4")
     add("--step-delay", type=float, default=0.0, help="seconds to sleep per step (demos)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    add("--threads", type=int, default=None, help="torch CPU threads; default unchanged")
+    add("--threads", type=int, default=None,
+        help="torch CPU threads; default torch's, or on resume the count the checkpoint was written with")
     add("--progress-interval", type=float, default=1.0, help="min seconds between progress.json writes")
     return parser
 

@@ -77,6 +77,9 @@ class TrainState:
         self.loss_ema: float | None = None
         self.checkpoints = 0
         self.history: list[dict[str, Any]] = []
+        #: torch intra-op threads recorded in the loaded checkpoint (``None``: none loaded, or
+        #: a checkpoint from a version that did not record them).
+        self.saved_threads: int | None = None
 
     def observe(self, loss: float, decay: float = 0.95) -> None:
         """Record one step's loss in the running metrics."""
@@ -89,7 +92,8 @@ class TrainState:
         return self._elapsed_before + self._clock() - self._attempt_started
 
     def state_dict(self) -> dict[str, Any]:
-        """:return: the state, capturing the RNG states now."""
+        """:return: the state, capturing the RNG states and the torch intra-op thread count
+        (``threads``) now."""
         return {
             "step": self.step,
             "last_loss": self.last_loss,
@@ -99,6 +103,7 @@ class TrainState:
             "history": [dict(entry) for entry in self.history],
             "fingerprint": dict(self.fingerprint),
             "rng": capture_rng(),
+            "threads": torch.get_num_threads(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -116,4 +121,6 @@ class TrainState:
         self.checkpoints = int(state["checkpoints"])
         self._elapsed_before, self._attempt_started = float(state["elapsed_seconds"]), self._clock()
         self.history = [dict(entry) for entry in state["history"]]
+        threads = state.get("threads")
+        self.saved_threads = threads if isinstance(threads, int) and threads >= 1 else None
         restore_rng(state["rng"])

@@ -163,6 +163,7 @@ class Trainer:
             checkpoint_every_seconds=checkpoint.interval_seconds or None,
             checkpoint_interval_auto=checkpoint.auto_interval, checkpointing=checkpoint.enabled,
             save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
+            threads=torch.get_num_threads(), mkl_cbwr=os.environ.get("MKL_CBWR"),
         )
 
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
@@ -174,6 +175,7 @@ class Trainer:
             self._log.info(f"resuming from step {step}", resumed_from_step=step,
                            file=manager.path(step), epoch=parts.sampler.epoch,
                            position=parts.sampler.position)
+            self._match_threads(parts.state.saved_threads, step)
         else:
             step = 0
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
@@ -188,6 +190,35 @@ class Trainer:
         if lost:
             self._log.warning(f"lost {lost} steps of work since the last checkpoint",
                               lost_steps=lost, last_reported_step=reported, resumed_from_step=step)
+
+    def _match_threads(self, saved: int | None, step: int) -> None:
+        """Train on with the intra-op thread count the checkpoint was written with.
+
+        On CPU, torch's matrix products split their work by the number of intra-op threads,
+        and outside oneMKL's strict reproducibility mode (``MKL_CBWR=AUTO,STRICT``, which the
+        CLI sets unless ``MKL_CBWR`` is set) the split changes the order of the floating-point
+        sums: with ``--hidden 1024``, 1 and 2 threads give different products. The default
+        count comes from the machine and from ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a
+        retry may not share; so without ``--threads`` a resumed attempt uses the recorded
+        count, and an explicit ``--threads`` that differs from it is obeyed with a warning: the
+        run may then end with other hashes than an uninterrupted one.
+
+        :param saved: the thread count in the loaded ``train_state`` (``None``: not recorded).
+        :param step: the resumed step, for the log.
+        """
+        current = torch.get_num_threads()
+        if saved is None or saved == current:
+            return
+        if self.config.train.threads is None:
+            torch.set_num_threads(saved)
+            self._log.info(f"using {saved} intra-op threads, as the checkpoint of step {step} was written with",
+                           threads=saved, default_threads=current)
+        else:
+            self._log.warning(
+                f"--threads {current} differs from the {saved} threads the checkpoint of step {step} was "
+                "written with: the result may not be bit-identical to an uninterrupted run",
+                threads=current, checkpoint_threads=saved,
+            )
 
     def _train_step(self, parts: Components, data: Dataset) -> float:
         indices = parts.sampler.next_indices().to(data.x_train.device)
