@@ -15,7 +15,7 @@ EXTRAS := emulator,examples,dev
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
 # two end-to-end runs through `airflow dags test`).
-AIRFLOW2_TESTS := tests/unit tests/system/test_dags.py
+AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 
 .PHONY: venv venv-airflow2 demo test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 

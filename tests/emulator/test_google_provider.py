@@ -20,7 +20,7 @@ from airflow.providers.google.cloud.operators import cloud_run as google_operato
 from airflow.utils.state import DagRunState, TaskInstanceState
 from google.api_core import exceptions as gexc
 
-from tests.unit.conftest import airflow_db  # noqa: F401  (the fixture: a migrated Airflow DB)
+from tests.provider.conftest import airflow_db  # noqa: F401  (the fixture: a migrated Airflow DB)
 
 from . import google_provider_dags as dags
 

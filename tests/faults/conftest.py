@@ -2,7 +2,7 @@
 
 ``FAULTS_N`` sets the number of random interruptions of the worker's long run (25 by default,
 ``make test-faults-long`` uses 200). Worker fixtures come from ``tests/worker/conftest.py``,
-the emulator and Airflow fixtures from ``tests/unit/conftest.py``.
+the emulator and Airflow fixtures from ``tests/provider/conftest.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.unit.conftest import airflow_db, emulator, faults, gcp_conn, job_name  # noqa: F401 - fixtures
+from tests.provider.conftest import airflow_db, emulator, faults, gcp_conn, job_name  # noqa: F401 - fixtures
 from tests.worker.conftest import digits_npz  # noqa: F401 - fixture
 
 

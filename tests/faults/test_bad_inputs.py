@@ -12,7 +12,7 @@ import pytest
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
-from tests.unit.conftest import BUCKET, REGION
+from tests.provider.conftest import BUCKET, REGION
 
 pytestmark = pytest.mark.faults
 

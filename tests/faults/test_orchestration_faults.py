@@ -26,9 +26,9 @@ from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
 from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV, CloudRunGpuExecuteJobOperator
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
-from tests.unit.operators import dag_factory
-from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+from tests.provider.operators import dag_factory
+from tests.provider.operators.dag_factory import CAPTURED, write_dag_file
 from tests.worker.conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("airflow_db")]

@@ -17,7 +17,7 @@ from google.cloud import storage
 
 from airflow_gpu_resilience.exceptions import CheckpointBucketNotOursError
 from airflow_gpu_resilience.hooks.gcs import DELETE_BATCH_SIZE, CheckpointBucketHook, ownership_labels
-from tests.unit.conftest import PROJECT, REGION
+from tests.provider.conftest import PROJECT, REGION
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
-from tests.unit.operators import dag_factory
-from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+from tests.provider.operators import dag_factory
+from tests.provider.operators.dag_factory import CAPTURED, write_dag_file
 
 
 def start(job_name: str, args: list[str], wait: bool = True, max_retries: int = 0) -> str:

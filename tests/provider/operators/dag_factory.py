@@ -84,7 +84,7 @@ def write_dag_file(dags_folder: Path, factory: str, kwargs: dict[str, Any]) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "# airflow DAG (twin of a test DAG)\nimport json\n"
-        f"from tests.unit.operators.dag_factory import {factory}\n"
+        f"from tests.provider.operators.dag_factory import {factory}\n"
         f"dag = {factory}(**json.loads({json.dumps(json.dumps(kwargs))}))\n"
     )
     return path

@@ -13,7 +13,7 @@ from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import AttemptRecord, OutcomeClass
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
 
 MAINTENANCE = "Container instance preemption initiated by the platform due to underlying hardware maintenance."
 

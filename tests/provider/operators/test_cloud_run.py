@@ -33,9 +33,9 @@ from airflow_gpu_resilience.operators.cloud_run import (
     RunState,
 )
 from tests.airflow_compat import allow_execute_in_this_thread
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
-from tests.unit.operators import dag_factory
-from tests.unit.operators.dag_factory import CAPTURED, write_dag_file
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, wait_until_running
+from tests.provider.operators import dag_factory
+from tests.provider.operators.dag_factory import CAPTURED, write_dag_file
 
 pytestmark = pytest.mark.usefixtures("airflow_db")
 

@@ -22,7 +22,7 @@ import pytest
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 START = pendulum.datetime(2026, 1, 1, tz="UTC")
@@ -57,7 +57,7 @@ import json, sys
 from pathlib import Path
 from airflow.configuration import conf
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
-from tests.unit import test_default_deferrable as factories
+from tests.provider import test_default_deferrable as factories
 
 runs = []
 original = CloudRunGpuExecutionTrigger.run
@@ -72,7 +72,7 @@ out = {}
 for factory, kwargs, task_id in json.loads(sys.argv[1]):
     path = Path(conf.get("core", "dags_folder")) / f"{kwargs['dag_id']}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# airflow DAG\nimport json\nfrom tests.unit import test_default_deferrable as f\n"
+    path.write_text("# airflow DAG\nimport json\nfrom tests.provider import test_default_deferrable as f\n"
                     f"dag = f.{factory}(**json.loads({json.dumps(json.dumps(kwargs))}))\n")
     try:
         dag = getattr(factories, factory)(**kwargs)

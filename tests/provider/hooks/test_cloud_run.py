@@ -26,7 +26,7 @@ from airflow_gpu_resilience.outcome import (
     execution_state,
     observe_attempts,
 )
-from tests.unit.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 
 
 def spec(job_name: str, **kw) -> GpuJobSpec:
@@ -138,7 +138,7 @@ def test_cancel_execution(hook, job_name):
 def test_a_cancelled_attempt_is_recorded_as_cancelled_not_preempted(hook, job_name):
     """Cancelling stops the container with SIGTERM, like a preemption; the attempt record (what the
     execute operator logs per attempt) is CANCELLED, from the attempt's CANCELLED status."""
-    from tests.unit.conftest import wait_until_running
+    from tests.provider.conftest import wait_until_running
 
     hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"], max_retries=0), region=REGION)
     _, execution = hook.run_job(job_name=job_name, region=REGION)
