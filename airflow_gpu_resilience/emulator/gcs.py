@@ -28,7 +28,7 @@ from base64 import b64encode
 from functools import partial
 from http.server import HTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlparse
 
 from gcp_storage_emulator.handlers import objects as gcs_objects
 from gcp_storage_emulator.server import RequestHandler
@@ -36,7 +36,7 @@ from gcp_storage_emulator.settings import STORAGE_DIR
 from gcp_storage_emulator.storage import Storage as _EmulatorStorage
 
 from .exceptions import InvalidArgument, PayloadTooLarge, PermissionDenied
-from .guards import contained, header_lists, refusal
+from .guards import PathEscape, contained, header_lists, refusal
 from .validation import validate_bucket_name
 
 _MTIME_SLACK_NS = 50_000_000
@@ -62,6 +62,23 @@ class StorageAdapter:
         self.backend = _EmulatorStorage(data_dir=str(Path(data_dir).resolve()))
         #: the folder holding one sub-folder per bucket
         self.root = Path(self.backend.get_storage_base(), STORAGE_DIR)
+        self._contain_writes()
+
+    def _contain_writes(self) -> None:
+        """Make every file the storage writes (uploads, copies, resumable parts, its index) stay
+        inside its folder with symbolic links resolved: a task may leave a link in a mounted
+        bucket, and an upload through it would otherwise write wherever the link points.
+
+        :raises PathEscape: from a write whose resolved path leaves the storage folder.
+        """
+        store = self.backend._store
+        write_bytes = store.write_bytes
+
+        def contained_write(rel: str, content: bytes) -> None:  # rel: relative to self.root
+            contained(self.root, *[part for part in str(rel).replace("\\", "/").split("/") if part])
+            write_bytes(rel, content)
+
+        store.write_bytes = contained_write
 
     def bucket_names(self) -> list:
         """Names of the buckets that exist."""
@@ -138,6 +155,8 @@ class _SyncedHandler(RequestHandler):
             self._service.reconcile(self._service.storage.bucket_names())
             try:
                 handle()
+            except PathEscape as exc:
+                self._send_error(PermissionDenied(f"name: the object's path leaves its bucket ({exc})."))
             except ValueError as exc:  # the storage refuses '..' in object paths, before answering
                 if "invalid path" not in str(exc):
                     raise
@@ -147,10 +166,11 @@ class _SyncedHandler(RequestHandler):
         problem = refusal(method, header_lists(self.headers.items()), json_only=False)
         if problem is not None:
             return problem
-        path = urlsplit(self.path).path
-        if path == "/wipe":
+        # the path exactly as the storage's router matches it (``;params`` dropped, not decoded)
+        path = urlparse(f"http://host{self.path}").path
+        if path.rstrip("/") == "/wipe":
             return PermissionDenied("GET /wipe of the GCS emulator is disabled (use POST /_emulator/reset).")
-        if method == "POST" and path in _BUCKET_INSERT:
+        if method == "POST" and path.rstrip("/") in _BUCKET_INSERT:
             return self._bucket_name_problem()
         return None
 
@@ -251,8 +271,11 @@ class GcsService:
         """Index files written through mounts of ``buckets``; drop entries whose file is gone."""
         with self.lock:
             for bucket in buckets:
-                if self.storage.has_bucket(bucket) and self._reconcile_bucket(bucket):
-                    self.storage.save_index()
+                try:
+                    if self.storage.has_bucket(bucket) and self._reconcile_bucket(bucket):
+                        self.storage.save_index()
+                except PathEscape:  # a name no insert should have let in: never index through it
+                    continue
 
     def _reconcile_bucket(self, bucket: str) -> bool:
         root = self.bucket_dir(bucket)

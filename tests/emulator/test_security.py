@@ -127,6 +127,48 @@ def test_gcs_emulator_refuses_page_requests_and_serves_the_storage_client(emulat
     assert bucket.blob("plain.txt").exists() and not bucket.blob("planted.txt").exists()
 
 
+@pytest.mark.parametrize("path", ["/wipe;x", "/wipe;", "/wipe/", "/wipe?x=1", "/wipe;x?y=1"])
+def test_no_spelling_of_wipe_gets_past_the_guard(emulator, bucket, path):
+    """The storage's router drops ``;params`` and a trailing slash before it matches ``/wipe``;
+    the guard reads the path the same way, so an ``<img src=".../wipe;x">`` deletes nothing."""
+    bucket.blob("kept.txt").upload_from_string(b"kept")
+    status, _ = raw(emulator.gcs_endpoint, "GET", path, headers={"Sec-Fetch-Site": "cross-site"})
+    assert status in (403, 404)
+    assert bucket.blob("kept.txt").exists()
+
+
+@pytest.mark.parametrize("path", ["/storage/v1/b;x?project=test-project", "/b;x?project=test-project",
+                                  "/storage/v1/b/?project=test-project"])
+def test_bucket_names_are_checked_on_every_spelling_of_the_insert(emulator, storage_client, path):
+    before = sorted(p.name for p in emulator.bucket_dir("x").parent.iterdir())
+    status, data = raw(emulator.gcs_endpoint, "POST", path, json.dumps({"name": "a/b/c"}).encode(),
+                       {"Content-Type": "application/json"})
+    assert status == 400 and error_of(data)["status"] == "INVALID_ARGUMENT"
+    assert sorted(p.name for p in emulator.bucket_dir("x").parent.iterdir()) == before
+    assert [b.name for b in storage_client.list_buckets()] is not None  # the server still answers
+
+
+def test_uploads_never_write_through_a_link_out_of_the_bucket(emulator, bucket, tmp_path):
+    """A task may leave symbolic links in a mounted bucket; an upload through one (to a folder or
+    a file outside) is refused and the target is untouched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"secret")
+    folder = emulator.bucket_dir(bucket.name)
+    (folder / "dirlink").symlink_to(outside, target_is_directory=True)
+    (folder / "filelink").symlink_to(secret)
+    for name, data in (("dirlink/planted.txt", b"planted"), ("filelink", b"OVERWRITTEN")):
+        upload = f"/upload/storage/v1/b/{bucket.name}/o?uploadType=media&name={urllib.parse.quote(name, safe='')}"
+        status, answer = raw(emulator.gcs_endpoint, "POST", upload, data,
+                             {"Content-Type": "application/octet-stream"})
+        assert status == 403 and error_of(answer)["status"] == "PERMISSION_DENIED", (name, answer)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert secret.read_bytes() == b"secret"
+    bucket.blob("inside/fine.txt").upload_from_string(b"fine")  # ordinary uploads still work
+    assert bucket.blob("inside/fine.txt").download_as_bytes() == b"fine"
+
+
 # --- item 5: limits ---------------------------------------------------------------------------
 
 def test_a_50_mb_create_job_is_refused_with_413(jobs, job_id):
