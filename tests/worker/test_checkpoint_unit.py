@@ -58,7 +58,8 @@ def test_name_parse_rejects_lookalikes(name: str, expected: ParsedName | None) -
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_name_build_rejects_bad_steps(bad: object) -> None:
-    with pytest.raises(ValueError):
+    # The match matters: f"{1.5:08d}" and f"{'3':08d}" raise a ValueError of their own.
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got "):
         CheckpointName.build(bad)  # type: ignore[arg-type]
 
 
