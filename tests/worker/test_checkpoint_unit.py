@@ -108,11 +108,19 @@ def test_checkpoint_config_validation(kwargs: dict, match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "raw",
-    [b"", b"{", b"[]", b'{"step": 1}', b'{"step": 1, "size": 2, "sha256": "xyz"}', b"\xff\xfe"],
+    ("raw", "match"),
+    [
+        (b"", "not valid JSON"),
+        (b"{", "not valid JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"step": 1}', "no valid step or size"),
+        # the sha256 check itself: without the match the chunk_bytes check would reject it too
+        (b'{"step": 1, "size": 2, "sha256": "xyz"}', "no valid sha256"),
+        (b"\xff\xfe", "not valid JSON"),
+    ],
 )
-def test_commit_record_rejects_torn_or_malformed(raw: bytes) -> None:
-    with pytest.raises(ValueError):
+def test_commit_record_rejects_torn_or_malformed(raw: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         CommitRecord.from_bytes(raw)
 
 
