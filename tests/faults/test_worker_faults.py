@@ -126,7 +126,8 @@ def test_random_kills_across_one_long_run_end_bit_identical(task: Task, baseline
             expected = max(valid_before, default=0)  # the newest valid one; nothing here is damaged
             assert step == expected, f"{kind}: resumed from {step}, valid were {valid_before}"
         valid = task.valid_steps()
-        assert not valid or valid[-1] >= newest_valid, f"{kind}: last good checkpoint lost: {valid}"
+        # an empty list fails this too once a checkpoint was valid: losing them all is the worst case
+        assert (valid[-1] if valid else 0) >= newest_valid, f"{kind}: last good checkpoint lost: {valid}"
         newest_valid = valid[-1] if valid else newest_valid
         if code == 0:
             completed = process

@@ -58,7 +58,8 @@ def test_name_parse_rejects_lookalikes(name: str, expected: ParsedName | None) -
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_name_build_rejects_bad_steps(bad: object) -> None:
-    with pytest.raises(ValueError):
+    # The match matters: f"{1.5:08d}" and f"{'3':08d}" raise a ValueError of their own.
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got "):
         CheckpointName.build(bad)  # type: ignore[arg-type]
 
 
@@ -107,11 +108,19 @@ def test_checkpoint_config_validation(kwargs: dict, match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "raw",
-    [b"", b"{", b"[]", b'{"step": 1}', b'{"step": 1, "size": 2, "sha256": "xyz"}', b"\xff\xfe"],
+    ("raw", "match"),
+    [
+        (b"", "not valid JSON"),
+        (b"{", "not valid JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"step": 1}', "no valid step or size"),
+        # the sha256 check itself: without the match the chunk_bytes check would reject it too
+        (b'{"step": 1, "size": 2, "sha256": "xyz"}', "no valid sha256"),
+        (b"\xff\xfe", "not valid JSON"),
+    ],
 )
-def test_commit_record_rejects_torn_or_malformed(raw: bytes) -> None:
-    with pytest.raises(ValueError):
+def test_commit_record_rejects_torn_or_malformed(raw: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         CommitRecord.from_bytes(raw)
 
 
