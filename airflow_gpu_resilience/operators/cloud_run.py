@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import time
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -564,8 +565,14 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             or max_preemption_reruns < 0
         ):
             raise ValueError(f"max_preemption_reruns={max_preemption_reruns!r} must be an integer >= 0")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        # checked when the DAG is parsed; poll_interval only when it is not a template, the
+        # rendered value is checked at execute, also before any API call
+        if self.timeout is not None:
+            self.timeout = _seconds("timeout", self.timeout)
+        if wait_timeout is not None:
+            self.wait_timeout = _seconds("wait_timeout", wait_timeout)
+        if not isinstance(poll_interval, str):
+            self.poll_interval = _seconds("poll_interval", poll_interval)
 
     @cached_property
     def hook(self) -> CloudRunGpuHook:
@@ -829,11 +836,14 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
 
 def _seconds(name: str, value: float | str) -> float:
-    """A rendered number of seconds; :raises ValueError: naming ``name`` unless it is > 0."""
+    """A number of seconds, given or rendered from a template.
+
+    :raises ValueError: naming ``name`` unless it is a finite number > 0 (a bool is refused too).
+    """
     try:
-        seconds = float(value)
+        seconds = float("nan") if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
     return seconds

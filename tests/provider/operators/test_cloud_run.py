@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 import threading
 import time
 import warnings
@@ -471,8 +472,39 @@ def test_unreadable_progress_files_never_fail_the_task(gcp_conn, gcs_emulator_ho
 
 
 def test_execute_operator_rejects_a_bad_timeout():
-    with pytest.raises(ValueError, match="timeout=0 must be a positive number of seconds"):
+    with pytest.raises(ValueError, match="timeout=0 must be a positive"):
         CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", timeout=0)
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"wait_timeout": 0}, "wait_timeout=0"),
+    ({"wait_timeout": -3}, "wait_timeout=-3"),
+    ({"wait_timeout": "ten minutes"}, "wait_timeout='ten minutes'"),
+    ({"wait_timeout": float("nan")}, "wait_timeout=nan"),
+    ({"wait_timeout": float("inf")}, "wait_timeout=inf"),
+    ({"timeout": float("inf")}, "timeout=inf"),
+    ({"timeout": "abc"}, "timeout='abc'"),
+    ({"timeout": True}, "timeout=True"),
+    ({"poll_interval": 0}, "poll_interval=0"),
+    ({"poll_interval": -5}, "poll_interval=-5"),
+    ({"poll_interval": float("inf")}, "poll_interval=inf"),
+])
+def test_execute_operator_rejects_bad_durations_when_the_dag_is_parsed(kwargs, named):
+    """One ValueError naming the parameter, from the constructor: no execution can start."""
+    with pytest.raises(ValueError, match=re.escape(named) + " must be a positive, finite number of seconds"):
+        CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", **kwargs)
+
+
+def test_durations_given_as_numeric_strings_are_seconds():
+    op = CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", wait_timeout="600", timeout="3600")
+    assert (op.wait_timeout, op.timeout) == (600.0, 3600.0)
+
+
+def test_a_templated_poll_interval_is_checked_once_rendered():
+    op = CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", poll_interval="{{ params.poll }}")
+    op.poll_interval = "0"  # as rendered
+    with pytest.raises(ValueError, match="poll_interval='0' must be a positive, finite number of seconds"):
+        op.execute({})
 
 
 @pytest.mark.parametrize(
