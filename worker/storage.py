@@ -121,16 +121,19 @@ class LocalStorage:
             pass
 
     def remove_entry(self, folder: str, name: str) -> bool:
-        """Delete the regular file ``name`` in ``folder``, never through a symlink: the folder
-        is opened with ``O_NOFOLLOW`` and the entry is checked and unlinked relative to it.
+        """Delete the regular file ``name`` in ``folder``, never through a symlink: ``folder``
+        must be its own real path (no symlink in any part of it), it is opened with
+        ``O_NOFOLLOW``, and the entry is checked and unlinked relative to it.
 
-        :return: ``False`` when refused (a symlinked folder or entry, or an entry that is not a
-            regular file), ``True`` when the entry is gone (deleted, or missing); other
+        :return: ``False`` when refused (a symlink in ``folder``'s path or as the entry, or an
+            entry that is not a regular file), ``True`` when the entry is gone (deleted, or missing); other
             ``OSError`` propagate.
         :raises ValueError: when ``name`` is not a plain file name.
         """
         if not name or name in (".", "..") or "/" in name:
             raise ValueError(f"name must be a plain file name, got {name!r}")
+        if os.path.realpath(folder) != os.path.abspath(folder):
+            return False  # a symlink anywhere on the way (O_NOFOLLOW covers only the last part)
         try:
             fd = os.open(folder.rstrip("/") or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except FileNotFoundError:

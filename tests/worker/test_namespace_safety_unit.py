@@ -35,6 +35,26 @@ def test_cleanup_does_not_delete_through_a_symlinked_namespace(tmp_path: Path) -
     assert any("symlink" in r.get("message", "") for r in log.records if r["severity"] == "WARNING")
 
 
+def test_cleanup_does_not_delete_below_a_symlinked_parent_folder(tmp_path: Path) -> None:
+    """``{root}/{job}`` a link to elsewhere: the namespace ``{job}/task-0`` is a real folder in
+    the target, and nothing in it is deleted."""
+    target = tmp_path / "elsewhere"
+    (target / "task-0").mkdir(parents=True)
+    stale = _stale_files(target / "task-0")
+    (tmp_path / "job").symlink_to(target, target_is_directory=True)
+    namespace = tmp_path / "job" / "task-0"
+    log = ListLog()
+    box = Box()
+    with _manager(namespace, box, log) as manager:
+        for step in (10, 20, 30):
+            box.tensor += 1
+            assert manager.save(step)
+    names = sorted(p.name for p in (target / "task-0").iterdir())
+    assert set(stale) <= set(names), names
+    assert "ckpt-00000010.pt" in names
+    assert any("symlink" in r.get("message", "") for r in log.records if r["severity"] == "WARNING")
+
+
 def test_cleanup_skips_symlinked_entries(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
