@@ -1,7 +1,7 @@
 """Classify Cloud Run task attempts and executions, and decide what the execute operator does.
 
-Pure functions over ``run_v2`` messages and primitives: no I/O, no clocks. The classes follow the
-outcome table in DESIGN.md:
+Pure functions over ``run_v2`` messages and primitives: no I/O, no clocks. The classes are those
+of the README's outcome table:
 
 ============  ==========================================================  ======================
 Class         Last attempt looks like                                     Operator action
@@ -19,8 +19,9 @@ CANCELLED     status CANCELLED (a user, ``on_kill``), even with the exit  fail, 
 Two helper classes complete the picture: RUNNING (not finished yet) and INCOMPLETE (a task that
 never ran to an end because its execution stopped early, e.g. siblings cancelled by the system).
 
-What Cloud Run shows for a preemption is not part of the API schema (see
-``reference/cloud-run-admin-api-v2.md`` §3.3), so detection uses every trace it leaves.
+What Cloud Run shows for a preemption is not part of the API schema (the README's "Known
+differences from Cloud Run" lists what the emulator infers), so detection uses every trace it
+leaves.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Table tests: every row of DESIGN.md's outcome table, plus task and execution classification."""
+"""Table tests: every row of the README's outcome table, plus task and execution classification."""
 
 from __future__ import annotations
 
