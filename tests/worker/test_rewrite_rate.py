@@ -2,8 +2,9 @@
 
 Cloud Storage accepts about one mutation per second of one object name. A poller watches every
 entry of the namespace while a worker saves a checkpoint on every step, and records each
-version of a name: a new inode (a write through a temporary name and a rename) or the same
-file truncated (a rewrite in place); a file growing is one write still streaming. The last
+version of a name: for the small ``*.json`` records, each new content; for other files, a new
+inode (a write through a temporary name and a rename) or the same file truncated (a rewrite in
+place), while a file growing is one write still streaming. The last
 mtimes of consecutive versions of one name must lie at least a second apart (less the file
 system's timestamp granularity).
 """
@@ -32,6 +33,7 @@ class NamespacePoller:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.versions: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(ino, mtime_ns, size)]
+        self._contents: dict[str, bytes] = {}  # *.json name -> the content last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -56,6 +58,17 @@ class NamespacePoller:
                     continue
                 version = (info.st_ino, info.st_mtime_ns, info.st_size)
                 seen = self.versions.setdefault(entry.name, [])
+                if entry.name.endswith(".json"):
+                    # small records, replaced whole: a version is a new content (the file system
+                    # may give the next replacement the inode number the last one freed)
+                    try:
+                        content = Path(entry.path).read_bytes()
+                    except FileNotFoundError:
+                        continue
+                    if self._contents.get(entry.name) != content:
+                        self._contents[entry.name] = content
+                        seen.append(version)
+                    continue
                 if seen and seen[-1][0] == info.st_ino and info.st_size >= seen[-1][2]:
                     seen[-1] = version  # the same write still streaming (an upload at close)
                 else:
@@ -67,7 +80,7 @@ class NamespacePoller:
         name written twice within a second."""
         out = {}
         for name, versions in self.versions.items():
-            times = sorted({mtime for _, mtime, _ in versions})
+            times = sorted(mtime for _, mtime, _ in versions)
             gaps = [(b - a) / 1e9 for a, b in zip(times, times[1:])]
             if gaps and min(gaps) < 1.0 - GRANULARITY:
                 out[name] = round(min(gaps), 4)
