@@ -81,9 +81,12 @@ def check(target: str, wheel: Path, version: str) -> tuple[list[str], float, flo
         report(providers.get("airflow-gpu-resilience") == version,
                f"airflow providers list shows airflow-gpu-resilience {version}")
         # What Airflow itself reports: the CLI parses the DAGs folder (on its sys.path, as the
-        # DAG processor has it) and lists import errors and DAGs.
+        # DAG processor has it) and stores what it found (``dags reserialize``; Airflow 3's
+        # ``list-import-errors`` only reads what a parse stored), then lists import errors and DAGs.
         airflow = str(venv / "bin" / "airflow")
         subprocess.run([airflow, "db", "migrate"], env=env, cwd=home, check=True, capture_output=True, timeout=600)
+        subprocess.run([airflow, "dags", "reserialize"], env=env, cwd=home, check=True, capture_output=True,
+                       timeout=600)
         errors = _cli_json([airflow, "dags", "list-import-errors", "-o", "json"], env, home)
         report(errors == [], f"dags/ parses with no import errors {errors or ''}")
         files = _cli_json([airflow, "dags", "report", "-o", "json"], env, home) or []
