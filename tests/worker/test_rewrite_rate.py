@@ -21,7 +21,7 @@ from tests.worker.conftest import SIGTERM, Task
 
 #: Every step a checkpoint: about 30 saves a second on this model, each once forcing a
 #: progress.json write.
-FLAGS = ("--steps", "150", "--batch-size", "64", "--seed", "0", "--threads", "1",
+FLAGS = ("--steps", "150", "--batch-size", "64", "--seed", "0",
          "--checkpoint-every", "1", "--step-delay", "0.02")
 #: Slack for the coarse (jiffy) timestamps of the file system, in seconds.
 GRANULARITY = 0.02
@@ -61,13 +61,15 @@ class NamespacePoller:
                 if entry.name.endswith(".json"):
                     # small records, replaced whole: a version is a new content (the file system
                     # may give the next replacement the inode number the last one freed)
-                    try:
-                        content = Path(entry.path).read_bytes()
+                    try:  # the content and its times from one open file, never two versions mixed
+                        with open(entry.path, "rb") as handle:
+                            content = handle.read()
+                            opened = os.fstat(handle.fileno())
                     except FileNotFoundError:
                         continue
                     if self._contents.get(entry.name) != content:
                         self._contents[entry.name] = content
-                        seen.append(version)
+                        seen.append((opened.st_ino, opened.st_mtime_ns, opened.st_size))
                     continue
                 if seen and seen[-1][0] == info.st_ino and info.st_size >= seen[-1][2]:
                     seen[-1] = version  # the same write still streaming (an upload at close)
