@@ -12,6 +12,8 @@ STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
 # the bundled worker's torch and the benchmarks' plots.
 EXTRAS := emulator,examples,dev
+# The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra.
+WORKER_EXTRAS := trainer
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
 # two end-to-end runs through `airflow dags test`).
@@ -21,18 +23,18 @@ AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints/dev.txt
+$(STAMP): pyproject.toml worker/pyproject.toml constraints/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]'
 	touch $(STAMP)
 
 venv-airflow2: $(STAMP2)
 
-$(STAMP2): pyproject.toml constraints/dev.txt constraints/airflow2.txt
+$(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/airflow2.txt
 	test -x $(PY2) || $(PYTHON) -m venv $(VENV2)
 	$(PY2) -m pip install --quiet --upgrade pip
-	$(PY2) -m pip install --quiet -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS)]'
+	$(PY2) -m pip install --quiet -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]'
 	touch $(STAMP2)
 
 demo: $(STAMP)

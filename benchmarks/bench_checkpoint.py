@@ -3,7 +3,7 @@
 ``python benchmarks/bench_checkpoint.py [--size-gib 1.0] [--repeats 5] [--dir DIR]`` prints a
 table and writes ``benchmarks/results/checkpoint.json``. It measures, for one state of ``--size-gib``:
 
-- blocking time per save: :class:`worker.checkpoint.CheckpointManager`'s async path, a
+- blocking time per save: :class:`gpu_resilience_worker.checkpoint.CheckpointManager`'s async path, a
   synchronous ``torch.save`` + fsync, a plain in-memory copy (``clone``), and
   ``torch.distributed.checkpoint.async_save`` (the no-dist path);
 - write throughput of the async save (start to commit) against a raw sequential write + fsync of
@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
 
-from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager  # noqa: E402
-from worker.logs import StructuredLogger  # noqa: E402
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager  # noqa: E402
+from gpu_resilience_worker.logs import StructuredLogger  # noqa: E402
 
 GIB = 1 << 30
 TENSOR_BYTES = 64 << 20
@@ -228,8 +228,8 @@ def bench_sigterm(workdir: Path, grace: float = 10.0) -> dict[str, Any]:
     np.savez(data, x_train=rng.standard_normal((512, 64), dtype=np.float32),
              y_train=rng.integers(0, 10, 512), x_test=rng.standard_normal((64, 64), dtype=np.float32),
              y_test=rng.integers(0, 10, 64))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CLOUD_RUN_JOB": "bench", "PREEMPTION_GRACE_SECONDS": str(grace)}
-    args = [sys.executable, "-m", "worker", "train", "--checkpoint-dir", str(workdir / "ckpt"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "worker"), str(REPO)]), "CLOUD_RUN_JOB": "bench", "PREEMPTION_GRACE_SECONDS": str(grace)}
+    args = [sys.executable, "-m", "gpu_resilience_worker", "train", "--checkpoint-dir", str(workdir / "ckpt"),
             "--data", str(data), "--steps", "100000", "--checkpoint-every", "20", "--step-delay", "0.005"]
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

@@ -5,7 +5,7 @@ File format (JSON), given to ``serve --images FILE``::
     {"images": {
         "local/exit:latest": {"entrypoint": ["{python}", "-c", "import os,sys; sys.exit(int(os.environ.get('CODE','0')))"]},
         "us-docker.pkg.dev/*/trainer:*": {
-            "entrypoint": ["{python}", "-m", "worker"], "cmd": ["train"],
+            "entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"],
             "cwd": ".", "env": {"PYTHONPATH": "."}
         }
     }}

@@ -148,7 +148,7 @@ class LimitedWorker(WorkerProcess):
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "gpu_resilience_worker", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, preexec_fn=limit,
         )
         self._init_reader()

@@ -125,7 +125,7 @@ def test_from_dict_rejects_unknown_keys():
 
 def test_to_job_mirrors_gcloud_deploy():
     job = spec(
-        command=["python"], args=["-m", "worker"], env={"A": "1"}, service_account="sa@p.iam.gserviceaccount.com",
+        command=["python"], args=["-m", "gpu_resilience_worker"], env={"A": "1"}, service_account="sa@p.iam.gserviceaccount.com",
         task_timeout=168 * 3600, task_count=2, parallelism=1, labels={"team": "ml"},
     ).to_job()
     task = job.template.template
@@ -134,7 +134,7 @@ def test_to_job_mirrors_gcloud_deploy():
     assert job.labels == {"team": "ml"}
     assert (job.template.task_count, job.template.parallelism) == (2, 1)
     assert container.image == BASE["image"]
-    assert list(container.command) == ["python"] and list(container.args) == ["-m", "worker"]
+    assert list(container.command) == ["python"] and list(container.args) == ["-m", "gpu_resilience_worker"]
     assert [(e.name, e.value) for e in container.env] == [("A", "1"), ("CHECKPOINT_DIR", "/checkpoints")]
     assert dict(container.resources.limits) == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
     assert [(m.name, m.mount_path) for m in container.volume_mounts] == [("checkpoint-volume", "/checkpoints")]

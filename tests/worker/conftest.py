@@ -47,7 +47,7 @@ def digits_npz(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker_env(**extra: str) -> dict[str, str]:
     """:return: an environment for a worker process (no CLOUD_RUN_* / CHECKPOINT_* leaking in)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUD_RUN_", "CHECKPOINT_", "WORKER_TEST_"))}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "worker"), str(REPO_ROOT)])
     env.update(extra)
     return env
 
@@ -57,14 +57,14 @@ PAUSING_WORKER = "tests.worker.pausing"
 
 
 class WorkerProcess:
-    """A ``python -m worker train`` child whose JSON log lines are collected as they arrive.
+    """A ``python -m gpu_resilience_worker train`` child whose JSON log lines are collected as they arrive.
 
     With a ``WORKER_TEST_PAUSE_*`` variable in ``env``, the child is ``python -m``
     :data:`PAUSING_WORKER` instead: the same worker, on storage that pauses inside saves.
     """
 
     def __init__(self, args: list[str], env: dict[str, str], *, new_group: bool = False) -> None:
-        module = PAUSING_WORKER if any(k.startswith("WORKER_TEST_PAUSE_") for k in env) else "worker"
+        module = PAUSING_WORKER if any(k.startswith("WORKER_TEST_PAUSE_") for k in env) else "gpu_resilience_worker"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_group,

@@ -13,12 +13,12 @@ import os
 import time
 from typing import Mapping
 
-from worker.logs import StructuredLogger
-from worker.storage import LocalStorage, Payload
+from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.storage import LocalStorage, Payload
 
 
 class PausingStorage(LocalStorage):
-    """:class:`~worker.storage.LocalStorage` with pauses in checkpoint writes.
+    """:class:`~gpu_resilience_worker.storage.LocalStorage` with pauses in checkpoint writes.
 
     :param before_commit_s: seconds to sleep before writing a ``.commit.json``; default 0.
     :param mid_write_s: seconds to sleep with half of a ``.pt`` data file written; default 0.
@@ -54,6 +54,6 @@ class PausingStorage(LocalStorage):
 
 
 if __name__ == "__main__":
-    from worker.__main__ import _exit_now, main
+    from gpu_resilience_worker.__main__ import _exit_now, main
 
     _exit_now(main(storage=PausingStorage.from_env(os.environ)))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError
-from worker.logs import StructuredLogger
-from worker.storage import LocalStorage
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError
+from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.storage import LocalStorage
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
 
@@ -92,9 +92,9 @@ def test_forced_save_is_synchronous(tmp_path: Path) -> None:
 def test_trainer_goes_on_after_a_failed_save_and_stops_after_three_in_a_row() -> None:
     from types import SimpleNamespace
 
-    from worker.config import config_from_args
-    from worker.preemption import PreemptionWatcher
-    from worker.train import MAX_FAILED_SAVES_IN_A_ROW, Trainer
+    from gpu_resilience_worker.config import config_from_args
+    from gpu_resilience_worker.preemption import PreemptionWatcher
+    from gpu_resilience_worker.train import MAX_FAILED_SAVES_IN_A_ROW, Trainer
 
     class Failing:
         failed_saves = 0

@@ -1,4 +1,4 @@
-"""Bad input through ``worker.__main__.main`` in this process (no process start per case):
+"""Bad input through ``gpu_resilience_worker.__main__.main`` in this process (no process start per case):
 ONE clear error line, the sysexits code, existing checkpoints untouched."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from worker import __main__ as cli
-from worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
-from worker.data import load_dataset
-from worker.fastio import chunk_digests
-from worker.errors import DataError
-from worker.logs import StructuredLogger
-from worker.storage import LocalStorage
+from gpu_resilience_worker import __main__ as cli
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
+from gpu_resilience_worker.data import load_dataset
+from gpu_resilience_worker.fastio import chunk_digests
+from gpu_resilience_worker.errors import DataError
+from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.storage import LocalStorage
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.checkpoint import (
+from gpu_resilience_worker.checkpoint import (
     AsyncMode,
     COMMIT,
     DATA,
@@ -20,7 +20,7 @@ from worker.checkpoint import (
     KeepLatestN,
     ParsedName,
 )
-from worker.logs import StructuredLogger
+from gpu_resilience_worker.logs import StructuredLogger
 
 
 @pytest.mark.parametrize(
@@ -254,7 +254,7 @@ def test_manager_refuses_unsafe_pickles(tmp_path: Path) -> None:
         manager.save(10)
     import io
 
-    from worker.fastio import chunk_digests
+    from gpu_resilience_worker.fastio import chunk_digests
 
     buffer = io.BytesIO()
     torch.save({"box": {"t": torch.zeros(1)}, "evil": Path("/")}, buffer)
@@ -272,7 +272,7 @@ def test_records_that_do_not_fit_the_data_are_rejected_before_hashing(tmp_path: 
     """A record whose size differs from the data file is refused on the size alone (no hashing,
     whatever chunk_bytes it claims), and a record nested too deep is a torn record: both are
     skipped with a warning and the previous checkpoint loads."""
-    import worker.commit as checkpoint
+    import gpu_resilience_worker.commit as checkpoint
 
     box = Box(1.0)
     with _manager(tmp_path, box, keep=3) as manager:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.data import EpochSampler, load_dataset
-from worker.errors import DataError
-from worker.state import TrainState, capture_rng, restore_rng, state_digest
+from gpu_resilience_worker.data import EpochSampler, load_dataset
+from gpu_resilience_worker.errors import DataError
+from gpu_resilience_worker.state import TrainState, capture_rng, restore_rng, state_digest
 
 
 def _arrays(n: int = 8) -> dict:
@@ -85,7 +85,7 @@ def test_rng_states_round_trip_through_primitives() -> None:
 
 
 def test_train_state_refuses_a_checkpoint_with_other_settings() -> None:
-    from worker.errors import ConfigError
+    from gpu_resilience_worker.errors import ConfigError
 
     saved = TrainState({"seed": 0, "steps": 10}).state_dict()
     with pytest.raises(ConfigError, match="seed"):

@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.checkpoint import (
+from gpu_resilience_worker.checkpoint import (
     AsyncMode,
     CheckpointConfig,
     CheckpointManager,
     TimeIntervalPolicy,
     YoungDalyPolicy,
 )
-from worker.config import SWEEP, config_from_args, parse_interval
-from worker.errors import ConfigError
-from worker.fastio import (
+from gpu_resilience_worker.config import SWEEP, config_from_args, parse_interval
+from gpu_resilience_worker.errors import ConfigError
+from gpu_resilience_worker.fastio import (
     HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, root_digest,
     start_writeback, stream_chunk_digests,
 )
-from worker.logs import StructuredLogger
+from gpu_resilience_worker.logs import StructuredLogger
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
 
@@ -169,7 +169,7 @@ def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_snapshots_into_pinned_buffers_and_round_trips(tmp_path: Path) -> None:
-    from worker.state import capture_rng
+    from gpu_resilience_worker.state import capture_rng
 
     box = Box()
     box.tensor = torch.randn(1 << 20, device="cuda")

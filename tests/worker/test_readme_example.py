@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.preemption import ignore_termination_signals
+from gpu_resilience_worker.preemption import ignore_termination_signals
 
 README = Path(__file__).resolve().parents[2] / "worker" / "README.md"
 
@@ -39,7 +39,7 @@ def test_ignore_termination_signals_ignores_others_but_not_the_parent(tmp_path: 
     its process group), and exits 0 at once on a SIGTERM from its parent."""
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\n"
-         "from worker.preemption import ignore_termination_signals\n"
+         "from gpu_resilience_worker.preemption import ignore_termination_signals\n"
          "ignore_termination_signals(0)\nprint('ready', flush=True)\ntime.sleep(60)\n"],
         cwd=README.parents[1], stdout=subprocess.PIPE, text=True, start_new_session=True,
     )

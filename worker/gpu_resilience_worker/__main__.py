@@ -1,4 +1,4 @@
-"""``python -m worker train [flags]``: the container entry point.
+"""``python -m gpu_resilience_worker train [flags]``: the container entry point.
 
 Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data, 73 the
 checkpoint folder cannot be written (all three non-retryable, with a ``FATAL`` marker in the
@@ -13,13 +13,13 @@ import sys
 import traceback
 from typing import Mapping, Sequence
 
-from worker.config import WorkerConfig, config_from_args, guess_namespace
-from worker.checkpoint import CheckpointManager
-from worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, OutputError, WorkerError
-from worker.files import FATAL, METRICS, read_json, write_json
-from worker.logs import StructuredLogger, utc_now
-from worker.preemption import PreemptionWatcher
-from worker.storage import LocalStorage, Storage
+from gpu_resilience_worker.config import WorkerConfig, config_from_args, guess_namespace
+from gpu_resilience_worker.checkpoint import CheckpointManager
+from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, OutputError, WorkerError
+from gpu_resilience_worker.files import FATAL, METRICS, read_json, write_json
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.preemption import PreemptionWatcher
+from gpu_resilience_worker.storage import LocalStorage, Storage
 
 
 def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
@@ -131,7 +131,7 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
         return EXIT_OK
     check_writable(config.namespace)
     os.environ.setdefault("MKL_CBWR", MKL_CBWR_DEFAULT)  # read when MKL loads, with torch below
-    from worker.train import Trainer  # torch is imported only when there is work to do
+    from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
 
     watcher.grace_seconds = config.grace_seconds
     if config.task_timeout_seconds is not None:
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     :param argv: arguments without the program name; default ``sys.argv[1:]``.
     :param env: environment; default ``os.environ``.
     :param storage: the storage of checkpoints, progress and metrics; default
-        :class:`~worker.storage.LocalStorage` (tests wrap it).
+        :class:`~gpu_resilience_worker.storage.LocalStorage` (tests wrap it).
     :return: the process exit code.
     """
     argv = sys.argv[1:] if argv is None else list(argv)

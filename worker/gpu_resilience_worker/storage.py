@@ -2,7 +2,7 @@
 
 Only a local (or FUSE-mounted) file system is implemented. Nothing here assumes that rename is
 atomic: on a GCS FUSE mount it is a copy followed by a delete, so readers must validate what they
-read (see :mod:`worker.checkpoint`).
+read (see :mod:`gpu_resilience_worker.checkpoint`).
 """
 
 from __future__ import annotations

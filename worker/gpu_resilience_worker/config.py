@@ -9,9 +9,9 @@ import os
 import re
 from typing import Mapping, Sequence
 
-from worker.checkpoint import AsyncMode, CheckpointConfig
-from worker.errors import ConfigError
-from worker.preemption import DEFAULT_GRACE_SECONDS
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig
+from gpu_resilience_worker.errors import ConfigError
+from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS
 
 #: Hyper-parameter sweep of multi-task executions: with ``CLOUD_RUN_TASK_COUNT`` > 1 (and
 #: ``--sweep auto``), task ``i`` trains member ``i mod len(SWEEP)``, replacing ``--lr`` and
@@ -185,8 +185,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """:return: the ``python -m worker`` argument parser."""
-    parser = _Parser(prog="python -m worker", description=__doc__)
+    """:return: the ``python -m gpu_resilience_worker`` argument parser."""
+    parser = _Parser(prog="python -m gpu_resilience_worker", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser("train", help="train (or resume) the digits MLP")
     defaults = TrainConfig()

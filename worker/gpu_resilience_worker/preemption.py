@@ -113,7 +113,7 @@ def ignore_termination_signals(worker_id: int | None = None) -> None:
 
     On Linux (``signal.sigwaitinfo``), both signals are blocked and one daemon thread waits for
     them and reads their sender; elsewhere they are simply ignored (then end the main process
-    with :func:`os._exit`, after flushing, as ``python -m worker`` does).
+    with :func:`os._exit`, after flushing, as ``python -m gpu_resilience_worker`` does).
 
     :param worker_id: the DataLoader worker index (unused).
     """

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from worker.errors import DataError
+from gpu_resilience_worker.errors import DataError
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 #: ``OSError`` numbers that mean the input is absent or not a readable file: exit 65. Any other

@@ -1,9 +1,9 @@
 """Checkpoints of the complete training state: when to save, the snapshot, what to keep, loading.
 
-:class:`CheckpointManager` schedules saves (:mod:`worker.policies`), snapshots the state (into
+:class:`CheckpointManager` schedules saves (:mod:`gpu_resilience_worker.policies`), snapshots the state (into
 reused host buffers for async saves), keeps the newest ``keep_latest_k`` and loads the newest
 valid checkpoint. How a checkpoint is written, committed, verified and cleaned up is the commit
-protocol of :mod:`worker.commit`; its names are re-exported here.
+protocol of :mod:`gpu_resilience_worker.commit`; its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from worker.commit import (  # noqa: F401 - re-exported: the checkpoint layout's names
+from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the checkpoint layout's names
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
     ParsedName,
 )
-from worker.fastio import SnapshotBuffers
-from worker.logs import StructuredLogger
-from worker.policies import (  # noqa: F401 - re-exported
+from gpu_resilience_worker.fastio import SnapshotBuffers
+from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
     TimeIntervalPolicy, YoungDalyPolicy,
 )
-from worker.storage import LocalStorage, Storage
+from gpu_resilience_worker.storage import LocalStorage, Storage
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -50,7 +50,7 @@ class CheckpointSaveError(RuntimeError):
 class CheckpointManager:
     """Schedules saves, snapshots the states, keeps the newest checkpoints and loads one.
 
-    Writing, committing, verifying and deleting go through a :class:`~worker.commit.CommitStore`.
+    Writing, committing, verifying and deleting go through a :class:`~gpu_resilience_worker.commit.CommitStore`.
     Constructing a manager, or asking it what is there (:meth:`latest_step`,
     :meth:`valid_steps`, :meth:`verify`, :meth:`load`), deletes nothing: stale files of a killed
     attempt are removed at the first save (or by :meth:`cleanup_stale`).
@@ -63,7 +63,7 @@ class CheckpointManager:
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
-    :param storage: the storage backend; default :class:`~worker.storage.LocalStorage`.
+    :param storage: the storage backend; default :class:`~gpu_resilience_worker.storage.LocalStorage`.
     :param logger: structured logger; default one on stdout.
     :param clock: monotonic clock in seconds, for save timings and time-based intervals.
     """

@@ -8,7 +8,7 @@ No atomic rename is assumed (GCS FUSE renames by copy and delete). To commit ste
    chunks, created_at}`` last, through a temporary name, fsync and rename. ``chunks`` is the
    data's hash list (the sha256 of every ``chunk_bytes`` bytes) and ``sha256`` the sha256 of the
    concatenated binary chunk digests, so that the chunks hash in parallel when writing and
-   verifying (:mod:`worker.fastio`).
+   verifying (:mod:`gpu_resilience_worker.fastio`).
 
 A checkpoint exists only when its commit record parses and matches the data's size and every
 chunk's sha256. Anything else (a data file with no record, a truncated or corrupted file, a torn
@@ -24,12 +24,12 @@ import json
 import re
 from typing import Any
 
-from worker.fastio import (
+from gpu_resilience_worker.fastio import (
     DIGEST_CHUNK, HashingWriter, file_chunk_digests, root_digest, save_without_crc32,
     stream_chunk_digests,
 )
-from worker.logs import StructuredLogger, utc_now
-from worker.storage import Storage
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.storage import Storage
 
 DATA = "data"
 COMMIT = "commit"

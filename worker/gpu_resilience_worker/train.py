@@ -11,15 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker import checkpoint as ckpt
-from worker.config import WorkerConfig
-from worker.data import Dataset, EpochSampler, load_dataset
-from worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, DivergedError
-from worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
-from worker.logs import StructuredLogger, utc_now
-from worker.preemption import PreemptionWatcher
-from worker.state import TrainState, state_digest
-from worker.storage import LocalStorage, Storage
+from gpu_resilience_worker import checkpoint as ckpt
+from gpu_resilience_worker.config import WorkerConfig
+from gpu_resilience_worker.data import Dataset, EpochSampler, load_dataset
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, DivergedError
+from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.preemption import PreemptionWatcher
+from gpu_resilience_worker.state import TrainState, state_digest
+from gpu_resilience_worker.storage import LocalStorage, Storage
 
 
 class MLP(nn.Module):

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from worker.errors import ConfigError
+from gpu_resilience_worker.errors import ConfigError
 
 
 def capture_rng() -> dict[str, Any]:

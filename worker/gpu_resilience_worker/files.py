@@ -7,8 +7,8 @@ import os
 import time
 from typing import Any, Callable
 
-from worker.logs import StructuredLogger, utc_now
-from worker.storage import Storage
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.storage import Storage
 
 PROGRESS = "progress.json"
 METRICS = "metrics.json"
