@@ -24,6 +24,7 @@ AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml worker/pyproject.toml constraints/dev.txt
+	bash scripts/system_packages.sh fuse
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints/dev.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]'
