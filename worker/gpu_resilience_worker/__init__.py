@@ -1,6 +1,80 @@
-"""Bundled PyTorch worker: checkpointed, preemption-safe training for Cloud Run GPU jobs.
+"""Preemption-safe PyTorch checkpointing for Cloud Run GPU jobs: the worker library.
 
-Depends on torch and the standard library only. Run it as ``python -m gpu_resilience_worker train``.
+Depends on torch and the standard library only; importing it imports neither Airflow nor any
+Google package, nor the bundled digits trainer (``gpu_resilience_worker.train``, run as
+``python -m gpu_resilience_worker train``) nor numpy.
+
+Three ways in:
+
+- the bundled worker: ``python -m gpu_resilience_worker train [flags]``;
+- your own loop: :class:`ResilientLoop` / :func:`run_training` around your ``step_fn``, or the
+  pieces below (:class:`CheckpointManager`, :class:`PreemptionWatcher`, ...) directly;
+- a framework: ``gpu_resilience_worker.integrations`` (each with its own extra).
+
+The public names:
+
+- checkpoints: :class:`CheckpointManager`, :class:`CheckpointConfig`, :class:`AsyncMode`,
+  :class:`CheckpointSaveError`, :class:`Stateful`;
+- the commit protocol: :class:`CommitStore`, :class:`CommitRecord`, :class:`CheckpointName`,
+  :class:`Storage`, :class:`LocalStorage`;
+- preemption and deadline: :class:`PreemptionWatcher`, :func:`set_task_deadline`,
+  :func:`ignore_termination_signals` (a DataLoader ``worker_init_fn``);
+- the task's files: :func:`task_namespace`, :class:`ProgressReporter` (``progress.json``),
+  :func:`record_attempt` (``attempts.json``), :func:`write_fatal` / :func:`fatal_marker_code`
+  (``FATAL``), :func:`write_json` / :func:`read_json`;
+- logs and exits: :class:`StructuredLogger`, :func:`exit_now`, :data:`EXIT_PREEMPTED` and the
+  :class:`WorkerError` family (:class:`ConfigError` 78, :class:`DataError` 65,
+  :class:`DivergedError` 70, :class:`OutputError` 73);
+- the loop: :class:`ResilientLoop`, :func:`run_training`, :class:`TrainState`.
 """
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it. Imported on first use (PEP 562), so that
+#: ``import gpu_resilience_worker`` loads neither torch nor anything else: the CLI sets
+#: ``MKL_CBWR`` before torch loads, and a user's script decides when torch loads.
+_EXPORTS = {
+    "checkpoint": ("CheckpointManager", "CheckpointSaveError", "Stateful"),
+    "commit": ("CheckpointName", "CommitRecord", "CommitStore"),
+    "errors": ("EXIT_OK", "EXIT_PREEMPTED", "ConfigError", "DataError", "DivergedError", "OutputError",
+               "WorkerError"),
+    "fatal": ("fatal_marker_code", "write_fatal"),
+    "files": ("ATTEMPTS", "FATAL", "METRICS", "PROGRESS", "ProgressReporter", "read_json", "record_attempt",
+              "write_json"),
+    "logs": ("StructuredLogger",),
+    "loop": ("ResilientLoop", "exit_now", "run_training", "set_task_deadline", "task_namespace"),
+    "policies": ("AsyncMode", "CheckpointConfig"),
+    "preemption": ("PreemptionWatcher", "ignore_termination_signals"),
+    "state": ("TrainState", "state_digest"),
+    "storage": ("LocalStorage", "Storage"),
+    # The goodput events file (written by the goodput module) joins this table when it lands.
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    """Import a public name's module on first use (see :data:`_EXPORTS`)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(list(globals()) + list(_MODULE_OF))
+
+
+__all__ = [
+    "ATTEMPTS", "AsyncMode", "CheckpointConfig", "CheckpointManager", "CheckpointName",
+    "CheckpointSaveError", "CommitRecord", "CommitStore", "ConfigError", "DataError",
+    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS",
+    "OutputError", "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop",
+    "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
+    "fatal_marker_code", "ignore_termination_signals", "read_json", "record_attempt",
+    "run_training", "set_task_deadline", "state_digest", "task_namespace", "write_fatal",
+    "write_json",
+]

@@ -1,0 +1,95 @@
+"""The ``FATAL`` marker: a non-retryable error recorded in the task namespace.
+
+A process that hits an error that will happen again on every retry (bad configuration, bad
+input, divergence) writes ``{namespace}/FATAL`` = ``{exit_code, reason, created_at,
+invocation}`` and exits with that code; a later attempt of the same invocation (a Cloud Run
+retry) finds the marker and exits at once with the same code instead of burning a GPU attempt.
+Used by ``python -m gpu_resilience_worker`` and by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Sequence
+
+from gpu_resilience_worker.errors import OutputError, WorkerError
+from gpu_resilience_worker.files import FATAL, read_json, write_json
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.storage import LocalStorage
+
+
+def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
+    """What a ``FATAL`` marker is tied to: the arguments, and the input file's size and mtime.
+
+    :param argv: the worker's arguments.
+    :param data_path: the ``.npz`` input, when the configuration got as far as naming it.
+    :return: ``{"argv": [...], "data": [size in bytes, mtime in ns] or None}``.
+    """
+    try:
+        stat = os.stat(data_path) if data_path else None
+    except OSError:
+        stat = None
+    return {"argv": list(argv), "data": [stat.st_size, stat.st_mtime_ns] if stat else None}
+
+
+def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger,
+                called_as: dict | None = None) -> int:
+    """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line.
+
+    :param called_as: the :func:`invocation` that failed; a later attempt with the same one exits
+        at once, one with other arguments or another input file ignores the marker.
+    :return: the error's exit code.
+    """
+    marker = "not written: no namespace"
+    if namespace is not None:
+        record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
+                  "invocation": called_as}
+        path = os.path.join(namespace, FATAL)
+        try:
+            write_json(LocalStorage(), path, record)
+            marker = path
+        except OSError as exc:
+            marker = f"not written: {exc}"
+    logger.error(f"fatal: {error.reason}", exit_code=error.exit_code, reason=error.reason,
+                 fatal_marker=marker)
+    return error.exit_code
+
+
+def check_writable(namespace: str) -> None:
+    """Create the namespace and write (then remove) a probe file in it.
+
+    :raises OutputError: when it cannot be created or written for good (permission, read-only
+        file system, a file in the way). Other ``OSError`` (e.g. EIO) propagate: retryable.
+    """
+    probe = os.path.join(namespace, ".write-probe")
+    try:
+        os.makedirs(namespace, exist_ok=True)
+        LocalStorage().write(probe, b"probe")
+        os.remove(probe)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+            raise OutputError(f"checkpoint folder {namespace} is not writable: {exc.strerror or exc}") from None
+        raise
+
+
+def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict | None = None) -> int | None:
+    """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if it applies.
+
+    A marker written for another :func:`invocation` (other arguments, or an input file changed
+    since) is stale: it is removed with a warning, and ``None`` is returned.
+    """
+    path = os.path.join(namespace, FATAL)
+    if not os.path.exists(path):
+        return None
+    record = read_json(LocalStorage(), path) or {}
+    if called_as is not None and record.get("invocation") not in (None, called_as):
+        logger.warning("ignoring a FATAL marker left by other settings or input; removing it",
+                       file=path, reason=record.get("reason"))
+        LocalStorage().remove(path)
+        return None
+    code = record.get("exit_code")
+    code = code if isinstance(code, int) and 64 <= code <= 78 else 78
+    logger.error("an earlier attempt hit a non-retryable error; exiting at once",
+                 exit_code=code, reason=record.get("reason"), file=path)
+    return code

@@ -1,0 +1,460 @@
+"""A plain training loop made preemption-safe: :class:`ResilientLoop` and :func:`run_training`.
+
+The user writes one function, ``step_fn(step) -> loss``, that does optimizer step ``step + 1``
+(``step`` is the number of steps already done) and the objects it changes (model, optimizer,
+scheduler, a sampler...), each with ``state_dict()``/``load_state_dict()``. The loop does the
+rest, the way ``python -m gpu_resilience_worker train`` does it:
+
+1. exit at once with the recorded code when a ``FATAL`` marker of the same invocation is there;
+2. resume from the newest committed, verified checkpoint (a torn one is skipped), with the RNG
+   states (python ``random``, torch CPU and CUDA) and the step counter, and record the attempt
+   (``attempts.json``: ``resumed_from_step``, ``lost_steps``);
+3. call ``step_fn`` until ``total_steps``, saving on the configured interval (steps, seconds or
+   Young/Daly, asynchronously by default) and writing ``progress.json``;
+4. on SIGTERM/SIGINT, or at the task deadline (``TASK_TIMEOUT_SECONDS``), stop at the next step
+   boundary, save when the save fits in what is left of the grace period
+   (``PREEMPTION_GRACE_SECONDS``, default 10 s), and return 143;
+5. at the end, save the final step, write ``metrics.json`` (with what ``finish()`` returns) and
+   return 0; a :class:`~gpu_resilience_worker.errors.WorkerError` (bad configuration, data,
+   divergence) writes ``FATAL`` and returns its code; any other error returns 1 (retryable).
+
+Pass the return value to :func:`exit_now` (``sys.exit`` works too, but tearing down a process
+with torch loaded takes seconds of the grace period).
+
+Bit-identical resume needs every source of randomness in a checkpointed state: the loop saves
+python's and torch's global RNGs; draw batches from them (or from a checkpointed sampler), not
+from an unsaved ``numpy`` generator.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, Stateful
+from gpu_resilience_worker.config import TaskIdentity, _env_float, _safe_name, DEFAULT_ROOT
+from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
+from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
+from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
+from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher
+from gpu_resilience_worker.state import TrainState
+from gpu_resilience_worker.storage import LocalStorage, Storage
+
+#: ``preemption_save`` choices: save at the stop only when it fits in the grace period
+#: (``deadline``, the default), always, or never.
+PREEMPTION_SAVES = ("deadline", "always", "never")
+#: Consecutive failed saves after which the loop gives up (exit 1, retryable).
+MAX_FAILED_SAVES_IN_A_ROW = 3
+
+
+def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = None,
+                   run_id: str | None = None) -> str:
+    """The task's checkpoint folder, as the bundled worker names it.
+
+    ``{root}/{CLOUD_RUN_JOB}[/{run_id}]/task-{CLOUD_RUN_TASK_INDEX}``, with ``root`` defaulting
+    to ``$CHECKPOINT_DIR``, else ``/checkpoints``, and ``run_id`` to ``$CHECKPOINT_RUN_ID``
+    (none when unset). Outside Cloud Run the job is ``local`` and the index 0.
+
+    :param env: the environment; default ``os.environ``.
+    :param root: the checkpoint root (the mounted bucket); overrides ``CHECKPOINT_DIR``.
+    :param run_id: an extra namespace level (one per DAG run); overrides ``CHECKPOINT_RUN_ID``.
+    :return: the folder path (not created).
+    :raises ConfigError: a malformed ``CLOUD_RUN_*`` variable or an unsafe job name or run id.
+    """
+    env = os.environ if env is None else env
+    identity = TaskIdentity.from_env(env)
+    root = root or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
+    run_id = run_id or env.get("CHECKPOINT_RUN_ID") or None
+    return identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
+
+
+def set_task_deadline(watcher: PreemptionWatcher, task_timeout_seconds: float | None,
+                      grace_seconds: float | None = None) -> None:
+    """Make ``watcher`` stop the attempt before Cloud Run's task timeout kills it.
+
+    The timeout counts from ``watcher.started_at``; the stop comes ``min(grace, timeout / 2)``
+    seconds before it, and the time left after that stop is counted to the timeout (so a final
+    save is made only when it fits before the kill).
+
+    :param watcher: the watcher to configure.
+    :param task_timeout_seconds: the attempt's timeout (``TASK_TIMEOUT_SECONDS``), in seconds,
+        > 0; ``None`` for no deadline.
+    :param grace_seconds: the margin's upper bound; default ``watcher.grace_seconds``.
+    :raises ValueError: a timeout that is not a finite number > 0.
+    """
+    if task_timeout_seconds is None:
+        watcher.deadline = watcher.timeout_at = None
+        return
+    if not (isinstance(task_timeout_seconds, (int, float)) and math.isfinite(task_timeout_seconds)
+            and task_timeout_seconds > 0):
+        raise ValueError(f"task_timeout_seconds must be a finite number > 0, got {task_timeout_seconds!r}")
+    grace = watcher.grace_seconds if grace_seconds is None else grace_seconds
+    margin = min(grace, task_timeout_seconds / 2)
+    watcher.timeout_at = watcher.started_at + task_timeout_seconds
+    watcher.deadline = watcher.timeout_at - margin
+
+
+def exit_now(code: int) -> None:
+    """Flush stdout and stderr and end the process with ``code`` at once (``os._exit``).
+
+    Everything the loop keeps is fsynced before :meth:`ResilientLoop.run` returns; skipping the
+    interpreter's teardown (seconds with torch loaded) keeps them inside the grace period.
+
+    :param code: the exit status, e.g. what :meth:`ResilientLoop.run` returned.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
+                  strict: bool = False) -> None:
+    kind = "an int" if integer else "a finite number"
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    ok = ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ValueError(f"{name} must be {kind} {'>' if strict else '>='} {minimum:g}, got {value!r}")
+
+
+class ResilientLoop:
+    """Runs a user's ``step_fn`` to ``total_steps`` through preemptions (see the module docs).
+
+    :param states: the objects to checkpoint, keyed by name (e.g. ``{"model": model,
+        "optimizer": optimizer}``); each has ``state_dict()`` and ``load_state_dict()``. The name
+        ``train_state`` is the loop's own (step, losses, attempt history, RNG states).
+    :param total_steps: optimizer steps of the whole run, >= 1.
+    :param folder: the task's checkpoint folder; default :func:`task_namespace` (from
+        ``CHECKPOINT_DIR``, ``CLOUD_RUN_JOB``, ``CHECKPOINT_RUN_ID``, ``CLOUD_RUN_TASK_INDEX``).
+    :param checkpoint_every: save every this many steps; default 50; 0: no step interval.
+    :param checkpoint_every_seconds: also save when this many seconds passed since the last
+        save; default 0 (off).
+    :param auto_interval: save at the Young/Daly interval from the measured save cost and
+        ``mtbi_seconds``; default off.
+    :param mtbi_seconds: mean time between interruptions for ``auto_interval``, seconds; default 3600.
+    :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
+    :param async_save: interval saves on a background thread (default) or on the training
+        thread; saves at a stop and at the end are always synchronous.
+    :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
+    :param settings: the hyper-parameters a checkpoint must have been written with to be
+        resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.
+        ``total_steps`` is always part of them.
+    :param grace_seconds: SIGTERM to SIGKILL, seconds; default ``$PREEMPTION_GRACE_SECONDS``, else 10.
+    :param task_timeout_seconds: the attempt's timeout, seconds; default
+        ``$TASK_TIMEOUT_SECONDS``, else none (see :func:`set_task_deadline`).
+    :param watcher: a :class:`PreemptionWatcher` installed earlier (to catch a SIGTERM that
+        comes while the model is built); default one installed by :meth:`run` for its duration.
+    :param logger: structured logger; default JSON lines on stdout.
+    :param storage: the storage backend; default local files (a mounted bucket is local files).
+    :param env: the environment for the defaults above; default ``os.environ``.
+    :param argv: what a ``FATAL`` marker is tied to; default ``sys.argv[1:]``.
+    :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
+    :raises ValueError: a parameter out of range, naming it (nothing is touched before).
+    """
+
+    def __init__(
+        self,
+        states: Mapping[str, Stateful],
+        *,
+        total_steps: int,
+        folder: str | None = None,
+        checkpoint_every: int = 50,
+        checkpoint_every_seconds: float = 0.0,
+        auto_interval: bool = False,
+        mtbi_seconds: float = 3600.0,
+        keep_latest_k: int = 2,
+        async_save: bool = True,
+        preemption_save: str = "deadline",
+        settings: Mapping[str, Any] | None = None,
+        grace_seconds: float | None = None,
+        task_timeout_seconds: float | None = None,
+        watcher: PreemptionWatcher | None = None,
+        logger: StructuredLogger | None = None,
+        storage: Storage | None = None,
+        env: Mapping[str, str] | None = None,
+        argv: Sequence[str] | None = None,
+        progress_interval: float = 1.0,
+    ) -> None:
+        if not isinstance(states, Mapping) or not states:
+            raise ValueError(f"states must be a non-empty mapping of name -> object with state_dict(), got {states!r}")
+        for name, obj in states.items():
+            if not isinstance(name, str) or not name or name == TRAIN_STATE:
+                raise ValueError(f"states: {name!r} is not allowed as a name (a non-empty str other than {TRAIN_STATE!r})")
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ValueError(f"states[{name!r}] has no state_dict()/load_state_dict(): {type(obj).__name__}")
+        _check_number("total_steps", total_steps, minimum=1, integer=True)
+        _check_number("checkpoint_every", checkpoint_every, minimum=0, integer=True)
+        _check_number("checkpoint_every_seconds", checkpoint_every_seconds, minimum=0)
+        _check_number("mtbi_seconds", mtbi_seconds, minimum=0, strict=True)
+        _check_number("keep_latest_k", keep_latest_k, minimum=2, integer=True)
+        _check_number("progress_interval", progress_interval, minimum=0)
+        for name, value in (("grace_seconds", grace_seconds), ("task_timeout_seconds", task_timeout_seconds)):
+            if value is not None:
+                _check_number(name, value, minimum=0, strict=name == "task_timeout_seconds")
+        if preemption_save not in PREEMPTION_SAVES:
+            raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
+        if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):
+            raise ValueError(f"folder must be a non-empty path, got {folder!r}")
+        self.states = dict(states)
+        self.total_steps = total_steps
+        self._folder = None if folder is None else os.fspath(folder)
+        self._checkpoint = {
+            "interval": checkpoint_every, "interval_seconds": float(checkpoint_every_seconds),
+            "auto_interval": bool(auto_interval), "mtbi_seconds": float(mtbi_seconds),
+            "keep_latest_k": keep_latest_k,
+            "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED,
+        }
+        self.preemption_save = preemption_save
+        self.settings = {"total_steps": total_steps, **dict(settings or {})}
+        self._grace, self._timeout = grace_seconds, task_timeout_seconds
+        self._env = os.environ if env is None else env
+        self._argv = list(sys.argv[1:] if argv is None else argv)
+        self._given_watcher = watcher
+        self.watcher: PreemptionWatcher | None = watcher
+        self._log = logger or StructuredLogger()
+        self._storage = storage or LocalStorage()
+        self._progress_interval = progress_interval
+        #: The loop's checkpointed state: ``step``, ``loss_ema``, ``history``... (after :meth:`run`).
+        self.state = TrainState(self.settings)
+        #: The checkpoint step this attempt resumed from (0: started afresh).
+        self.resumed_from_step = 0
+        self.namespace: str | None = self._folder
+        self._attempts: list[dict[str, Any]] = []
+        self._failed_in_a_row = 0
+        self._started = time.monotonic()
+
+    @property
+    def step(self) -> int:
+        """Steps done so far (the argument of the next ``step_fn`` call)."""
+        return self.state.step
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds`` inside ``step_fn`` (pacing, polling), waking at a stop request.
+
+        :return: whether a stop was requested.
+        """
+        if self.watcher is None:
+            time.sleep(max(0.0, seconds))
+            return False
+        return self.watcher.wait(seconds)
+
+    def run(self, step_fn: Callable[[int], float | None],
+            finish: Callable[[], Mapping[str, Any]] | None = None) -> int:
+        """Resume, train to ``total_steps`` or until stopped, and finish.
+
+        :param step_fn: does one optimizer step; called with the number of steps done so far
+            (0-based); returns the step's loss (a float, or ``None``). A non-finite loss ends
+            the run with exit 70 (diverged, ``FATAL``).
+        :param finish: called once after the last step; its mapping (JSON types: e.g. the
+            held-out accuracy) goes into ``metrics.json``.
+        :return: the exit code: 0 done, 143 stopped (resumable), 78/65/70 a
+            :class:`~gpu_resilience_worker.errors.WorkerError` (``FATAL`` written), 73 the
+            folder is not writable, 1 any other error (retryable).
+        """
+        if not callable(step_fn):
+            raise ValueError(f"step_fn must be callable, got {step_fn!r}")
+        if finish is not None and not callable(finish):
+            raise ValueError(f"finish must be callable or None, got {finish!r}")
+        installed = None
+        if self.watcher is None:
+            installed = self.watcher = PreemptionWatcher()
+            installed.install()
+        try:
+            return self._run_guarded(step_fn, finish)
+        finally:
+            if installed is not None:
+                installed.uninstall()
+
+    def _run_guarded(self, step_fn: Callable[[int], float | None],
+                     finish: Callable[[], Mapping[str, Any]] | None) -> int:
+        called_as = invocation(self._argv)
+        try:
+            self.namespace = self._folder or task_namespace(self._env)
+            self._configure_watcher()
+        except WorkerError as exc:
+            return write_fatal(self.namespace, exc, self._log, called_as)
+        identity = self._identity()
+        self._log = self._log.bind(job=identity.job, execution=identity.execution,
+                                   task_index=identity.task_index, attempt=identity.task_attempt)
+        code = fatal_marker_code(self.namespace, self._log, called_as)
+        if code is not None:
+            return code
+        try:
+            check_writable(self.namespace)
+            return self._train(step_fn, finish)
+        except WorkerError as exc:
+            return write_fatal(self.namespace, exc, self._log, called_as)
+        except Exception as exc:  # noqa: BLE001 - the retryable catch-all
+            self._log.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE, traceback=traceback.format_exc())
+            return EXIT_FAILURE
+
+    def _identity(self) -> TaskIdentity:
+        try:
+            return TaskIdentity.from_env(self._env)
+        except WorkerError:
+            return TaskIdentity()
+
+    def _configure_watcher(self) -> None:
+        """Grace and deadline from the parameters, else the environment.
+
+        :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
+        """
+        watcher = self.watcher
+        assert watcher is not None
+        grace = self._grace if self._grace is not None else _env_float(
+            self._env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS)
+        watcher.grace_seconds = float(grace)
+        timeout = self._timeout if self._timeout is not None else _env_float(self._env, "TASK_TIMEOUT_SECONDS", None)
+        if timeout == 0:  # TASK_TIMEOUT_SECONDS=0: no deadline
+            timeout = None
+        set_task_deadline(watcher, timeout)
+
+    def _path(self, name: str) -> str:
+        assert self.namespace is not None
+        return os.path.join(self.namespace, name)
+
+    def _train(self, step_fn: Callable[[int], float | None],
+               finish: Callable[[], Mapping[str, Any]] | None) -> int:
+        config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
+        with CheckpointManager(config, {TRAIN_STATE: self.state, **self.states}, storage=self._storage,
+                               logger=self._log) as manager:
+            self._resume(manager)
+            progress = ProgressReporter(self._storage, self.namespace, self.total_steps, self.state.step,
+                                        self._log, min_interval=self._progress_interval)
+            while self.state.step < self.total_steps:
+                if self.watcher.requested:
+                    return self._on_stop(manager, progress)
+                loss = step_fn(self.state.step)
+                if loss is not None:
+                    loss = float(loss)
+                    if not math.isfinite(loss):
+                        raise DivergedError(f"training diverged: the loss is {loss} at step {self.state.step + 1}")
+                    self.state.observe(loss)
+                self.state.step += 1
+                self._save(manager, force=False)
+                progress.update(self.state.step, self.state.loss_ema)
+            self._finish(manager, progress, finish)
+        return EXIT_OK
+
+    def _resume(self, manager: CheckpointManager) -> None:
+        previous = read_json(self._storage, self._path(PROGRESS)) or {}
+        reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        if manager.load():
+            step = self.resumed_from_step = self.state.step
+            self.state.checkpoints += 1
+            self._log.info(f"resuming from step {step}", resumed_from_step=step, file=manager.path(step))
+            self._match_threads(step)
+        else:
+            step = 0
+            self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
+        lost = max(0, reported - step) if reported is not None else 0
+        identity = self._identity()
+        entry = {"execution": identity.execution, "attempt": identity.task_attempt,
+                 "task_index": identity.task_index, "resumed_from_step": step, "lost_steps": lost}
+        self.state.history.append(entry)
+        self._attempts = record_attempt(self._storage, self.namespace, {**entry, "started_at": utc_now()})
+        if lost:
+            self._log.warning(f"lost {lost} steps of work since the last checkpoint", lost_steps=lost,
+                              last_reported_step=reported, resumed_from_step=step)
+
+    def _match_threads(self, step: int) -> None:
+        """Train on with the torch intra-op thread count the checkpoint was written with (CPU
+        matrix products split their sums by it, outside oneMKL's ``MKL_CBWR=AUTO,STRICT``)."""
+        import torch
+
+        saved, current = self.state.saved_threads, torch.get_num_threads()
+        if saved is not None and saved != current:
+            torch.set_num_threads(saved)
+            self._log.info(f"using {saved} intra-op threads, as the checkpoint of step {step} was written with",
+                           threads=saved, default_threads=current)
+
+    def _save(self, manager: CheckpointManager, *, force: bool) -> bool:
+        try:
+            saved = manager.save(self.state.step, force=force)
+        except CheckpointSaveError as exc:
+            self._failed_in_a_row += 1
+            self._log.error("checkpoint save failed; training goes on", step=self.state.step, error=str(exc),
+                            failed_in_a_row=self._failed_in_a_row)
+            if self._failed_in_a_row >= MAX_FAILED_SAVES_IN_A_ROW:
+                raise
+            return False
+        if saved:
+            self.state.checkpoints += 1
+            self._failed_in_a_row = 0
+        return saved
+
+    def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter) -> int:
+        step, watcher = self.state.step, self.watcher
+        self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
+                          step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        settled = True
+        try:
+            settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - 1.0))
+        except CheckpointSaveError as exc:
+            self._log.error("background checkpoint save failed", error=str(exc), step=step)
+        if not settled:
+            self._log.warning("abandoning the checkpoint save in flight: no time left", step=step)
+            manager.abandon()
+        elif manager.last_saved_step == step or step == 0:
+            self._log.info("nothing new to checkpoint", step=step)
+        elif self.preemption_save == "never":
+            self._log.info("no checkpoint at the stop (preemption_save never)", step=step)
+        elif self.preemption_save == "always" or watcher.final_save_fits(manager.estimated_save_seconds):
+            self._save(manager, force=True)
+        else:
+            self._log.warning("final checkpoint skipped: it would not fit in the grace period", step=step,
+                              estimated_save_seconds=manager.estimated_save_seconds,
+                              remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        progress.update(step, self.state.loss_ema, status="preempted", force=True,
+                        max_wait=watcher.remaining_grace() - 1.0)
+        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
+                          last_checkpoint_step=manager.last_saved_step)
+        return EXIT_PREEMPTED
+
+    def _finish(self, manager: CheckpointManager, progress: ProgressReporter,
+                finish: Callable[[], Mapping[str, Any]] | None) -> None:
+        total = self.total_steps
+        try:
+            manager.wait_until_finished()
+        except CheckpointSaveError as exc:
+            self._log.error("background checkpoint save failed", error=str(exc), step=total)
+        if not self._save(manager, force=True) and manager.last_saved_step != total:
+            raise CheckpointSaveError(f"the final checkpoint of step {total} was not written")
+        extra = dict(finish() or {}) if finish is not None else {}
+        metrics = {
+            **extra,
+            "steps": self.state.step, "total_steps": total, "final_loss": self.state.loss_ema,
+            "settings": self.settings, "wall_seconds": round(self.state.elapsed_seconds, 3),
+            "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
+            "checkpoints_written": self.state.checkpoints, "failed_saves": manager.failed_saves,
+            "history": self.state.history, "attempts": self._attempts,
+            "lost_steps_total": sum(int(a.get("lost_steps", 0)) for a in self._attempts),
+        }
+        write_json(self._storage, self._path(METRICS), metrics)
+        progress.update(total, self.state.loss_ema, status="completed", force=True)
+        self._log.info("training complete", steps=total, resumed_from_step=self.resumed_from_step,
+                       **{k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))})
+
+
+def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, Stateful], *,
+                 total_steps: int, finish: Callable[[], Mapping[str, Any]] | None = None,
+                 **options: Any) -> int:
+    """``ResilientLoop(states, total_steps=..., **options).run(step_fn, finish)`` in one call.
+
+    :param step_fn: does one optimizer step (see :meth:`ResilientLoop.run`).
+    :param states: the checkpointed objects by name (see :class:`ResilientLoop`).
+    :param total_steps: optimizer steps of the whole run.
+    :param finish: metrics for ``metrics.json`` after the last step, or ``None``.
+    :param options: the other keyword parameters of :class:`ResilientLoop`.
+    :return: the exit code (0, 143, 78/65/70/73, 1); hand it to :func:`exit_now`.
+    :raises ValueError: a bad parameter (before anything is touched).
+    """
+    return ResilientLoop(states, total_steps=total_steps, **options).run(step_fn, finish)
