@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8123, help="API port on 127.0.0.1 (0: any free)")
     serve.add_argument("--gcs-port", type=int, default=9023, help="GCS emulator port (0: any free)")
     serve.add_argument("--data-dir", type=Path, required=True, help="GCS objects and attempt logs")
-    serve.add_argument("--images", type=Path, default=None, help="image table JSON file")
+    serve.add_argument("--images", type=Path, action="append", default=None,
+                       help="image table JSON file; repeat to combine tables (earlier files win)")
     serve.add_argument("--grace-seconds", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace")
     serve.add_argument("--failed-execution-code", type=int, default=9,
                        help="gRPC code of a failed execution's operation error (default 9)")

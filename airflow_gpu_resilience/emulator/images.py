@@ -1,6 +1,7 @@
 """The image table: how a container image maps to a local command (there is no Docker here).
 
-File format (JSON), given to ``serve --images FILE``::
+File format (JSON), given to ``serve --images FILE`` (repeat ``--images`` to combine tables,
+e.g. the bundled worker's and a user image's)::
 
     {"images": {
         "local/exit:latest": {"entrypoint": ["{python}", "-c", "import os,sys; sys.exit(int(os.environ.get('CODE','0')))"]},
@@ -19,6 +20,9 @@ File format (JSON), given to ``serve --images FILE``::
   the table file's directory. (Plain substitution, so other braces in ``-c`` scripts are safe.)
 - ``cwd`` (default ``"."``) and each relative ``PYTHONPATH`` entry resolve against the table
   file's directory. ``env`` is applied under the container's own env.
+- Several files: each file's relative paths resolve against its own directory; an exact match
+  in any file wins, then the first matching pattern in file order (earlier files first); for a
+  key in two files, the earlier file's entry is used.
 - An image with no entry is accepted at CreateJob (deploy-only tests keep working); at run time
   its task fails at once, without retries, with a message naming the image.
 """
@@ -31,7 +35,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +66,20 @@ class ImageTable:
         self._entries = {key: self._entry(spec) for key, spec in entries.items()}
 
     @classmethod
-    def load(cls, path: Optional[os.PathLike]) -> "ImageTable":
-        """Read a table file; ``None`` gives an empty table."""
+    def load(cls, path: Union[None, os.PathLike, str, Sequence[Union[os.PathLike, str]]]) -> "ImageTable":
+        """Read a table file, or combine several (see the module docs); ``None`` or an empty
+        list gives an empty table.
+
+        :param path: one file, a list of files, or ``None``.
+        """
         if path is None:
             return cls({}, Path.cwd())
+        if isinstance(path, (list, tuple)):
+            combined = cls({}, Path.cwd())
+            for table in (cls.load(item) for item in path):
+                for key, entry in table._entries.items():
+                    combined._entries.setdefault(key, entry)
+            return combined
         path = Path(path)
         return cls(json.loads(path.read_text())["images"], path.parent)
 

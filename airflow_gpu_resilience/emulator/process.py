@@ -50,7 +50,7 @@ class EmulatorProcess:
     """``serve --port 0 --gcs-port 0`` in a child process, as a context manager.
 
     :param data_dir: the emulator's data directory (created if missing).
-    :param images_file: image table JSON (see :mod:`.images`), or ``None``.
+    :param images_file: image table JSON (see :mod:`.images`), a list of them (combined), or ``None``.
     :param grace_seconds: preemption/timeout/cancel grace in seconds (default 10).
     :param extra_args: more ``serve`` arguments.
     :param start_timeout: seconds to wait for the ready line (default 30).
@@ -61,8 +61,8 @@ class EmulatorProcess:
         self.data_dir = Path(data_dir).resolve()
         self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
                       "--gcs-port", "0", "--data-dir", str(self.data_dir), "--grace-seconds", str(grace_seconds)]
-        if images_file is not None:
-            self._argv += ["--images", str(images_file)]
+        for table in [] if images_file is None else images_file if isinstance(images_file, (list, tuple)) else [images_file]:
+            self._argv += ["--images", str(table)]
         self._argv += list(extra_args)
         self._start_timeout = start_timeout
         self._popen: Optional[subprocess.Popen] = None

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import uvicorn
 
@@ -39,7 +39,8 @@ class ServeConfig:
     :param data_dir: directory for GCS objects (``gcs/``) and attempt logs (``logs/``).
     :param port: API port on 127.0.0.1; 0 picks a free one.
     :param gcs_port: GCS emulator port; 0 picks a free one.
-    :param images_file: image table JSON (see :mod:`.images`), or ``None`` for an empty one.
+    :param images_file: image table JSON (see :mod:`.images`), a list of them (combined), or
+        ``None`` for an empty one.
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
     :param policy: retry, grace and pacing settings (see :class:`~.runtime.RuntimePolicy`).
     :param preemptions: a seeded preemption schedule to start with the server, or ``None``.
@@ -48,7 +49,7 @@ class ServeConfig:
     data_dir: Path
     port: int = 8123
     gcs_port: int = 9023
-    images_file: Optional[Path] = None
+    images_file: Union[None, Path, Sequence[Path]] = None
     shutdown_grace_seconds: float = 2.0
     policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
     preemptions: Optional[PreemptionPlan] = None
