@@ -1,8 +1,11 @@
-"""The checkpoint-manager example in worker/README.md runs as written, and resumes."""
+"""The README examples run as written: worker/README.md's checkpoint manager, README.md's bundled worker and own loop."""
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,3 +60,45 @@ def test_ignore_termination_signals_ignores_others_but_not_the_parent(tmp_path: 
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+ROOT_README = README.parents[1] / "README.md"
+
+
+def _root_example(name: str, language: str) -> str:
+    match = re.search(rf"<!-- example: {name}.*?-->\s*```{language}\n(.*?)```", ROOT_README.read_text(), re.S)
+    assert match, f"the {name} example block is missing from README.md"
+    return match.group(1)
+
+
+def test_readme_own_loop_example_runs_and_resumes(tmp_path: Path) -> None:
+    """The README's own-loop block, as a script: trains 100 steps, then a rerun resumes at 100.
+    Cost: about 8 s (two processes importing torch)."""
+    from tests.worker.conftest import worker_env
+
+    script = tmp_path / "own_loop.py"
+    script.write_text(_root_example("own-loop", "python"))
+    first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=worker_env(), capture_output=True,
+                           text=True, timeout=120)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    metrics = json.loads((tmp_path / "checkpoints" / "own-loop" / "metrics.json").read_text())
+    assert metrics["steps"] == 100 and metrics["final_weight_norm"] > 0
+    again = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=worker_env(), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and '"resuming from step 100"' in again.stdout, again.stdout[-3000:]
+
+
+def test_readme_bundled_worker_example_runs(tmp_path: Path, digits_npz: Path) -> None:
+    """The README's bundled-worker command line, with the data where it says. Cost: about 5 s."""
+    from tests.worker.conftest import worker_env
+
+    [line] = [line for line in _root_example("bundled-worker", "sh").splitlines() if line.strip()]
+    argv = shlex.split(line)
+    assert argv[:3] == ["python", "-m", "gpu_resilience_worker"]
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copyfile(digits_npz, tmp_path / "checkpoints" / "digits.npz")
+    result = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=worker_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [metrics] = (tmp_path / "checkpoints").glob("*/task-0/metrics.json")
+    assert json.loads(metrics.read_text())["steps"] == 40
