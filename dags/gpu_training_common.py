@@ -38,7 +38,7 @@ def common_params(job_name: str, *, steps: int = 600) -> dict[str, Param]:
         "project_id": Param("local-project", type="string", description="Google Cloud project"),
         "region": Param("us-central1", type="string", description="Cloud Run region with L4 GPUs"),
         "job_name": Param(job_name, type="string", pattern=r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$"),
-        "image": Param(DEFAULT_IMAGE, type="string", minLength=1, description="Worker image built from worker/"),
+        "image": Param(DEFAULT_IMAGE, type="string", minLength=1, description="Worker image built from worker/, or your own (examples/user-image)"),
         # Cloud Storage bucket names: 3-63 of a-z 0-9 - _ . , starting and ending with a letter or digit.
         "bucket": Param("gpu-resilient-checkpoints", type="string", pattern=r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$",
                         description="Checkpoint bucket"),
