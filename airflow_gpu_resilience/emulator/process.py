@@ -61,7 +61,8 @@ class EmulatorProcess:
         self.data_dir = Path(data_dir).resolve()
         self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
                       "--gcs-port", "0", "--data-dir", str(self.data_dir), "--grace-seconds", str(grace_seconds)]
-        for table in [] if images_file is None else images_file if isinstance(images_file, (list, tuple)) else [images_file]:
+        tables = images_file if isinstance(images_file, (list, tuple)) else [images_file]
+        for table in (t for t in tables if t is not None):
             self._argv += ["--images", str(table)]
         self._argv += list(extra_args)
         self._start_timeout = start_timeout

@@ -184,7 +184,7 @@ class ResilientLoop:
         progress_interval: float = 1.0,
     ) -> None:
         if not isinstance(states, Mapping) or not states:
-            raise ValueError(f"states must be a non-empty mapping of name -> object with state_dict(), got {states!r}")
+            raise ValueError(f"states must be a non-empty mapping of name -> stateful object, got {states!r}")
         for name, obj in states.items():
             if not isinstance(name, str) or not name or name == TRAIN_STATE:
                 raise ValueError(f"states: {name!r} is not allowed as a name (a non-empty str other than {TRAIN_STATE!r})")
