@@ -8,6 +8,7 @@ from the image table below; their behaviour is chosen with container args.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -19,13 +20,19 @@ PROJECT = "test-project"
 REGION = "us-central1"
 BUCKET = "test-checkpoints"
 STUB_IMAGE = "test.local/stub:latest"
+#: The bundled worker (``python -m gpu_resilience_worker``), for the tests that need real checkpoints.
+WORKER_IMAGE = "test.local/worker:latest"
+REPO = Path(__file__).resolve().parents[2]
 
 #: The stand-in task: ``ok`` | ``exit N`` | ``preempt-once`` (exit 143 until a marker exists in
 #: the checkpoint dir, then 0) | ``sleep SECONDS`` | ``sleep-first SECONDS [LATER]`` (attempt 0
 #: sleeps, later attempts exit 0 after LATER s, default 0.5) | ``preempt-then-sleep SECONDS``
 #: (the first execution exits 143 at once; later ones sleep, then exit 143) | ``progress`` (the
 #: worker's files: the first execution reports step 30/100 and exits 143, the second resumes
-#: from step 20, losing 10 steps, and completes). SIGTERM is not handled: death by signal 15.
+#: from step 20, losing 10 steps, and completes) | ``commit-then-stall SECONDS`` (commits a
+#: checkpoint at step 40 once, then sleeps: no progress after the first execution) |
+#: ``record-env NAME`` (writes env var NAME to ``{job}-env.txt`` in the bucket, then exits 0).
+#: SIGTERM is not handled: death by signal 15.
 STUB_SCRIPT = r"""
 import os, pathlib, sys, time
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
@@ -40,6 +47,18 @@ if mode == "preempt-once":
     marker.write_text(os.environ["CLOUD_RUN_EXECUTION"])
     sys.exit(143)
 if mode == "sleep":
+    time.sleep(float(sys.argv[2]))
+if mode == "record-env":
+    (root / (os.environ["CLOUD_RUN_JOB"] + "-env.txt")).write_text(os.environ.get(sys.argv[2], "<unset>"))
+if mode == "commit-then-stall":
+    import hashlib, json
+    ns = root / os.environ["CLOUD_RUN_JOB"] / ("task-" + os.environ["CLOUD_RUN_TASK_INDEX"])
+    ns.mkdir(parents=True, exist_ok=True)
+    if not (ns / "ckpt-00000040.commit.json").exists():
+        data = b"state at step 40"
+        (ns / "ckpt-00000040.pt").write_bytes(data)
+        (ns / "ckpt-00000040.commit.json").write_text(json.dumps(
+            {"step": 40, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     time.sleep(float(sys.argv[2]))
 if mode == "sleep-first":
     later = float(sys.argv[3]) if len(sys.argv) > 3 else 0.5
@@ -87,7 +106,10 @@ def emulator(tmp_path_factory):
 
     data_dir = tmp_path_factory.mktemp("emulator")
     table = data_dir / "images.json"
-    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]}}}))
+    worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"], "cwd": str(REPO),
+              "env": {"PYTHONPATH": f"{REPO / 'worker'}{os.pathsep}{REPO}"}}
+    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]},
+                                            WORKER_IMAGE: worker}}))
     with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0) as emu:
         client = storage.Client(
             project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emu.gcs_endpoint}
