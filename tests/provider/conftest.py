@@ -8,7 +8,6 @@ from the image table below; their behaviour is chosen with container args.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -20,9 +19,6 @@ PROJECT = "test-project"
 REGION = "us-central1"
 BUCKET = "test-checkpoints"
 STUB_IMAGE = "test.local/stub:latest"
-#: The bundled worker (``python -m gpu_resilience_worker``), for the tests that need real checkpoints.
-WORKER_IMAGE = "test.local/worker:latest"
-REPO = Path(__file__).resolve().parents[2]
 
 #: The stand-in task: ``ok`` | ``exit N`` | ``preempt-once`` (exit 143 until a marker exists in
 #: the checkpoint dir, then 0) | ``sleep SECONDS`` | ``sleep-first SECONDS [LATER]`` (attempt 0
@@ -106,10 +102,7 @@ def emulator(tmp_path_factory):
 
     data_dir = tmp_path_factory.mktemp("emulator")
     table = data_dir / "images.json"
-    worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"], "cwd": str(REPO),
-              "env": {"PYTHONPATH": f"{REPO / 'worker'}{os.pathsep}{REPO}"}}
-    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]},
-                                            WORKER_IMAGE: worker}}))
+    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]}}}))
     with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0) as emu:
         client = storage.Client(
             project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emu.gcs_endpoint}

@@ -67,6 +67,7 @@ def spec(**overrides) -> GpuJobSpec:
         ({"env": {"1X": "3"}}, r"env name '1X' is invalid"),
         ({"env": {"X": 3}}, r"env\['X'\]=3 must be a string"),
         ({"env": {"CHECKPOINT_DIR": "/elsewhere"}}, r"contradicts checkpoint_mount_path='/checkpoints'"),
+        ({"env": {"TASK_TIMEOUT_SECONDS": "10"}}, r"env\[.TASK_TIMEOUT_SECONDS.\]=.10. contradicts task_timeout=3600; leave it unset"),
         ({"labels": {"run.googleapis.com/x": "y"}}, r"uses a prefix Cloud Run reserves"),
         ({"labels": {"Team": "ml"}}, r"label key 'Team' is invalid"),
         ({"labels": {"team": "ML"}}, r"label team='ML' is invalid"),
