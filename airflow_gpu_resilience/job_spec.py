@@ -52,6 +52,9 @@ MAX_TASK_COUNT = 10_000
 CHECKPOINT_VOLUME = "checkpoint-volume"
 #: Environment variable that tells the worker where the checkpoint root is.
 CHECKPOINT_DIR_ENV = "CHECKPOINT_DIR"
+#: Environment variable that tells the worker its attempt's task timeout (seconds), so that it
+#: checkpoints and exits 143 shortly before Cloud Run stops it.
+TASK_TIMEOUT_ENV = "TASK_TIMEOUT_SECONDS"
 #: Environment variables Cloud Run sets itself; users cannot set them.
 RESERVED_ENV = frozenset(
     {
@@ -188,7 +191,8 @@ class GpuJobSpec:
     :param command: container entrypoint override; empty keeps the image's ENTRYPOINT.
     :param args: container arguments; empty keeps the image's CMD.
     :param env: environment variables; ``CLOUD_RUN_*`` names are reserved. ``CHECKPOINT_DIR``
-        is set to ``checkpoint_mount_path`` when a checkpoint bucket is given.
+        is set to ``checkpoint_mount_path`` when a checkpoint bucket is given, and
+        ``TASK_TIMEOUT_SECONDS`` to ``task_timeout`` always (a value of your own must equal it).
     :param cpu: vCPU limit (default ``"4"``); at least the GPU type's minimum. A number is
         turned into its string form.
     :param memory: memory limit (default ``"16Gi"``); at least the GPU type's minimum (GiB). A
@@ -345,6 +349,13 @@ class GpuJobSpec:
                 f"{self.checkpoint_mount_path!r}; leave it unset, the spec sets it"
             )
 
+        timeout = self.env.get(TASK_TIMEOUT_ENV)
+        if timeout is not None and timeout != str(self.task_timeout):
+            raise ValueError(
+                f"env[{TASK_TIMEOUT_ENV!r}]={timeout!r} contradicts task_timeout={self.task_timeout}; "
+                "leave it unset, the spec sets it"
+            )
+
     def _validate_labels(self) -> None:
         for key, value in self.labels.items():
             if not isinstance(key, str) or key.startswith(RESERVED_LABEL_PREFIXES):
@@ -363,13 +374,15 @@ class GpuJobSpec:
         return GPU_TYPES[self.gpu_type][2] or self.task_timeout > GA_GPU_TASK_TIMEOUT_SECONDS
 
     def container_env(self) -> dict[str, str]:
-        """The container's environment: ``env`` plus ``CHECKPOINT_DIR`` when a bucket is mounted.
+        """The container's environment: ``env``, ``CHECKPOINT_DIR`` when a bucket is mounted, and
+        ``TASK_TIMEOUT_SECONDS`` (the task timeout, for the worker's deadline-aware exit).
 
         :return: a new dict, in insertion order.
         """
         env = dict(self.env)
         if self.checkpoint_bucket:
             env[CHECKPOINT_DIR_ENV] = self.checkpoint_mount_path
+        env[TASK_TIMEOUT_ENV] = str(self.task_timeout)
         return env
 
     def to_job(self) -> run_v2.Job:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from google.cloud import run_v2
@@ -147,6 +147,8 @@ def classify_attempt(
     status_code: int = 0,
     message: str = "",
     fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES,
+    duration_seconds: float | None = None,
+    timeout_seconds: float | None = None,
 ) -> OutcomeClass:
     """Classify one finished task attempt from its primitive result fields.
 
@@ -155,11 +157,18 @@ def classify_attempt(
     a preemption trace > FAILED. A cancelled attempt also ends by SIGTERM (exit 143, signal 15),
     so the status, not the exit code, tells it from a preemption.
 
+    A task timeout is also an exit 143 the worker made itself (no signal, no maintenance message)
+    within :func:`deadline_window` of the task timeout: the worker's deadline-aware exit
+    (``TASK_TIMEOUT_SECONDS``) checkpoints and stops shortly *before* Cloud Run would, so Cloud
+    Run reports a plain exit 143. Both classes are re-run the same way.
+
     :param exit_code: the container's exit code, ``None`` when unset (signal death or no start).
     :param term_signal: the signal that terminated the container, ``None`` or 0 when unset.
     :param status_code: ``google.rpc.Code`` of the attempt's status (0 = OK).
     :param message: the status message.
     :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
+    :param duration_seconds: the attempt's start to its end, in seconds, when known.
+    :param timeout_seconds: the task timeout of the attempt, in seconds, when known.
     :return: the attempt's class (never RUNNING or INCOMPLETE).
     """
     signal = term_signal or None
@@ -176,6 +185,12 @@ def classify_attempt(
     if status_code == _CODE_CANCELLED and not _MAINTENANCE_RE.search(message):
         return OutcomeClass.CANCELLED
     if (
+        exit_code == 143 and signal is None and not _MAINTENANCE_RE.search(message)
+        and duration_seconds is not None and timeout_seconds
+        and duration_seconds >= timeout_seconds - deadline_window(timeout_seconds)
+    ):
+        return OutcomeClass.TIMED_OUT
+    if (
         exit_code in PREEMPTION_EXIT_CODES
         or signal in PREEMPTION_SIGNALS
         or _MAINTENANCE_RE.search(message)
@@ -186,14 +201,33 @@ def classify_attempt(
     return OutcomeClass.FAILED
 
 
+#: Seconds before the task timeout within which a worker's own exit 143 counts as TIMED_OUT, at
+#: most: the worker stops ``min(PREEMPTION_GRACE_SECONDS, timeout / 2)`` before the timeout
+#: (grace 10 s by default), plus its final save, its exit and the platform's bookkeeping.
+DEADLINE_WINDOW_SECONDS = 30.0
+
+
+def deadline_window(timeout_seconds: float) -> float:
+    """Seconds before a task timeout of ``timeout_seconds`` in which an exit 143 is a deadline stop.
+
+    :param timeout_seconds: the task timeout (> 0), in seconds.
+    :return: ``min(DEADLINE_WINDOW_SECONDS, timeout_seconds / 2 + 1)``.
+    """
+    return min(DEADLINE_WINDOW_SECONDS, timeout_seconds / 2 + 1.0)
+
+
 def classify_attempt_result(
     result: run_v2.TaskAttemptResult,
     fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES,
+    duration_seconds: float | None = None,
+    timeout_seconds: float | None = None,
 ) -> OutcomeClass:
     """Classify a ``run_v2.TaskAttemptResult`` (see :func:`classify_attempt`).
 
     :param result: the task's ``last_attempt_result``.
     :param fatal_exit_codes: exit codes that must not be retried (default 64-78).
+    :param duration_seconds: the attempt's duration in seconds, when known.
+    :param timeout_seconds: its task timeout in seconds, when known.
     :return: the attempt's class.
     """
     exit_code, signal = _exit_and_signal(result)
@@ -203,7 +237,14 @@ def classify_attempt_result(
         status_code=result.status.code,
         message=result.status.message,
         fatal_exit_codes=fatal_exit_codes,
+        duration_seconds=duration_seconds,
+        timeout_seconds=timeout_seconds,
     )
+
+
+def task_timeout_seconds(task: run_v2.Task) -> float | None:
+    """The task's attempt timeout in seconds, or ``None`` when the API did not set it."""
+    return task.timeout.total_seconds() if "timeout" in task else None
 
 
 def _exit_and_signal(result: run_v2.TaskAttemptResult) -> tuple[int | None, int | None]:
@@ -278,7 +319,7 @@ def classify_task(
     elif not has_result:
         outcome = OutcomeClass.INCOMPLETE
     else:
-        outcome = classify_attempt_result(result, fatal_exit_codes)
+        outcome = classify_attempt_result(result, fatal_exit_codes, elapsed_seconds(task), task_timeout_seconds(task))
     return TaskOutcome(
         index=task.index,
         attempts=task.retried + 1 if started else 0,
@@ -319,17 +360,22 @@ def decide(
     state: ExecutionState,
     reruns_used: int,
     max_reruns: int,
+    progress: ProgressBudget | None = None,
 ) -> Decision:
     """Decide what to do with a finished execution.
 
     Precedence: a user cancellation > any FATAL task > any FAILED task > any PREEMPTED/TIMED_OUT
-    task (re-run while ``reruns_used < max_reruns``) > success. Tasks CANCELLED while the
-    execution was not (the system stopping siblings of a failed task) count as INCOMPLETE.
+    task (re-run while the budget lasts) > success. Tasks CANCELLED while the execution was not
+    (the system stopping siblings of a failed task) count as INCOMPLETE.
+
+    The budget of a PREEMPTED/TIMED_OUT execution: with ``progress`` (the checkpoint steps are
+    known) the rule of :func:`decide_rerun`; without, the fixed budget ``reruns_used < max_reruns``.
 
     :param tasks: every task of the execution, classified by :func:`classify_task`.
     :param state: the execution's coarse state (:func:`execution_state`); must not be RUNNING.
     :param reruns_used: re-runs (new executions) already started for this Airflow task.
-    :param max_reruns: the preemption budget: how many re-runs are allowed in total.
+    :param max_reruns: the fixed preemption budget (re-runs allowed in total), used without ``progress``.
+    :param progress: the checkpoint progress of every execution of the Airflow task, or ``None``.
     :return: the decision.
     :raises ValueError: if ``state`` is RUNNING.
     """
@@ -346,6 +392,8 @@ def decide(
         return Decision(Action.FAIL, OutcomeClass.FAILED, f"{_describe(task)}: failed after its retries", task)
     resumable = by_class[OutcomeClass.PREEMPTED] + by_class[OutcomeClass.TIMED_OUT]
     if resumable:
+        if progress is not None:
+            return decide_rerun(resumable[0], reruns_used, progress)
         return _decide_resumable(resumable[0], reruns_used, max_reruns)
     if state is ExecutionState.SUCCEEDED or (tasks and len(by_class[OutcomeClass.SUCCEEDED]) == len(tasks)):
         return Decision(Action.SUCCEED, OutcomeClass.SUCCEEDED, "all tasks succeeded")
@@ -374,6 +422,143 @@ def _decide_resumable(task: TaskOutcome, reruns_used: int, max_reruns: int) -> D
     )
 
 
+#: Default ``max_reruns_without_progress``: consecutive re-runs that commit no new checkpoint
+#: before the Airflow task fails (NVIDIA's resiliency extension stops at a few as well).
+DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS = 2
+#: Default ``max_total_reruns``, the cost cap on re-runs that do make progress. On the GA one-hour
+#: GPU task timeout with ``max_retries`` 0 a day of training is 24 executions (23 re-runs) from
+#: task timeouts alone; 48 leaves room for a maintenance preemption in every one of those hours,
+#: so a job that keeps making progress is not stopped within its first day.
+DEFAULT_MAX_TOTAL_RERUNS = 48
+
+
+@dataclass(frozen=True)
+class ExecutionProgress:
+    """The newest committed checkpoint step of each task at an execution's start and at its end.
+
+    :param name: the execution's name (full or short).
+    :param outcome: the execution's class, or ``None`` when not known.
+    :param start_steps: task index -> newest committed step when the execution started (a task
+        without a checkpoint is absent, i.e. step 0), or ``None`` when not recorded.
+    :param end_steps: the same at the execution's end, or ``None`` when not known.
+    """
+
+    name: str
+    outcome: OutcomeClass | None
+    start_steps: Mapping[int, int] | None
+    end_steps: Mapping[int, int] | None
+
+    @property
+    def made_progress(self) -> bool | None:
+        """Whether any task's newest committed step grew; ``None`` when a side is unknown."""
+        if self.start_steps is None or self.end_steps is None:
+            return None
+        return any(step > self.start_steps.get(index, 0) for index, step in self.end_steps.items())
+
+    def steps_text(self) -> str:
+        """``"task 0: 40 -> 120, task 1: 38 -> 110"`` (the first 4 tasks), ``"?"`` when unknown."""
+        if self.start_steps is None or self.end_steps is None:
+            return "?"
+        indexes = sorted(set(self.start_steps) | set(self.end_steps))
+        parts = [f"task {i}: {self.start_steps.get(i, 0)} -> {self.end_steps.get(i, 0)}" for i in indexes[:4]]
+        return ", ".join(parts + ([f"... ({len(indexes)} tasks)"] if len(indexes) > 4 else [])) or "no checkpoint"
+
+
+@dataclass(frozen=True)
+class ProgressBudget:
+    """The progress-aware re-run budget of one Airflow task instance.
+
+    :param history: every execution of the task instance, oldest first, the one just finished
+        last (all Airflow tries, as Cloud Run lists them).
+    :param max_reruns_without_progress: consecutive re-runs without a new committed checkpoint
+        allowed (an integer >= 0; default :data:`DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS`).
+    :param max_total_reruns: re-runs allowed in total, with or without progress (cost cap; an
+        integer >= 0; default :data:`DEFAULT_MAX_TOTAL_RERUNS`).
+    """
+
+    history: Sequence[ExecutionProgress]
+    max_reruns_without_progress: int = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS
+    max_total_reruns: int = DEFAULT_MAX_TOTAL_RERUNS
+
+    def without_progress(self) -> list[ExecutionProgress]:
+        """The executions at the end of :attr:`history` that made no progress, oldest first
+        (an execution whose progress is unknown ends the run of them)."""
+        streak: list[ExecutionProgress] = []
+        for entry in reversed(self.history):
+            if entry.made_progress is not False:
+                break
+            streak.insert(0, entry)
+        return streak
+
+    def reruns_without_progress(self) -> int:
+        """Re-runs in a row that made no progress: the :meth:`without_progress` executions,
+        less the first execution of the task instance (not a re-run) when it is one of them."""
+        streak = self.without_progress()
+        return len(streak) - (1 if streak and len(streak) == len(self.history) else 0)
+
+
+def decide_rerun(task: TaskOutcome, reruns_used: int, progress: ProgressBudget) -> Decision:
+    """Re-run a PREEMPTED/TIMED_OUT execution, or stop, by checkpoint progress.
+
+    The rule: stop when the last ``max_reruns_without_progress`` re-runs in a row committed no
+    newer checkpoint than the one they started from (the error names the step it is stuck at,
+    the classes of those executions and what to check); else stop when ``reruns_used`` reached
+    ``max_total_reruns``; else re-run. A re-run after an execution with progress does not count
+    against ``max_reruns_without_progress``.
+
+    :param task: the task that decided the execution's class (PREEMPTED or TIMED_OUT).
+    :param reruns_used: re-runs already started for the Airflow task (all tries).
+    :param progress: the history and the limits.
+    :return: RERUN or FAIL_NO_RETRY.
+    """
+    what = "preempted" if task.outcome is OutcomeClass.PREEMPTED else "timed out"
+    last = progress.history[-1] if progress.history else None
+    stuck = progress.reruns_without_progress()
+    limit = progress.max_reruns_without_progress
+    if stuck >= limit and last is not None and last.made_progress is False:
+        streak = progress.without_progress()
+        classes = ", ".join(e.outcome.value if e.outcome else "?" for e in streak)
+        return Decision(
+            Action.FAIL_NO_RETRY, task.outcome,
+            f"{_describe(task)}: {what}; no new committed checkpoint in the last {len(streak)} execution(s) "
+            f"({stuck} re-run(s) without progress, max_reruns_without_progress={limit}): stuck at "
+            f"{_stuck_text(last.end_steps)}; their classes: {classes}. Check that a checkpoint commits well "
+            f"within one attempt: the checkpoint interval against the task timeout (TASK_TIMEOUT_SECONDS) "
+            f"and against the time between preemptions",
+            task,
+        )
+    if reruns_used >= progress.max_total_reruns:
+        return Decision(
+            Action.FAIL_NO_RETRY, task.outcome,
+            f"{_describe(task)}: {what}; total re-run cap reached ({reruns_used} re-runs used, "
+            f"max_total_reruns={progress.max_total_reruns})",
+            task,
+        )
+    if last is not None and last.made_progress:
+        why = f"it made progress ({last.steps_text()}), so the re-run is free of max_reruns_without_progress"
+    elif last is not None and last.made_progress is False:
+        why = (f"no progress ({last.steps_text()}); re-run {stuck + 1} of {limit} without progress "
+               f"(max_reruns_without_progress)")
+    else:
+        why = "its progress is unknown"
+    return Decision(
+        Action.RERUN, task.outcome,
+        f"{_describe(task)}: {what}; {why}; re-run {reruns_used + 1} (at most {progress.max_total_reruns} in total) "
+        "resumes from the checkpoint",
+        task,
+    )
+
+
+def _stuck_text(steps: Mapping[int, int] | None) -> str:
+    if not steps:
+        return "step 0 (no committed checkpoint yet)"
+    if len(steps) == 1:
+        [(index, step)] = steps.items()
+        return f"step {step} (task {index})"
+    parts = [f"task {i}: step {steps[i]}" for i in sorted(steps)[:4]]
+    return ", ".join(parts) + (f", ... ({len(steps)} tasks)" if len(steps) > 4 else "")
+
+
 def _describe(task: TaskOutcome) -> str:
     how = f"signal {task.term_signal}" if task.term_signal else f"exit code {task.exit_code}"
     text = f"task {task.index} attempt {task.attempts} ({how}"
@@ -395,6 +580,7 @@ class AttemptRecord:
     :param duration_seconds: seconds from the attempt's start to the task's completion, known
         only for the last attempt of a finished task (the API keeps one ``start_time`` per task,
         that of its latest attempt); ``None`` otherwise.
+    :param timeout_seconds: the task timeout in seconds, when known (see :func:`classify_attempt`).
     """
 
     task_index: int
@@ -404,6 +590,7 @@ class AttemptRecord:
     status_code: int
     message: str
     duration_seconds: float | None = None
+    timeout_seconds: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -418,6 +605,8 @@ class AttemptRecord:
             status_code=self.status_code,
             message=self.message,
             fatal_exit_codes=fatal_exit_codes,
+            duration_seconds=self.duration_seconds,
+            timeout_seconds=self.timeout_seconds,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -430,6 +619,7 @@ class AttemptRecord:
             "status_code": self.status_code,
             "message": self.message,
             "duration_seconds": self.duration_seconds,
+            "timeout_seconds": self.timeout_seconds,
         }
 
     @classmethod
@@ -460,7 +650,8 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
         exit_code, signal = _exit_and_signal(task.last_attempt_result)
         status = task.last_attempt_result.status
         duration = elapsed_seconds(task) if finished else None
-        records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message, duration))
+        records.append(AttemptRecord(task.index, attempt, exit_code, signal, status.code, status.message, duration,
+                                     task_timeout_seconds(task)))
     return sorted(records, key=lambda r: r.key)
 
 

@@ -6,7 +6,10 @@ The worker writes, per task, under ``{prefix}/task-{index}/`` in the checkpoint 
 - ``progress.json``: ``{step, total_steps, status, updated_at, loss, steps_per_second}``;
 - ``metrics.json`` (when finished): final metrics with ``attempts`` / ``history``, each entry
   ``{execution, attempt, task_index, resumed_from_step, lost_steps}``;
-- ``attempts.json``: ``{"attempts": [...]}``, the same entries, also for unfinished runs.
+- ``attempts.json``: ``{"attempts": [...]}``, the same entries, also for unfinished runs;
+- ``ckpt-{step:08d}.pt`` and its commit record ``ckpt-{step:08d}.commit.json``
+  (``{step, size, sha256, ...}``, written after the data): a checkpoint is committed when its
+  record parses, names its step and the data's size (:meth:`CheckpointFilesHook.committed_steps`).
 
 Reads go through the Google provider's ``GCSHook`` (which follows ``STORAGE_EMULATOR_HOST``) and
 never raise: a missing, torn or unreadable file is ``None`` (or an empty list), because progress
@@ -17,9 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from google.api_core.exceptions import NotFound
 
 PROGRESS_FILE = "progress.json"
 METRICS_FILE = "metrics.json"
@@ -116,6 +122,27 @@ def lost_work_entries(task_index: int, data: Any) -> list[dict[str, Any]]:
     return result
 
 
+_CHECKPOINT_RE = re.compile(r"^task-(?P<index>\d+)/ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)$")
+
+
+def committed_record_step(raw: bytes, step: int, data_size: int | None) -> bool:
+    """Whether ``raw`` is a commit record of ``step`` for a data object of ``data_size`` bytes.
+
+    The provider does not hash the data (that is the worker's job on load): a record that parses,
+    names the step of its file name and the listed data object's size is a committed checkpoint.
+
+    :param raw: the record's bytes.
+    :param step: the step in the record's object name.
+    :param data_size: the size of ``ckpt-{step}.pt`` as listed, ``None`` when it is missing.
+    """
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return (isinstance(record, dict) and record.get("step") == step and data_size is not None
+            and record.get("size") == data_size and isinstance(record.get("sha256"), str))
+
+
 class CheckpointFilesHook:
     """Reads the worker's JSON files of one job's tasks from the checkpoint bucket; never raises.
 
@@ -151,6 +178,47 @@ class CheckpointFilesHook:
             return json.loads(raw)
         except Exception as exc:  # best effort by contract: progress must never fail the task
             log.debug("Cannot read gs://%s/%s: %s", self.bucket, self.object_name(task_index, file_name), exc)
+            return None
+
+    def committed_steps(self) -> dict[int, int] | None:
+        """The newest committed checkpoint step of every task that has one, from one listing.
+
+        Lists ``{prefix}/task-*/ckpt-*`` once and reads, per task, the newest commit record
+        (falling back to older ones when it does not match its data object).
+
+        :return: task index -> step (a task without a committed checkpoint is absent), or
+            ``None`` when the bucket cannot be read.
+        """
+        try:
+            if self._gcs is None:
+                from airflow.providers.google.cloud.hooks.gcs import GCSHook
+
+                self._gcs = GCSHook(**self._gcs_kwargs)
+            bucket = self._gcs.get_conn().bucket(self.bucket)
+            sizes: dict[tuple[int, int], int] = {}
+            records: dict[int, list[int]] = {}
+            for blob in bucket.list_blobs(prefix=f"{self.prefix}/task-"):
+                match = _CHECKPOINT_RE.match(blob.name[len(self.prefix) + 1:])
+                if match is None:
+                    continue
+                index, step = int(match.group("index")), int(match.group("step"))
+                if match.group("suffix") == ".pt":
+                    sizes[(index, step)] = int(blob.size or 0)
+                else:
+                    records.setdefault(index, []).append(step)
+            steps: dict[int, int] = {}
+            for index, candidates in records.items():
+                for step in sorted(candidates, reverse=True):
+                    try:
+                        raw = bucket.blob(f"{self.prefix}/task-{index}/ckpt-{step:08d}.commit.json").download_as_bytes()
+                    except NotFound:  # pruned by the worker since the listing
+                        continue
+                    if committed_record_step(raw, step, sizes.get((index, step))):
+                        steps[index] = step
+                        break
+            return steps
+        except Exception as exc:  # best effort by contract: progress must never fail the task
+            log.warning("Cannot list the checkpoints in gs://%s/%s: %s", self.bucket, self.prefix, exc)
             return None
 
     def progress(self, task_index: int) -> TaskProgress | None:

@@ -35,16 +35,20 @@ from airflow_gpu_resilience.exceptions import (
 )
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env, with_env_overrides
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
-from airflow_gpu_resilience.job_spec import GpuJobSpec
+from airflow_gpu_resilience.job_spec import TASK_TIMEOUT_ENV, GpuJobSpec
 from airflow_gpu_resilience.links.cloud_run import CloudRunGpuExecutionLink, CloudRunGpuLogsLink
 from airflow_gpu_resilience.outcome import (
     DEFAULT_FATAL_EXIT_CODES,
+    DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
+    DEFAULT_MAX_TOTAL_RERUNS,
     RESUMABLE,
     Action,
     AttemptLog,
     Decision,
+    ExecutionProgress,
     ExecutionState,
     OutcomeClass,
+    ProgressBudget,
     TaskOutcome,
     classify_task,
     decide,
@@ -65,7 +69,9 @@ __all__ = [
     "MAX_PROGRESS_TASKS",
     "RERUN_ENV",
     "RUN_KEY_ENV",
+    "START_STEPS_ENV",
     "AttemptEntry",
+    "ChainEntry",
     "CloudRunGpuDeployJobOperator",
     "CloudRunGpuExecuteJobOperator",
     "ExecutionEntry",
@@ -82,6 +88,34 @@ RUN_KEY_ENV = "AIRFLOW_GPU_RESILIENCE_RUN_KEY"
 RERUN_ENV = "AIRFLOW_GPU_RESILIENCE_RERUN"
 #: Most tasks whose progress files are read (per poll) and whose lost work is reported.
 MAX_PROGRESS_TASKS = 16
+#: Container env var: the newest committed checkpoint step of each task when the execution was
+#: started (``"0=40,1=38"``; a task without a checkpoint is left out; ``"sum=N"`` when the list
+#: would be longer than :data:`MAX_START_STEPS_CHARS`). Set only with ``checkpoint_bucket``; it
+#: keeps the progress record in Cloud Run, so that every try reads the same history.
+START_STEPS_ENV = "AIRFLOW_GPU_RESILIENCE_START_STEPS"
+#: Longest per-task form of :data:`START_STEPS_ENV` (characters) before the sum is kept instead.
+MAX_START_STEPS_CHARS = 4096
+
+
+def encode_steps(steps: Mapping[int, int]) -> str:
+    """:data:`START_STEPS_ENV`'s value for ``steps`` (task index -> step)."""
+    text = ",".join(f"{index}={step}" for index, step in sorted(steps.items()))
+    return text if len(text) <= MAX_START_STEPS_CHARS else f"sum={sum(steps.values())}"
+
+
+def decode_steps(value: str | None) -> dict[int, int] | None:
+    """Inverse of :func:`encode_steps`; the sum form as ``{-1: sum}``; ``None`` when absent or malformed."""
+    if value is None:
+        return None
+    if value.startswith("sum="):
+        return {-1: int(value[4:])} if value[4:].isdigit() else None
+    steps = {}
+    for item in filter(None, value.split(",")):
+        index, _, step = item.partition("=")
+        if not (index.isdigit() and step.isdigit()):
+            return None
+        steps[int(index)] = int(step)
+    return steps
 
 
 # --- the summary (the execute operator's return value, so its ``return_value`` XCom) ----------
@@ -144,6 +178,23 @@ class LostWork(TypedDict):
     lost_steps: int
 
 
+class ChainEntry(TypedDict):
+    """One execution of the task instance (all tries, oldest first), as Cloud Run and the bucket show it."""
+
+    name: str
+    """Full execution name."""
+    index: int
+    """Its 0-based position in the chain (0: the task instance's first execution)."""
+    outcome: str | None
+    """Its class (:class:`~airflow_gpu_resilience.outcome.OutcomeClass` value), ``None`` if unknown."""
+    start_steps: dict[str, int] | None
+    """Task index (as a string) -> newest committed step at its start; ``None``: not recorded."""
+    end_steps: dict[str, int] | None
+    """The same at its end (the next execution's start, or the bucket now for the newest)."""
+    progress: bool | None
+    """Whether a task's newest committed step grew; ``None`` when unknown."""
+
+
 class RunSummary(TypedDict):
     """What the execute operator returns once every task succeeded.
 
@@ -170,6 +221,9 @@ class RunSummary(TypedDict):
     """Task index (as a string) -> :meth:`~airflow_gpu_resilience.hooks.progress.TaskProgress.to_dict`."""
     lost_work: list[LostWork]
     lost_steps_total: int
+    chain: list[ChainEntry]
+    """Every execution of the task instance with its class and checkpoint steps (empty without
+    ``checkpoint_bucket``)."""
 
 
 # --- the run state of one try --------------------------------------------------------------
@@ -182,23 +236,30 @@ class RunState:
 
     :param project_id: the Google Cloud project of the job.
     :param run_key: :meth:`CloudRunGpuExecuteJobOperator.run_key` of the task instance.
-    :param budget: ``max_preemption_reruns`` as rendered (an integer >= 0).
+    :param budget: ``max_preemption_reruns`` as rendered (an integer >= 0): the fixed budget
+        that applies when the checkpoint steps cannot be read.
+    :param max_reruns_without_progress: as rendered (an integer >= 0).
+    :param max_total_reruns: as rendered (an integer >= 0).
     :param deadline: epoch seconds when the try's overall ``timeout`` passes, or ``None``.
     :param overall_limit: whether the current wait ends at ``deadline`` (a timeout then cancels
         the execution) rather than at ``wait_timeout``.
     :param executions: the finished executions so far.
     :param attempts: their finished task attempts.
     :param progress: the latest progress read per task.
+    :param classes: execution name -> its class, once known (saves listing its tasks again).
     """
 
     project_id: str
     run_key: str
     budget: int
+    max_reruns_without_progress: int = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS
+    max_total_reruns: int = DEFAULT_MAX_TOTAL_RERUNS
     deadline: float | None = None
     overall_limit: bool = False
     executions: list[ExecutionEntry] = field(default_factory=list)
     attempts: list[AttemptEntry] = field(default_factory=list)
     progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    classes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form for the trigger's ``carry``."""
@@ -259,13 +320,15 @@ class RunState:
         self.attempts.extend(entries)
         return entries
 
-    def summary(self, job: str, task_count: int, reruns: int, lost_work: list[LostWork]) -> RunSummary:
+    def summary(self, job: str, task_count: int, reruns: int, lost_work: list[LostWork],
+                chain: list[ChainEntry] | None = None) -> RunSummary:
         """The :class:`RunSummary` once the last execution succeeded.
 
         :param job: full job name.
         :param task_count: tasks per execution.
         :param reruns: re-run executions of the task instance (all tries).
         :param lost_work: from the worker's files (may be empty).
+        :param chain: every execution of the task instance with its checkpoint steps (default none).
         """
         tasks: dict[int, TaskSummary] = {}
 
@@ -286,7 +349,7 @@ class RunState:
             reruns=reruns, executions=self.executions, tasks=[tasks[i] for i in sorted(tasks)],
             attempts=self.attempts, preemptions=[a for a in self.attempts if a["outcome"] in resumable],
             progress=self.progress, lost_work=lost_work,
-            lost_steps_total=sum(item["lost_steps"] for item in lost_work),
+            lost_steps_total=sum(item["lost_steps"] for item in lost_work), chain=list(chain or []),
         )
 
 
@@ -458,12 +521,27 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
     - all tasks SUCCEEDED: return the :class:`RunSummary` (the ``return_value`` XCom);
     - only PREEMPTED / TIMED_OUT failures and re-runs left: start a new execution with the same
-      overrides (the worker resumes from its checkpoints) and keep waiting;
+      overrides (the worker resumes from its checkpoints) and keep waiting (see the re-run
+      budget below);
     - a FAILED task: raise :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuExecutionError`
       (an ``AirflowException``; Airflow's ``retries`` apply) naming exit code and log URI;
-    - a FATAL task, a cancelled execution, or the preemption budget exhausted: raise
+    - a FATAL task, a cancelled execution, or the re-run budget exhausted: raise
       :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (an
       ``AirflowFailException``: no Airflow retry).
+
+    **The re-run budget follows checkpoint progress** when ``checkpoint_bucket`` is set. A task
+    made progress in an execution when its newest committed checkpoint step (the worker's commit
+    records in the bucket) at the execution's end is greater than at its start. A re-run after an
+    execution in which any task made progress is free; ``max_reruns_without_progress``
+    consecutive re-runs without a new committed checkpoint end the task with
+    :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` naming the step it is stuck
+    at, the classes of those executions and what to check; ``max_total_reruns`` caps the re-runs
+    in total, for cost. The steps at each execution's start are kept on the execution itself (env
+    var ``AIRFLOW_GPU_RESILIENCE_START_STEPS``), so every try reads the same history from Cloud
+    Run and the bucket. Without ``checkpoint_bucket`` (or while the bucket cannot be read) the
+    fixed budget ``max_preemption_reruns`` applies instead, and the log says so. A task timeout
+    is re-run like a preemption; a per-execution ``timeout`` override also reaches the container
+    as ``TASK_TIMEOUT_SECONDS`` (the deploy operator sets it to the job's task timeout).
 
     It waits in the worker (:meth:`execute_sync`) or in the triggerer (:meth:`execute_async`,
     re-entered through :meth:`execute_complete`); both keep a :class:`RunState`.
@@ -491,9 +569,17 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     :param overrides: ``RunJobRequest.Overrides`` in dict form (``container_overrides`` with
         ``args``/``env``, ``task_count``, ``timeout``), applied to every execution, re-runs
         included (templated; default ``None``).
-    :param max_preemption_reruns: new executions allowed after preemptions or task timeouts,
-        in total over all tries of the task instance; separate from Airflow's ``retries``
-        (default 3; an integer >= 0; templated).
+    :param max_preemption_reruns: the fixed budget: new executions allowed after preemptions or
+        task timeouts, in total over all tries of the task instance, when progress cannot be read
+        (no ``checkpoint_bucket``, or the bucket is unreadable); separate from Airflow's
+        ``retries`` (default 3; an integer >= 0; templated). With a readable bucket the
+        progress rule replaces it.
+    :param max_reruns_without_progress: consecutive re-runs that commit no new checkpoint before
+        the task fails without retry (default 2; an integer >= 0; templated). Used with
+        ``checkpoint_bucket``.
+    :param max_total_reruns: re-runs allowed in total with ``checkpoint_bucket``, with or without
+        progress: a cost cap (default 48, enough for a day on the one-hour GA GPU task timeout
+        with a preemption every hour; an integer >= 0; templated).
     :param fatal_exit_codes: exit codes that fail without retry (default 64-78, BSD sysexits).
     :param deferrable: wait in the triggerer; ``False`` polls in the worker (default ``True``, or
         ``[operators] default_deferrable`` where the deployment sets it).
@@ -515,12 +601,14 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         default ``None``).
     :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name;
         templated).
-    :raises ValueError: at construction for a negative ``max_preemption_reruns`` or ``timeout``.
+    :raises ValueError: at construction for a negative or non-integer ``max_preemption_reruns``,
+        ``max_reruns_without_progress`` or ``max_total_reruns``, or a bad ``timeout``.
     """
 
     template_fields: Sequence[str] = (
         "job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain", "overrides",
-        "max_preemption_reruns", "checkpoint_bucket", "checkpoint_prefix", "poll_interval",
+        "max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns",
+        "checkpoint_bucket", "checkpoint_prefix", "poll_interval",
     )
     template_fields_renderers = {"overrides": "json"}
     operator_extra_links = (CloudRunGpuExecutionLink(), CloudRunGpuLogsLink())
@@ -546,6 +634,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         timeout: float | timedelta | None = None,
         checkpoint_bucket: str | None = None,
         checkpoint_prefix: str | None = None,
+        max_reruns_without_progress: int | str = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
+        max_total_reruns: int | str = DEFAULT_MAX_TOTAL_RERUNS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -553,6 +643,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.gcp_conn_id, self.impersonation_chain, self.transport = gcp_conn_id, impersonation_chain, transport
         self.overrides = overrides
         self.max_preemption_reruns = max_preemption_reruns
+        self.max_reruns_without_progress, self.max_total_reruns = max_reruns_without_progress, max_total_reruns
         self.fatal_exit_codes = sorted(fatal_exit_codes if fatal_exit_codes is not None else DEFAULT_FATAL_EXIT_CODES)
         self.deferrable, self.poll_interval, self.wait_timeout = deferrable, poll_interval, wait_timeout
         self.wait_for_completion = wait_for_completion
@@ -560,11 +651,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.checkpoint_bucket, self.checkpoint_prefix = checkpoint_bucket, checkpoint_prefix
         self._running_execution: str | None = None
         self._last_progress_log = float("-inf")
-        if not isinstance(max_preemption_reruns, str) and (
-            isinstance(max_preemption_reruns, bool) or not isinstance(max_preemption_reruns, int)
-            or max_preemption_reruns < 0
-        ):
-            raise ValueError(f"max_preemption_reruns={max_preemption_reruns!r} must be an integer >= 0")
+        for name in ("max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns"):
+            if not isinstance(getattr(self, name), str):  # a template is checked once rendered
+                _count(name, getattr(self, name))
         # checked when the DAG is parsed; poll_interval only when it is not a template, the
         # rendered value is checked at execute, also before any API call
         if self.timeout is not None:
@@ -595,9 +684,18 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
         budget = self._budget()
+        without_progress = _count("max_reruns_without_progress", self.max_reruns_without_progress)
+        total = _count("max_total_reruns", self.max_total_reruns)
         self.poll_interval = _seconds("poll_interval", self.poll_interval)
         run = RunState(project_id=self.project_id or self.hook.project_id, run_key=self.run_key(context),
-                       budget=budget, deadline=self._deadline())
+                       budget=budget, deadline=self._deadline(), max_reruns_without_progress=without_progress,
+                       max_total_reruns=total)
+        if self.checkpoint_bucket:
+            self.log.info("Re-runs follow checkpoint progress in gs://%s: max_reruns_without_progress=%s, "
+                          "max_total_reruns=%s", self.checkpoint_bucket, without_progress, total)
+        else:
+            self.log.info("No checkpoint_bucket: checkpoint progress cannot be read, so the fixed budget "
+                          "max_preemption_reruns=%s applies to re-runs", budget)
         step = self._attach_or_start(context, run)
         if step.execution is not None and not self.wait_for_completion:
             self.log.info("Not waiting for %s (wait_for_completion=False)", step.execution)
@@ -676,10 +774,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     def _budget(self) -> int:
-        value = int(self.max_preemption_reruns)
-        if value < 0:
-            raise ValueError(f"max_preemption_reruns={value} must be >= 0")
-        return value
+        return _count("max_preemption_reruns", self.max_preemption_reruns)
 
     def _deadline(self) -> float | None:
         """Epoch seconds when this try must end (``timeout``, else ``execution_timeout``)."""
@@ -726,6 +821,13 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
     def _start(self, context: Context, run: RunState, rerun: int) -> str:
         env = {RUN_KEY_ENV: run.run_key, RERUN_ENV: str(rerun)}
+        timeout = override_timeout_seconds(self.overrides)
+        if timeout is not None:  # the worker's deadline follows the execution's own task timeout
+            env[TASK_TIMEOUT_ENV] = f"{timeout:g}"
+        files = self._files()
+        steps = files.committed_steps() if files is not None else None
+        if steps is not None:  # the progress record lives on the execution, for every later try
+            env[START_STEPS_ENV] = encode_steps(steps)
         name = self.hook.start_execution(
             job_name=self.job_name, region=self.region, project_id=run.project_id,
             overrides=with_env_overrides(self.overrides, env),
@@ -784,7 +886,12 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         attempts.observe(tasks)
         outcomes = [classify_task(t, self.fatal_exit_codes) for t in tasks]
         reruns_used = self._reruns_used(run)
-        decision = decide(outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=run.budget)
+        run.classes[execution] = _execution_class(outcomes, execution_state(finished)).value
+        history = self._history(run)
+        progress = None if history is None else ProgressBudget(
+            history, run.max_reruns_without_progress, run.max_total_reruns)
+        decision = decide(outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=run.budget,
+                          progress=progress)
         for entry in run.add_execution(finished, outcomes, attempts, decision, self.fatal_exit_codes):
             self._log_attempt(entry)
         self.log.info("Execution %s: %s -> %s", execution, decision.reason, decision.action.value)
@@ -793,7 +900,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self._running_execution = None
         if decision.action is Action.SUCCEED:
             job = execution.split("/executions/")[0]
-            return RunStep.done(run.summary(job, len(tasks), reruns_used, self._lost_work(run, len(tasks))))
+            return RunStep.done(run.summary(job, len(tasks), reruns_used, self._lost_work(run, len(tasks)),
+                                            _chain(history or [])))
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
         raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished)
 
@@ -803,6 +911,44 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         log = self.log.warning if OutcomeClass(entry["outcome"]) in RESUMABLE else self.log.info
         log("Attempt: %s task %s attempt %s: %s (%s%s) %s", entry["execution"], entry["task_index"], entry["attempt"],
             entry["outcome"], how, "" if took is None else f", {took:g} s", entry["message"])
+
+    # --- checkpoint progress ---------------------------------------------------------------
+    def _history(self, run: RunState) -> list[ExecutionProgress] | None:
+        """Every execution of the task instance, oldest first, with its checkpoint steps.
+
+        Read from Cloud Run (the executions with this run key, each with the steps recorded at
+        its start in :data:`START_STEPS_ENV`) and the bucket (the steps now, the end of the
+        newest), never from this try's memory.
+
+        :return: the history, or ``None`` without ``checkpoint_bucket`` or when the bucket cannot
+            be read (the fixed budget then applies, and the log says so).
+        """
+        files = self._files()
+        now = files.committed_steps() if files is not None else None
+        if now is None:
+            if files is not None:
+                self.log.warning("Checkpoint progress unreadable in gs://%s: the fixed budget "
+                                 "max_preemption_reruns=%s applies to this decision", self.checkpoint_bucket, run.budget)
+            return None
+        found = list(reversed(self.hook.find_executions(job_name=self.job_name, region=self.region,
+                                                        env={RUN_KEY_ENV: run.run_key}, project_id=run.project_id)))
+        starts = [decode_steps(execution_env(e).get(START_STEPS_ENV)) for e in found]
+        history = []
+        for i, execution in enumerate(found):
+            start, end = _comparable(starts[i], starts[i + 1] if i + 1 < len(found) else now)
+            history.append(ExecutionProgress(execution.name, self._class_of(run, execution), start, end))
+        return history
+
+    def _class_of(self, run: RunState, execution: run_v2.Execution) -> OutcomeClass | None:
+        """The class of a finished execution (cached in ``run.classes``), ``None`` while it runs."""
+        if execution.name not in run.classes:
+            state = execution_state(execution)
+            if state is ExecutionState.RUNNING:
+                return None
+            tasks = self.hook.list_tasks(execution=execution.name)
+            run.classes[execution.name] = _execution_class(
+                [classify_task(t, self.fatal_exit_codes) for t in tasks], state).value
+        return OutcomeClass(run.classes[execution.name])
 
     # --- the worker's files ----------------------------------------------------------------
     def _files(self) -> CheckpointFilesHook | None:
@@ -833,6 +979,56 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
                              item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
                              item["resumed_from_step"])
         return lost  # type: ignore[return-value]
+
+
+def override_timeout_seconds(overrides: Mapping[str, Any] | None) -> float | None:
+    """The per-execution task timeout of ``RunJobRequest.Overrides`` in dict form, in seconds.
+
+    :param overrides: the overrides (``timeout`` as ``"20s"``, ``{"seconds": 20}`` or a
+        ``timedelta``), or ``None``.
+    :return: the timeout, or ``None`` when the overrides do not set one.
+    """
+    if not overrides or overrides.get("timeout") in (None, ""):
+        return None
+    return run_v2.RunJobRequest.Overrides(timeout=overrides["timeout"]).timeout.total_seconds()
+
+
+def _execution_class(outcomes: Sequence[TaskOutcome], state: ExecutionState) -> OutcomeClass:
+    """A finished execution's class: the outcome :func:`decide` gives it (budget aside)."""
+    return decide(outcomes, state=state, reruns_used=0, max_reruns=1).outcome
+
+
+def _comparable(start: dict[int, int] | None, end: dict[int, int] | None) -> tuple[dict | None, dict | None]:
+    """Both step maps in the same form: per task, or both summed (``{-1: sum}``) when one is."""
+    if start is None or end is None or (-1 not in start and -1 not in end):
+        return start, end
+    return {-1: sum(start.values())}, {-1: sum(end.values())}
+
+
+def _chain(history: Sequence[ExecutionProgress]) -> list[ChainEntry]:
+    """The summary's ``chain`` from the progress history."""
+
+    def keyed(steps: Mapping[int, int] | None) -> dict[str, int] | None:
+        return None if steps is None else {str(k): v for k, v in sorted(steps.items())}
+
+    return [
+        ChainEntry(name=entry.name, index=index, outcome=entry.outcome.value if entry.outcome else None,
+                   start_steps=keyed(entry.start_steps), end_steps=keyed(entry.end_steps),
+                   progress=entry.made_progress)
+        for index, entry in enumerate(history)
+    ]
+
+
+def _count(name: str, value: int | str) -> int:
+    """A non-negative integer, given or rendered from a template (``"3"`` -> 3).
+
+    :raises ValueError: naming ``name`` unless it is an integer >= 0 (a bool is refused too).
+    """
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0")
+    return value
 
 
 def _seconds(name: str, value: float | str) -> float:

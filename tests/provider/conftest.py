@@ -25,7 +25,10 @@ STUB_IMAGE = "test.local/stub:latest"
 #: sleeps, later attempts exit 0 after LATER s, default 0.5) | ``preempt-then-sleep SECONDS``
 #: (the first execution exits 143 at once; later ones sleep, then exit 143) | ``progress`` (the
 #: worker's files: the first execution reports step 30/100 and exits 143, the second resumes
-#: from step 20, losing 10 steps, and completes). SIGTERM is not handled: death by signal 15.
+#: from step 20, losing 10 steps, and completes) | ``commit-then-stall SECONDS`` (commits a
+#: checkpoint at step 40 once, then sleeps: no progress after the first execution) |
+#: ``record-env NAME`` (writes env var NAME to ``{job}-env.txt`` in the bucket, then exits 0).
+#: SIGTERM is not handled: death by signal 15.
 STUB_SCRIPT = r"""
 import os, pathlib, sys, time
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
@@ -40,6 +43,18 @@ if mode == "preempt-once":
     marker.write_text(os.environ["CLOUD_RUN_EXECUTION"])
     sys.exit(143)
 if mode == "sleep":
+    time.sleep(float(sys.argv[2]))
+if mode == "record-env":
+    (root / (os.environ["CLOUD_RUN_JOB"] + "-env.txt")).write_text(os.environ.get(sys.argv[2], "<unset>"))
+if mode == "commit-then-stall":
+    import hashlib, json
+    ns = root / os.environ["CLOUD_RUN_JOB"] / ("task-" + os.environ["CLOUD_RUN_TASK_INDEX"])
+    ns.mkdir(parents=True, exist_ok=True)
+    if not (ns / "ckpt-00000040.commit.json").exists():
+        data = b"state at step 40"
+        (ns / "ckpt-00000040.pt").write_bytes(data)
+        (ns / "ckpt-00000040.commit.json").write_text(json.dumps(
+            {"step": 40, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     time.sleep(float(sys.argv[2]))
 if mode == "sleep-first":
     later = float(sys.argv[3]) if len(sys.argv) > 3 else 0.5

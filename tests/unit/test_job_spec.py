@@ -67,6 +67,7 @@ def spec(**overrides) -> GpuJobSpec:
         ({"env": {"1X": "3"}}, r"env name '1X' is invalid"),
         ({"env": {"X": 3}}, r"env\['X'\]=3 must be a string"),
         ({"env": {"CHECKPOINT_DIR": "/elsewhere"}}, r"contradicts checkpoint_mount_path='/checkpoints'"),
+        ({"env": {"TASK_TIMEOUT_SECONDS": "10"}}, r"env\[.TASK_TIMEOUT_SECONDS.\]=.10. contradicts task_timeout=3600; leave it unset"),
         ({"labels": {"run.googleapis.com/x": "y"}}, r"uses a prefix Cloud Run reserves"),
         ({"labels": {"Team": "ml"}}, r"label key 'Team' is invalid"),
         ({"labels": {"team": "ML"}}, r"label team='ML' is invalid"),
@@ -135,7 +136,8 @@ def test_to_job_mirrors_gcloud_deploy():
     assert (job.template.task_count, job.template.parallelism) == (2, 1)
     assert container.image == BASE["image"]
     assert list(container.command) == ["python"] and list(container.args) == ["-m", "gpu_resilience_worker"]
-    assert [(e.name, e.value) for e in container.env] == [("A", "1"), ("CHECKPOINT_DIR", "/checkpoints")]
+    assert [(e.name, e.value) for e in container.env] == [
+        ("A", "1"), ("CHECKPOINT_DIR", "/checkpoints"), ("TASK_TIMEOUT_SECONDS", "604800")]
     assert dict(container.resources.limits) == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
     assert [(m.name, m.mount_path) for m in container.volume_mounts] == [("checkpoint-volume", "/checkpoints")]
     assert [(v.name, v.gcs.bucket) for v in task.volumes] == [("checkpoint-volume", "ckpt-bucket")]
