@@ -32,7 +32,11 @@ FAULTS_N = int(os.environ.get("FRAMEWORK_FAULTS_N", "10"))
 _SERVER = r"""
 import json, os, runpy, sys, time, traceback
 for name in sys.argv[1:]:
-    __import__(name)
+    try:
+        __import__(name.lstrip("?"))
+    except ImportError:
+        if not name.startswith("?"):  # "?name": imported when installed
+            raise
 print(json.dumps({"ready": True}), flush=True)
 while True:
     line = sys.stdin.readline()
@@ -78,7 +82,8 @@ def readme_block(name: str) -> str:
 class ForkServer:
     """A process that imported ``modules`` once and forks one child per :meth:`start`.
 
-    :param modules: modules to import in the server (the framework and the integration).
+    :param modules: modules to import in the server (the framework and the integration);
+        ``"?name"`` is imported when installed.
     """
 
     def __init__(self, modules: list[str]) -> None:
@@ -313,6 +318,7 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
                 if where == "random":
                     time.sleep(rng.uniform(0.0, max_delay))
                 sent = time.monotonic()
+                assert server.running(), f"attempt {index}: ended before its {sig.name} (training too short)"
                 os.kill(pid, sig)
             status, ended = server.wait()
             records = log_records(log)

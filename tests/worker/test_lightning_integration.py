@@ -23,7 +23,9 @@ def test_fit_survives_sigterm_and_sigkill_with_bit_identical_weights(tmp_path: P
 
     baseline, chain, rows = run_chain(
         tmp_path, block="lightning-fit", folder="checkpoints", prefix="step-", suffix=".ckpt", max_delay=0.8,
-        modules=["lightning", "lightning.pytorch", "gpu_resilience_worker.integrations.lightning"])
+        modules=["lightning", "lightning.pytorch", "gpu_resilience_worker.integrations.lightning",
+                 # what Lightning's first save imports when installed (this venv has gcsfs: 4.7 s)
+                 "?gcsfs", "?s3fs", "?adlfs"])
     assert any(r["skipped_torn"] for r in rows), "no attempt found a torn checkpoint to skip"
     expected = torch.load(baseline / "final.pt")
     got = torch.load(chain / "final.pt")

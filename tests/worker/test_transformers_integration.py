@@ -22,7 +22,7 @@ def test_trainer_survives_sigterm_and_sigkill_with_bit_identical_weights(tmp_pat
     from safetensors.torch import load_file
 
     baseline, chain, rows = run_chain(
-        tmp_path, block="transformers-trainer", folder="out", prefix="checkpoint-", suffix="", max_delay=1.5,
+        tmp_path, block="transformers-trainer", folder="out", prefix="checkpoint-", suffix="", max_delay=0.8,
         modules=["transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.trainer",
                  "gpu_resilience_worker.integrations.transformers"])
     assert any(r["skipped_torn"] for r in rows), "no attempt found a torn checkpoint to skip"
