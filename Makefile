@@ -12,8 +12,9 @@ STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
 # the bundled worker's torch and the benchmarks' plots.
 EXTRAS := emulator,examples,dev
-# The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra.
-WORKER_EXTRAS := trainer
+# The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra
+# and the framework integrations' extras (their tests run in CI).
+WORKER_EXTRAS := trainer,transformers,lightning
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
 # two end-to-end runs through `airflow dags test`).

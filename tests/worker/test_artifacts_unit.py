@@ -1,0 +1,77 @@
+"""ArtifactCheckpoints: the commit protocol around checkpoints a framework writes itself.
+Cost: well under 1 s (no framework imported)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from gpu_resilience_worker.artifacts import ArtifactCheckpoints, grace_seconds_from_env
+
+
+def _write(folder: Path, step: int, payload: bytes = b"weights") -> None:
+    (folder / f"checkpoint-{step}").mkdir(parents=True, exist_ok=True)
+    (folder / f"checkpoint-{step}" / "model.bin").write_bytes(payload)
+    (folder / f"checkpoint-{step}" / "state.json").write_text(json.dumps({"step": step}))
+
+
+def test_only_committed_intact_folders_are_resumed_and_kept(tmp_path: Path) -> None:
+    store = ArtifactCheckpoints(tmp_path, prefix="checkpoint-", keep_latest_k=2)
+    for step in (5, 10, 15):
+        store.begin_save(step)
+        _write(tmp_path, step)
+        store.commit(step)
+    assert store.committed_steps() == [15, 10]  # 5 deleted by the keep policy, record first
+    assert not (tmp_path / "checkpoint-5").exists() and not (tmp_path / "checkpoint-5.commit.json").exists()
+    _write(tmp_path, 20)  # written, never committed (killed before the record)
+    assert store.latest().endswith("checkpoint-15")
+    (tmp_path / "checkpoint-15" / "model.bin").write_bytes(b"weightz")  # corrupted after the commit
+    assert store.verify(15) == (False, "checkpoint-15/model.bin: sha256 does not match the commit record")
+    assert store.latest().endswith("checkpoint-10")
+    (tmp_path / "checkpoint-10" / "state.json").unlink()  # a file missing
+    assert store.latest() is None
+    store.cleanup_uncommitted()
+    assert store.present_steps() == []
+
+
+def test_a_stale_record_is_removed_before_the_step_is_rewritten(tmp_path: Path) -> None:
+    store = ArtifactCheckpoints(tmp_path, prefix="step-", suffix=".ckpt")
+    (tmp_path / "step-7.ckpt").write_bytes(b"old")
+    store.commit(7)
+    store.begin_save(7)  # an earlier attempt's checkpoint of the same step
+    assert not (tmp_path / "step-7.ckpt.commit.json").exists() and not (tmp_path / "step-7.ckpt").exists()
+    (tmp_path / "step-7.ckpt").write_bytes(b"new, half")
+    assert store.latest() is None
+
+
+def test_stop_action_after_sigterm(tmp_path: Path) -> None:
+    store = ArtifactCheckpoints(tmp_path, prefix="checkpoint-", grace_seconds=10.0)
+    assert store.stop_action(3) is None
+    store.watcher._handle(signal.SIGTERM, None)
+    assert store.stop_action(3) == "save"  # 1 s assumed before any measured save: fits 10 s
+    store.last_committed = 3
+    assert store.stop_action(3) == "exit"
+    store.stats.blocking.append(20.0)  # a measured save longer than the grace
+    assert store.stop_action(4) == "exit"
+    with pytest.raises(SystemExit) as exc:
+        store.exit_preempted(4)
+    assert exc.value.code == 143
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefix": ""}, "prefix"), ({"prefix": "a/b"}, "prefix"), ({"prefix": "s", "suffix": ".commit.json"}, "suffix"),
+    ({"prefix": "s", "keep_latest_k": 1}, "keep_latest_k"), ({"prefix": "s", "grace_seconds": 0}, "grace_seconds"),
+])
+def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ArtifactCheckpoints(tmp_path, **kwargs)
+
+
+def test_grace_from_env() -> None:
+    assert grace_seconds_from_env({}) == 10.0
+    assert grace_seconds_from_env({"PREEMPTION_GRACE_SECONDS": "4.5"}) == 4.5
+    with pytest.raises(ValueError, match="PREEMPTION_GRACE_SECONDS"):
+        grace_seconds_from_env({"PREEMPTION_GRACE_SECONDS": "soon"})

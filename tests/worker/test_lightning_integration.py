@@ -1,0 +1,34 @@
+"""The README's Lightning ``Trainer.fit`` example, interrupted by SIGTERM and SIGKILL in real
+processes (``FRAMEWORK_FAULTS_N`` of each, default 10, during Lightning's own write and before
+the commit record too), ends with the same weights, bit for bit, as an uninterrupted run; it
+never resumes from a torn checkpoint and exits 143 within the grace period on SIGTERM.
+
+Cost: about 40 s on 2 cores (one fork server importing lightning once; 22 attempts).
+Bit-exact under ``OMP_NUM_THREADS=1`` (:mod:`tests.worker.frameworks`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from tests.worker.frameworks import run_chain  # noqa: E402
+
+
+def test_fit_survives_sigterm_and_sigkill_with_bit_identical_weights(tmp_path: Path) -> None:
+    import torch
+
+    baseline, chain, rows = run_chain(
+        tmp_path, block="lightning-fit", folder="checkpoints", prefix="step-", suffix=".ckpt", max_delay=0.8,
+        modules=["lightning", "lightning.pytorch", "gpu_resilience_worker.integrations.lightning",
+                 # what Lightning's first save imports when installed (this venv has gcsfs: 4.7 s)
+                 "?gcsfs", "?s3fs", "?adlfs"])
+    assert any(r["skipped_torn"] for r in rows), "no attempt found a torn checkpoint to skip"
+    expected = torch.load(baseline / "final.pt")
+    got = torch.load(chain / "final.pt")
+    assert expected.keys() == got.keys()
+    different = [k for k in expected if not expected[k].equal(got[k])]
+    assert not different, f"weights differ from the uninterrupted run: {different}"

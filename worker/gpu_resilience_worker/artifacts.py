@@ -1,0 +1,307 @@
+"""The commit protocol for checkpoints that a training framework writes itself.
+
+``transformers.Trainer`` writes ``checkpoint-<step>/`` folders and Lightning writes ``.ckpt``
+files, each with its own code. Neither marks a finished checkpoint: a folder cut short by a
+SIGKILL looks like any other, and both frameworks' "resume from the last checkpoint" then loads
+it. :class:`ArtifactCheckpoints` adds the commit protocol of :mod:`gpu_resilience_worker.commit`
+around those writes, and the stop decision after SIGTERM of :mod:`gpu_resilience_worker.preemption`:
+
+1. :meth:`ArtifactCheckpoints.begin_save` before the framework writes step ``s``: the commit
+   record of ``s`` (left by an earlier attempt) is removed first, then the artifact itself.
+2. The framework writes ``<prefix><s><suffix>`` (a folder of files, or one file).
+3. :meth:`ArtifactCheckpoints.commit` after it returned: every file is hashed (the hash lists of
+   :mod:`gpu_resilience_worker.fastio`) and the record ``<prefix><s><suffix>.commit.json`` =
+   ``{step, name, sha256, created_at, files: [{path, size, chunk_bytes, chunks}]}`` is written
+   last, through a temporary name, fsync and rename.
+
+An artifact exists only when its record parses and every file it lists has the recorded size
+and chunk digests (a file the record does not list is ignored). :meth:`ArtifactCheckpoints.latest`
+returns the newest such artifact and logs every newer one it skips. Old committed artifacts
+beyond ``keep_latest_k`` and artifacts left uncommitted by a killed attempt are deleted by the
+writer only (record first, then the data).
+
+Local (or FUSE-mounted) paths only: the frameworks write with ``open``/``os`` themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any, Callable
+
+from gpu_resilience_worker.errors import EXIT_PREEMPTED
+from gpu_resilience_worker.fastio import DIGEST_CHUNK, file_chunk_digests, root_digest
+from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.policies import KeepLatestN, SaveStats
+from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher
+from gpu_resilience_worker.storage import LocalStorage
+
+RECORD_SUFFIX = ".commit.json"
+#: Largest artifact commit record read, in bytes (like :data:`commit.MAX_RECORD_BYTES`).
+MAX_RECORD_BYTES = 8 << 20
+_SAFE_AFFIX = re.compile(r"[A-Za-z0-9._=-]*")
+
+
+def grace_seconds_from_env(env: dict[str, str] | None = None) -> float:
+    """:return: ``PREEMPTION_GRACE_SECONDS`` from ``env`` (default ``os.environ``), or 10.
+
+    :raises ValueError: when it is set but not a number > 0.
+    """
+    raw = (os.environ if env is None else env).get("PREEMPTION_GRACE_SECONDS", "").strip()
+    if not raw:
+        return DEFAULT_GRACE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PREEMPTION_GRACE_SECONDS must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+class ArtifactCheckpoints:
+    """Commit records, retention and the SIGTERM stop decision for a framework's own checkpoints.
+
+    :param folder: where the framework writes its checkpoints (a local path).
+    :param prefix: the artifact name before the step, e.g. ``"checkpoint-"``.
+    :param suffix: the artifact name after the step, e.g. ``".ckpt"``; default none.
+    :param keep_latest_k: committed artifacts to keep (>= 2); default 2.
+    :param grace_seconds: SIGTERM to SIGKILL, in seconds; default ``PREEMPTION_GRACE_SECONDS`` or 10.
+    :param logger: structured logger; default one on stdout.
+    :param clock: monotonic clock in seconds (save durations).
+    :raises ValueError: for an empty folder, a prefix or suffix with other characters than
+        letters, digits and ``._=-`` (or an empty prefix), or ``keep_latest_k`` < 2.
+    """
+
+    def __init__(self, folder: str, *, prefix: str, suffix: str = "", keep_latest_k: int = 2,
+                 grace_seconds: float | None = None, logger: StructuredLogger | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(folder, (str, os.PathLike)) or not str(folder):
+            raise ValueError(f"folder must be a non-empty path, got {folder!r}")
+        if not isinstance(prefix, str) or not prefix or not _SAFE_AFFIX.fullmatch(prefix):
+            raise ValueError(f"prefix must be non-empty letters, digits or ._=-, got {prefix!r}")
+        if not isinstance(suffix, str) or not _SAFE_AFFIX.fullmatch(suffix) or suffix.endswith(RECORD_SUFFIX):
+            raise ValueError(f"suffix must be letters, digits or ._=- (not a record name), got {suffix!r}")
+        if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 2:
+            raise ValueError(f"keep_latest_k must be an int >= 2 (the newest may be in flight), got {keep_latest_k!r}")
+        if grace_seconds is not None and not grace_seconds > 0:
+            raise ValueError(f"grace_seconds must be > 0 seconds, got {grace_seconds!r}")
+        self.folder = os.path.abspath(os.fspath(folder))
+        self.prefix, self.suffix = prefix, suffix
+        self._name_re = re.compile(rf"^{re.escape(prefix)}(\d+){re.escape(suffix)}$")
+        self.keep = KeepLatestN(keep_latest_k)
+        self.log = logger or StructuredLogger()
+        self.watcher = PreemptionWatcher(grace_seconds_from_env() if grace_seconds is None else grace_seconds)
+        self.stats = SaveStats()
+        self.last_committed: int | None = None
+        self._storage = LocalStorage()
+        self._clock = clock
+        self._save_started: dict[int, float] = {}
+
+    # names -----------------------------------------------------------------------------------
+    def name(self, step: int) -> str:
+        """:return: the artifact name of ``step`` (``prefix + str(step) + suffix``)."""
+        return f"{self.prefix}{step}{self.suffix}"
+
+    def path(self, step: int) -> str:
+        """:return: the artifact path of ``step``."""
+        return os.path.join(self.folder, self.name(step))
+
+    def record_path(self, step: int) -> str:
+        """:return: the commit record path of ``step``."""
+        return self.path(step) + RECORD_SUFFIX
+
+    def present_steps(self) -> list[int]:
+        """:return: every step with an artifact or a record (committed or not), newest first."""
+        steps = set()
+        for name in self._storage.list(self.folder):
+            base = name[: -len(RECORD_SUFFIX)] if name.endswith(RECORD_SUFFIX) else name
+            match = self._name_re.match(base)
+            if match:
+                steps.add(int(match.group(1)))
+        return sorted(steps, reverse=True)
+
+    # the protocol ----------------------------------------------------------------------------
+    def _files(self, step: int) -> list[str]:
+        """:return: the artifact's files as sorted paths relative to :attr:`folder`."""
+        root = self.path(step)
+        if os.path.isfile(root) and not os.path.islink(root):
+            return [self.name(step)]
+        found = []
+        for base, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in files:
+                full = os.path.join(base, name)
+                if not os.path.islink(full):
+                    found.append(os.path.relpath(full, self.folder))
+        return sorted(found)
+
+    def begin_save(self, step: int) -> None:
+        """Call before the framework writes ``step``: removes its stale record, then any stale
+        artifact of that step, and starts the save's clock.
+
+        :param step: the step about to be written (>= 0).
+        """
+        self._storage.remove(self.record_path(step))
+        self._remove_data(step)
+        if self.last_committed == step:
+            self.last_committed = None
+        self._save_started[step] = self._clock()
+
+    def commit(self, step: int) -> dict[str, Any]:
+        """Call after the framework wrote ``step``: hash its files, write the record last, then
+        delete what the keep policy no longer keeps.
+
+        :return: the record written.
+        :raises FileNotFoundError: when the artifact is missing or holds no file.
+        :raises OSError: when hashing or writing the record fails (then it is not committed).
+        """
+        started = self._save_started.pop(step, None)
+        hash_started = self._clock()
+        files = []
+        for rel in self._files(step):
+            size, chunks = file_chunk_digests(os.path.join(self.folder, rel), DIGEST_CHUNK)
+            files.append({"path": rel, "size": size, "chunk_bytes": DIGEST_CHUNK, "chunks": chunks})
+        if not files:
+            raise FileNotFoundError(f"no checkpoint written at {self.path(step)}")
+        record = {"step": step, "name": self.name(step), "files": files, "created_at": utc_now(),
+                  "sha256": root_digest([root_digest(f["chunks"]) for f in files])}
+        self._storage.write(self.record_path(step), json.dumps(record, sort_keys=True).encode(), atomic=True)
+        now = self._clock()
+        size = sum(f["size"] for f in files)
+        self.stats.blocking.append(now - (hash_started if started is None else started))
+        self.stats.durations.append(self.stats.blocking[-1])
+        self.stats.sizes.append(size)
+        self.last_committed = step
+        self.log.info("checkpoint committed", step=step, checkpoint=self.name(step), bytes=size,
+                      files=len(files), save_seconds=round(self.stats.blocking[-1], 4))
+        self._apply_keep_policy()
+        return record
+
+    def _read_record(self, step: int) -> tuple[dict[str, Any] | None, str]:
+        try:
+            with open(self.record_path(step), "rb") as handle:
+                raw = handle.read(MAX_RECORD_BYTES + 1)
+        except FileNotFoundError:
+            return None, "no commit record (uncommitted)"
+        except OSError as exc:
+            return None, f"unreadable commit record: {exc}"
+        if len(raw) > MAX_RECORD_BYTES:
+            return None, "commit record is too large"
+        try:
+            record = json.loads(raw.decode())
+            files = record["files"]
+            ok = (record["step"] == step and isinstance(files, list) and files
+                  and root_digest([root_digest(f["chunks"]) for f in files]) == record["sha256"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None, "commit record is torn or malformed"
+        if not ok:
+            return None, "commit record does not match its step or its hash lists"
+        return record, ""
+
+    def verify(self, step: int) -> tuple[bool, str]:
+        """Check the artifact of ``step`` against its record, hashing every file it lists.
+
+        :return: ``(True, "")`` when committed and intact, else ``(False, reason)``.
+        """
+        record, reason = self._read_record(step)
+        if record is None:
+            return False, reason
+        for entry in record["files"]:
+            rel = entry.get("path") if isinstance(entry, dict) else None
+            if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+                return False, "commit record names a file outside the checkpoint folder"
+            full = os.path.join(self.folder, rel)
+            if not os.path.isfile(full) or os.path.islink(full):
+                return False, f"{rel} is missing"
+            try:
+                if os.path.getsize(full) != entry["size"]:
+                    return False, f"{rel}: size does not match the commit record"
+                _, chunks = file_chunk_digests(full, int(entry["chunk_bytes"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                return False, f"{rel}: unreadable ({exc})"
+            if chunks != list(entry["chunks"]):
+                return False, f"{rel}: sha256 does not match the commit record"
+        return True, ""
+
+    def committed_steps(self) -> list[int]:
+        """:return: the steps of committed, intact artifacts, newest first (hashes every file)."""
+        return [s for s in self.present_steps() if self.verify(s)[0]]
+
+    def latest(self) -> str | None:
+        """:return: the path of the newest committed, intact artifact, or ``None``. Every newer
+        artifact skipped is logged with the reason (never loaded, never deleted here)."""
+        for step in self.present_steps():
+            ok, reason = self.verify(step)
+            if ok:
+                self.log.info("resuming from committed checkpoint", step=step, checkpoint=self.name(step))
+                return self.path(step)
+            self.log.warning("skipping checkpoint", step=step, checkpoint=self.name(step), reason=reason)
+        return None
+
+    def _remove_data(self, step: int) -> None:
+        path = self.path(step)
+        if os.path.islink(path) or os.path.isfile(path):
+            os.remove(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+
+    def delete(self, step: int) -> None:
+        """Delete the record of ``step``, then its artifact (a writer only)."""
+        self._storage.remove(self.record_path(step))
+        self._remove_data(step)
+
+    def cleanup_uncommitted(self) -> None:
+        """Delete every artifact without a valid record (left by a killed attempt); a writer
+        calls it once it resumed, before its first save."""
+        for step in self.present_steps():
+            ok, reason = self.verify(step)
+            if not ok:
+                self.log.info("removing uncommitted checkpoint", step=step, checkpoint=self.name(step), reason=reason)
+                self.delete(step)
+            elif self.last_committed is None or step > self.last_committed:
+                self.last_committed = step
+
+    def _apply_keep_policy(self) -> None:
+        valid = [s for s in self.present_steps() if self._read_record(s)[0] is not None]
+        for step in self.keep.to_delete(self.present_steps(), valid):
+            self.log.info("deleting old checkpoint", step=step, checkpoint=self.name(step))
+            self.delete(step)
+
+    # SIGTERM at a step boundary ---------------------------------------------------------------
+    def stop_action(self, step: int) -> str | None:
+        """The decision at a step boundary.
+
+        :param step: the step just finished.
+        :return: ``None`` (no stop requested: go on), ``"exit"`` (stop now: ``step`` is already
+            committed, or a save would not fit the grace left) or ``"save"`` (save ``step``,
+            commit it, then stop). A save fits when the median measured save time, x1.5 plus
+            0.5 s, is below the grace left (1 s is assumed before the first measured save).
+        """
+        if not self.watcher.requested:
+            return None
+        if self.last_committed == step:
+            return "exit"
+        estimate = self.stats.cost()
+        if self.watcher.final_save_fits(estimate):
+            self.log.info("preempted: saving at the step boundary", step=step, signal=self.watcher.signal_name,
+                          estimated_save_seconds=round(estimate, 4),
+                          remaining_grace_seconds=round(self.watcher.remaining_grace(), 3))
+            return "save"
+        self.log.warning("preempted: final save skipped, it would not fit the grace period", step=step,
+                         estimated_save_seconds=round(estimate, 4),
+                         remaining_grace_seconds=round(self.watcher.remaining_grace(), 3),
+                         last_committed=self.last_committed)
+        return "exit"
+
+    def exit_preempted(self, step: int) -> None:
+        """Log the stop and raise ``SystemExit(143)``, the exit code of a resumable interruption.
+
+        :raises SystemExit: always, with code 143.
+        """
+        self.log.info("preempted: exiting", step=step, exit_code=EXIT_PREEMPTED, last_committed=self.last_committed,
+                      remaining_grace_seconds=round(self.watcher.remaining_grace(), 3))
+        raise SystemExit(EXIT_PREEMPTED)
