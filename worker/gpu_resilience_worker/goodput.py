@@ -44,16 +44,19 @@ _IMPORTED_AT = time.time()
 
 
 def process_start_time() -> float:
-    """:return: the epoch time this process started (Linux ``/proc``), else this module's import time."""
+    """:return: the epoch time this process started (Linux ``/proc``, to 10 ms), else this module's import time.
+
+    The process's age is ``/proc/uptime`` less its start in clock ticks since boot
+    (``/proc/self/stat``); ``btime`` is not used, it has one-second resolution.
+    """
     try:
         with open("/proc/self/stat", encoding="ascii") as handle:
             ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as handle:
-            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
-        started = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
-    # btime has a resolution of one second: never report a start after the import
     return min(started, _IMPORTED_AT)
 
 
