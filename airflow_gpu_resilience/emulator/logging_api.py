@@ -11,7 +11,7 @@ entries shaped like Cloud Run's:
 - ``logName``: ``projects/{project}/logs/run.googleapis.com%2Fstdout`` for the container's
   lines (a JSON line becomes ``jsonPayload`` with its ``severity``, ``message`` and ``time`` as
   the entry's severity, payload and timestamp; any other line a ``textPayload``, timestamped
-  like the line before it), and ``.../run.googleapis.com%2Fvarlog%2Fsystem`` for the platform's
+  one microsecond after the line before it), and ``.../run.googleapis.com%2Fvarlog%2Fsystem`` for the platform's
   line at each attempt's end (its status message, e.g. the maintenance message of a preemption);
 - ``insertId``: ``{execution}-{index}-{attempt}-{line number}`` (unique, stable).
 
@@ -120,6 +120,7 @@ def _attempt_entries(path: Path, base: dict, prefix: str, started: Optional[dt.d
             entry.update(jsonPayload=record, severity=severity if severity in SEVERITIES else "DEFAULT")
         else:
             entry["textPayload"] = line
+            when += dt.timedelta(microseconds=1)
         entry["timestamp"] = _rfc3339(when)
         entries.append(entry)
     return entries

@@ -126,11 +126,12 @@ class CloudRunLogsHook(GoogleBaseHook):
         return self._logging_client
 
 
-def execution_filter(execution: str, since: dt.datetime | None) -> str:
+def execution_filter(execution: str, since: dt.datetime | None, strict: bool = False) -> str:
     """The ``entries:list`` filter of one execution's entries at or after ``since``.
 
     :param execution: full execution name (``projects/P/locations/L/jobs/J/executions/E``).
     :param since: the earliest timestamp (UTC), or ``None`` for all.
+    :param strict: after ``since`` only (``>``), not at or after it (``>=``).
     :raises ValueError: ``execution`` is not a full execution name.
     """
     parts = execution.split("/")
@@ -140,7 +141,7 @@ def execution_filter(execution: str, since: dt.datetime | None) -> str:
                f'labels."{LABEL}execution_name"="{parts[7]}"']
     if since is not None:
         stamp = since.astimezone(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-        clauses.append(f'timestamp>="{stamp}"')
+        clauses.append(f'timestamp{">" if strict else ">="}"{stamp}"')
     return " AND ".join(clauses)
 
 
@@ -152,6 +153,8 @@ class ExecutionLogFollower:
     :param max_requests_per_minute: ``entries:list`` requests this follower may make per minute
         (default 12, a fifth of the project's quota of 60; 1..60).
     :param max_pages: pages (requests) per :meth:`read` (default 3; at most 1000 entries a page).
+    :param since: the earliest entry time to read (e.g. the execution's ``create_time``); default
+        ``None``: the client's default window, the last 24 hours.
     :param clock: monotonic clock (seconds).
     :raises ValueError: a limit out of range, or a malformed ``execution``.
     """
@@ -159,7 +162,8 @@ class ExecutionLogFollower:
     PAGE_SIZE = 1000
 
     def __init__(self, hook: CloudRunLogsHook, execution: str, *, max_requests_per_minute: int = 12,
-                 max_pages: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_pages: int = 3, since: dt.datetime | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(max_requests_per_minute, bool) or not 1 <= int(max_requests_per_minute) <= PROJECT_READ_QUOTA_PER_MINUTE:
             raise ValueError(f"max_requests_per_minute={max_requests_per_minute!r} must be in 1..{PROJECT_READ_QUOTA_PER_MINUTE}")
         if isinstance(max_pages, bool) or int(max_pages) < 1:
@@ -169,10 +173,11 @@ class ExecutionLogFollower:
         self.project_id = execution.split("/")[1]
         self.max_requests_per_minute, self.max_pages, self._clock = int(max_requests_per_minute), int(max_pages), clock
         self._requests: deque[float] = deque()
-        self._since: dt.datetime | None = None
+        self._since: dt.datetime | None = since
         self._seen_at_since: set[str] = set()
         self.requests_made = 0
         self._last_page_size = 0
+        self._strict = False
 
     def _may_request(self) -> bool:
         now = self._clock()
@@ -218,12 +223,18 @@ class ExecutionLogFollower:
             # one request: one page of at most PAGE_SIZE entries; the next page is asked for by
             # timestamp (>= the newest seen, its insertIds skipped), not by page token
             entries = list(self.hook.client(self.project_id).list_entries(
-                resource_names=[f"projects/{self.project_id}"], filter_=execution_filter(self.execution, self._since),
+                resource_names=[f"projects/{self.project_id}"], filter_=execution_filter(self.execution, self._since, self._strict),
                 order_by="timestamp asc", page_size=self.PAGE_SIZE, max_results=self.PAGE_SIZE,
             ))
             self._last_page_size = len(entries)
-            lines.extend(self._new(to_line(e) for e in entries))
-            if len(entries) < self.PAGE_SIZE:
+            fresh = self._new(to_line(e) for e in entries)
+            stuck = not fresh and self._strict
+            # a full page of entries already seen (a page or more at one timestamp): step past it
+            self._strict = not fresh and len(entries) == self.PAGE_SIZE
+            lines.extend(fresh)
+            if len(entries) < self.PAGE_SIZE or stuck:
+                self._last_page_size = 0
+                break
                 break
         return lines
 

@@ -865,7 +865,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         try:
             if self._log_follower is None or self._log_follower.execution != execution:
                 hook = CloudRunLogsHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-                self._log_follower = ExecutionLogFollower(hook, execution)
+                created = self.hook.get_execution(execution=execution).create_time or None
+                self._log_follower = ExecutionLogFollower(hook, execution, since=created)
             lines = self._log_follower.drain() if finished else self._log_follower.read()
         except Exception as exc:  # the task's outcome never depends on its logs
             self.log.warning("Cannot read the container logs of %s (roles/logging.viewer needed): %s", execution, exc)
