@@ -120,8 +120,14 @@ class GoodputRecorder:
         self.record["saves"] += int(saved)
 
     def end(self, status: str, exit_code: int | None = None) -> None:
-        """Record the attempt's end (``preempted``, ``completed`` or ``failed``) and write, waiting out the 1 s."""
+        """Record the attempt's end (``preempted``, ``completed`` or ``failed``) and write, waiting out the 1 s.
+
+        An attempt that never got as far as its restore (bad input or settings) writes no file: it
+        leaves the namespace untouched, and the account counts it as start-up from the platform's times.
+        """
         self.record.update(status=status, ended_at=round(self._clock(), 3), exit_code=exit_code)
+        if self._last_write == float("-inf"):
+            return
         self.flush(force=True)
 
     def flush(self, force: bool = True) -> bool:
