@@ -199,20 +199,24 @@ class ExecutionLogFollower:
         while True:
             self._wait_for_request(sleep)
             before = self.requests_made
-            page = self.read(max_pages=1)
+            page = self.read(max_pages=1, spaced=False)
             lines.extend(page)
             if self.requests_made == before or self._last_page_size < self.PAGE_SIZE:
                 return lines
 
-    def read(self, max_pages: int | None = None) -> list[ContainerLogLine]:
+    def read(self, max_pages: int | None = None, spaced: bool = True) -> list[ContainerLogLine]:
         """The entries not returned before, oldest first; ``[]`` when out of requests (caught up later).
 
         :param max_pages: requests at most (default the follower's ``max_pages``).
+        :param spaced: make no request within ``60 / max_requests_per_minute`` seconds (5 s by
+            default) of the last one, so that polling often leaves budget for :meth:`drain`.
 
         :raises google.api_core.exceptions.GoogleAPICallError: a failed request (e.g.
             ``PermissionDenied`` without ``roles/logging.viewer``).
         """
         lines: list[ContainerLogLine] = []
+        if spaced and self._requests and self._clock() - self._requests[-1] < 60.0 / self.max_requests_per_minute:
+            return lines
         for _ in range(max_pages or self.max_pages):
             if not self._may_request():
                 log.debug("Log read of %s deferred: %s requests in the last minute", self.execution,

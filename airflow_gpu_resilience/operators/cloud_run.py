@@ -576,6 +576,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self._running_execution: str | None = None
         self._last_progress_log = float("-inf")
         self.log_container_output: bool | str = log_container_output
+        if not isinstance(log_container_output, str):
+            _flag("log_container_output", log_container_output)  # a template is checked at execute
         self._log_follower: ExecutionLogFollower | None = None
         if not isinstance(max_preemption_reruns, str) and (
             isinstance(max_preemption_reruns, bool) or not isinstance(max_preemption_reruns, int)
@@ -855,7 +857,6 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
                              item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
                              item["resumed_from_step"])
         return lost  # type: ignore[return-value]
-
 
     def _copy_container_logs(self, execution: str, finished: bool = False) -> None:
         """With ``log_container_output``: log the execution's new Cloud Logging lines (all of them when

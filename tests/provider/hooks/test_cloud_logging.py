@@ -62,8 +62,11 @@ def test_requests_stay_within_the_per_minute_budget(gcp_conn, emulator, executio
     follower = ExecutionLogFollower(CloudRunLogsHook(gcp_conn_id=gcp_conn), name, max_requests_per_minute=2,
                                     since=SINCE, clock=lambda: now[0])
     before = _health(emulator)["loggingRequests"]
-    assert len(follower.read()) == 4 and follower.read() == []
-    assert follower.read() == [] and _health(emulator)["loggingRequests"] == before + 2  # third read: no request
+    assert len(follower.read()) == 4
+    assert follower.read() == [] and _health(emulator)["loggingRequests"] == before + 1  # spaced: 30 s apart
+    now[0] = 1.0
+    assert follower.read(spaced=False) == [] and follower.read(spaced=False) == []
+    assert _health(emulator)["loggingRequests"] == before + 2  # the minute's 2 requests are used up
     now[0] = 61.0
     follower.read()
     assert _health(emulator)["loggingRequests"] == before + 3
