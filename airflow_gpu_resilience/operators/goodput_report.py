@@ -8,7 +8,6 @@ rest. Best effort: a read that fails leaves the attempt's events out, it never f
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -16,8 +15,6 @@ from google.cloud import run_v2
 
 from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, format_table, total
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
-
-log = logging.getLogger(__name__)
 
 
 class GoodputReport(TypedDict):
