@@ -35,7 +35,8 @@ def get_provider_info() -> dict[str, Any]:
         "hooks": [
             {
                 "integration-name": "Google Cloud Run GPU jobs",
-                "python-modules": [f"{_PKG}.hooks.cloud_run", f"{_PKG}.hooks.gcs", f"{_PKG}.hooks.progress"],
+                "python-modules": [f"{_PKG}.hooks.cloud_run", f"{_PKG}.hooks.gcs", f"{_PKG}.hooks.progress",
+                                   f"{_PKG}.hooks.cloud_logging"],
             }
         ],
         "operators": [

@@ -29,6 +29,11 @@ Definitions (all from the worker's own JSON logs, the emulator's API and its sch
 - downtime: from a preemption to the next attempt's resume line (flush, exit, retry, process
   start, imports, checkpoint load), summed over outages.
 - save cost ``C``: median synchronous save seconds of the calibration ``sync-every-N`` run.
+- the goodput account (second table): the provider's own account of the run
+  (:mod:`airflow_gpu_resilience.goodput`, as the execute operator builds it), from Cloud Run's
+  task times and the worker's ``goodput-*.json`` files: seconds of productive training,
+  start-up, restore, save stall, wasted (steps recomputed) and recovery gap; its goodput is
+  productive over the span from the first attempt's start to the last one's end.
 
 Run::
 
@@ -262,6 +267,7 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
         "checkpoints": len(walk["saves"]), "sync_save_median_s": _r(common.median(sync)),
         "interval_s": _r(walk["interval_s"]), "blocking_save_cost_s": _r(walk["save_cost_s"]),
     }
+    result["account"] = goodput_account(lab, job_id, run["executions"])
     if t_step:
         result.update(useful_s=round(durable * t_step, 2), goodput=round(durable * t_step / wall, 4),
                       lost_s=round(lost_steps * t_step, 2),
@@ -269,6 +275,26 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
                       max_lost_s=round(result["max_lost_steps_at_a_resume"] * t_step, 3),
                       downtime_s_per_preemption=round(result["downtime_s"] / n, 2) if n else 0.0)
     return result
+
+
+def goodput_account(lab: Lab, job_id: str, executions: list) -> dict:
+    """The provider's goodput account of task 0 over ``executions`` (seconds per bucket)."""
+    import json
+
+    from airflow_gpu_resilience.goodput import account_task
+    from airflow_gpu_resilience.operators.goodput_report import attempt_inputs
+
+    tasks = [(name, list(lab.clients["tasks"].list_tasks(parent=name))) for name in executions]
+    events = {}
+    for path in sorted(lab.namespace(job_id).glob("goodput-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        events[(data.get("execution"), data.get("attempt"))] = data
+    account = account_task(0, attempt_inputs(tasks, {0: events}).get(0, []), gpus_per_task=1)
+    return {key: (round(value, 3) if isinstance(value, float) else value)
+            for key, value in account.items() if key != "attempts"}
 
 
 def _r(value, digits: int = 4):
@@ -417,6 +443,23 @@ def table_rows(rows: list) -> list:
     return out
 
 
+ACCOUNT_HEADERS = ["M s", "seed", "strategy", "goodput (bench)", "goodput (account)", "productive s", "startup s",
+                   "restore s", "save stall s", "wasted s", "recovery gap s", "span s", "GPU-s", "steps redone"]
+
+
+def account_rows(rows: list) -> list:
+    """:return: the goodput account's cells of each run, beside the benchmark's own goodput."""
+    out = []
+    for r in rows:
+        a = r.get("account") or {}
+        share = a.get("goodput")
+        out.append(["inf" if r["mtbi_s"] is None else f"{r['mtbi_s']:.1f}", r["seed"] if r["seed"] is not None else "-",
+                    r["strategy"], f"{100 * r['goodput']:.1f}%", "-" if share is None else f"{100 * share:.1f}%",
+                    *(a.get(k, "-") for k in ("productive", "startup", "restore", "save_stall", "wasted", "recovery_gap",
+                                              "span_seconds", "gpu_seconds", "steps_recomputed"))])
+    return out
+
+
 def plot(path: Path, rows: list, ceilings: dict, save_cost: float) -> bool:
     """Goodput and lost work per preemption against M; :return: whether a PNG was written."""
     try:
@@ -501,6 +544,8 @@ def report_lines(report: dict) -> list:
         f"t_step {report['t_step_s']} s; save cost C (sync save median) {report['save_cost_s']} s; "
         f"M values {report['mtbi_s']} s; seeds {cfg['seeds']}; elapsed {report['elapsed_s']} s",
         "", common.table(HEADERS, table_rows(report["calibration"] + report["runs"])), "",
+        "goodput account (seconds; the provider's buckets from Cloud Run's task times and the worker's events):",
+        common.table(ACCOUNT_HEADERS, account_rows(report["calibration"] + report["runs"])), "",
         f"target: this worker's lost work per preemption <= one checkpoint interval: {verdict[lost['met']]} "
         f"(max lost {lost['max_lost_s']} s; intervals {lost['intervals_s']} s)",
         f"target: this worker's goodput >= 95% at M = 20 C: {verdict[good['met']]} (M/C {good['M_over_C']}: "

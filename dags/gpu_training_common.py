@@ -59,6 +59,10 @@ def common_params(job_name: str, *, steps: int = 600) -> dict[str, Param]:
                       description="Training seed (same seed, same model)"),
         "step_delay_seconds": Param(0.0, type="number", minimum=0, maximum=3600,
                                     description="Artificial delay per step, seconds"),
+        "preemption_save": Param("deadline", enum=["deadline", "always", "never"],
+                                 description="Worker's checkpoint at a SIGTERM (never: resume from the last one)"),
+        "log_container_output": Param(False, type="boolean",
+                                      description="Copy the container's Cloud Logging lines into the task log"),
     }
 
 
@@ -71,6 +75,7 @@ WORKER_ARGS = [
     "--step-delay={{ params.step_delay_seconds }}",
     "--hidden={{ params.hidden_units }}",
     "--seed={{ params.seed }}",
+    "--preemption-save={{ params.preemption_save }}",
 ]
 
 
@@ -183,6 +188,7 @@ def execute_operator(task_id: str = "execute_job", **kwargs) -> CloudRunGpuExecu
         "checkpoint_bucket": "{{ params.bucket }}",
         "checkpoint_prefix": RUN_CHECKPOINT_PREFIX,
         "poll_interval": "{{ params.poll_interval_seconds }}",
+        "log_container_output": "{{ params.log_container_output }}",
         **kwargs,
     }
     return CloudRunGpuExecuteJobOperator(task_id=task_id, **arguments)

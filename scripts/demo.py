@@ -65,6 +65,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=1024,
                         help="hidden units, a bigger model makes a longer write (default: %(default)s)")
+    parser.add_argument("--preemption-save", choices=["deadline", "always", "never"], default="deadline",
+                        help="the worker's checkpoint at a SIGTERM; 'never' makes each preemption cost the "
+                             "steps since the last checkpoint (wasted progress) (default: %(default)s)")
+    parser.add_argument("--log-container-output", action="store_true",
+                        help="copy the job's Cloud Logging lines into the Airflow task log (the emulator "
+                             "serves entries:list)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the uninterrupted reference run that checks the final model bit for bit "
@@ -255,7 +261,7 @@ def run_dag(env: dict[str, str], conf: dict, log_path: Path, dag_id: str = DAG_I
 def _worker_args(args: argparse.Namespace) -> list[str]:
     """The training flags the DAG passes, for the uninterrupted reference run."""
     return ["--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
-            "--hidden", str(args.hidden), "--seed", str(args.seed)]
+            "--hidden", str(args.hidden), "--seed", str(args.seed), "--preemption-save", args.preemption_save]
 
 
 def _reference_run(workdir: Path, dataset: Path, args: argparse.Namespace) -> dict:
@@ -277,7 +283,84 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference: dict | None) -> dict:
+def _execute_summary(workdir: Path) -> dict:
+    """The execute operator's summary (its ``return_value`` XCom) from the Airflow DB, or ``{}``."""
+    import sqlite3
+
+    database = workdir / "airflow-home" / "airflow.db"
+    if not database.exists():
+        return {}
+    with sqlite3.connect(database) as db:
+        rows = db.execute("SELECT value FROM xcom WHERE key = 'return_value'").fetchall()
+    for (value,) in rows:
+        try:
+            found = json.loads(value if isinstance(value, str) else bytes(value).decode())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(found, dict) and "goodput" in found:
+            return found
+    return {}
+
+
+class AttemptWatcher(threading.Thread):
+    """Keeps the emulator's record of every ended attempt of the job's executions (its admin
+    endpoint ``/_emulator/attempts``), polled every half second, since the DAG's cleanup deletes
+    the job and its executions at the end."""
+
+    def __init__(self, emulator: EmulatorProcess) -> None:
+        super().__init__(daemon=True, name="attempt-watcher")
+        self.emulator, self.stop = emulator, threading.Event()
+        self.attempts: dict[str, list[dict]] = {}
+
+    def run(self) -> None:
+        import urllib.error
+        import urllib.request
+
+        client = _run_client(self.emulator, run_v2.ExecutionsClient)
+        parent = f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}"
+        while not self.stop.wait(0.5):
+            try:
+                names = [e.name for e in client.list_executions(parent=parent)]
+            except Exception:  # the job is not there (yet, or any more)
+                continue
+            for name in names:
+                try:
+                    with urllib.request.urlopen(f"{self.emulator.endpoint}/_emulator/attempts/{name}",
+                                                timeout=10) as answer:
+                        self.attempts[name] = json.loads(answer.read())["attempts"]
+                except (urllib.error.URLError, OSError, ValueError):
+                    continue
+
+
+def _goodput(workdir: Path, watcher: AttemptWatcher) -> dict | None:
+    """The summary's goodput report, with the emulator's own attempt times beside it."""
+    summary = _execute_summary(workdir)
+    report = summary.get("goodput") or None
+    if report is None:
+        return None
+    from datetime import datetime
+
+    attempts = [a for e in summary.get("executions", []) for a in watcher.attempts.get(e["name"], [])]
+    starts = [datetime.fromisoformat(a["startTime"]).timestamp() for a in attempts if a.get("startTime")]
+    ends = [datetime.fromisoformat(a["endTime"]).timestamp() for a in attempts]
+    report["platform"] = {"attempts": len(attempts), "attempt_seconds": round(sum(a["seconds"] for a in attempts), 3),
+                          "span_seconds": round(max(ends) - min(starts), 3) if starts else None}
+    return report
+
+
+def _logging_requests(emulator: EmulatorProcess) -> int | None:
+    """Cloud Logging ``entries:list`` requests the emulator served (its health endpoint)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{emulator.endpoint}/_emulator/health", timeout=10) as answer:
+            return json.loads(answer.read()).get("loggingRequests")
+    except (OSError, ValueError):
+        return None
+
+
+def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference: dict | None,
+             goodput: dict | None = None) -> dict:
     folder = task_folder(emulator.bucket_dir(BUCKET) / JOB)
     metrics = _read_json(folder / "metrics.json") if folder else {}
     attempts = metrics.get("attempts") or metrics.get("history", [])
@@ -296,6 +379,7 @@ def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference
         "reference_model_sha256": (reference or {}).get("model_sha256"),
         "identical_to_uninterrupted_run": identical,
         "metrics": metrics,
+        "goodput": goodput,
     }
 
 
@@ -325,6 +409,13 @@ def _print_report(summary: dict, log_path: Path) -> None:
         verdict = "yes" if summary["identical_to_uninterrupted_run"] else "NO"
         print(f"final model bit-identical to an uninterrupted run with the same seed: {verdict} "
               f"(model sha256 {str(summary['model_sha256'])[:16]}...)")
+    goodput = summary.get("goodput")
+    if goodput:
+        print("goodput account (seconds, share of the span):")
+        print(goodput["table"])
+        platform = goodput.get("platform") or {}
+        print(f"attempts' wall time as the emulator recorded it: {platform.get('span_seconds')} s from first start "
+              f"to last end, {platform.get('attempt_seconds')} s in {platform.get('attempts')} attempts")
     print("============================================")
 
 
@@ -340,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     log_path = workdir / "airflow-dags-test.log"
     conf = {"steps": args.steps, "checkpoint_every": args.checkpoint_every, "step_delay_seconds": args.step_delay,
-            "hidden_units": args.hidden, "seed": args.seed, "poll_interval_seconds": 2.0}
+            "hidden_units": args.hidden, "seed": args.seed, "poll_interval_seconds": 2.0,
+            "preemption_save": args.preemption_save, "log_container_output": args.log_container_output}
     with EmulatorProcess(
         data_dir=workdir / "emulator", images_file=REPO / "worker" / "emulator-image.json",
         grace_seconds=args.grace_seconds,
@@ -348,14 +440,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] Cloud Run emulator at {emulator.endpoint}, GCS emulator at {emulator.gcs_endpoint}")
         preempter = Preempter(emulator, args.preemptions, args.steps)
         preempter.start()
+        watcher = AttemptWatcher(emulator)
+        watcher.start()
         try:
             rc = run_dag(airflow_env(workdir, emulator), conf, log_path)
         finally:
             preempter.stop.set()
+            watcher.stop.set()
             preempter.join(timeout=30)
+            watcher.join(timeout=30)
         dataset = emulator.bucket_dir(BUCKET) / "data" / "digits.npz"
         reference = _reference_run(workdir, dataset, args) if args.verify and rc == 0 else None
-        summary = _summary(emulator, rc, preempter, reference)
+        summary = _summary(emulator, rc, preempter, reference, _goodput(workdir, watcher) if rc == 0 else None)
+        summary["logging_requests"] = _logging_requests(emulator)
     _print_report(summary, log_path)
     report_path = args.report or workdir / "report.json"
     report_path.write_text(json.dumps(summary, indent=2))

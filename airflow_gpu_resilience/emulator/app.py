@@ -2,7 +2,8 @@
 namespace ``/_emulator``.
 
 Admin endpoints:
-- ``GET /_emulator/health`` -> ``{"status": "ok", ...}``
+- ``GET /_emulator/health`` -> ``{"status": "ok", "gcsEndpoint", "loggingRequests"}``
+  (``loggingRequests``: Cloud Logging ``entries:list`` requests served so far).
 - ``POST /_emulator/reset`` -> stop the preemption schedule and all executions and forget all
   resources; body ``{"gcs": true}`` also wipes the GCS emulator.
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
@@ -20,6 +21,9 @@ Admin endpoints:
   "attempt", "startTime", "endTime", "seconds", "exitCode", "termSignal", "statusCode",
   "message", "stopReason", "log"}]}``: every ended attempt (``stopReason`` is ``preempted``,
   ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure.
+
+Cloud Logging: ``POST /v2/entries:list`` serves the attempts' logs as log entries (see
+:mod:`.logging_api`), for the ``google-cloud-logging`` client with its ``api_endpoint`` here.
 
 Every request first passes :class:`~.guards.GuardMiddleware` (loopback ``Host``, no foreign
 ``Origin``, ``application/json`` bodies, at most 4 MiB). Errors from the backend are serialized
@@ -42,7 +46,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from starlette.concurrency import run_in_threadpool
 
-from . import responses, urls
+from . import logging_api, responses, urls
 from .backend import Registry
 from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
@@ -68,6 +72,7 @@ class AppState:
     gcs: object
     data_dir: Path
     schedule: Optional[PreemptionSchedule] = None
+    logging_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule is None:
@@ -134,6 +139,12 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(GuardMiddleware)  # loopback Host, no foreign Origin, JSON only, body limit
     _add_admin_routes(app, state)
 
+    @app.post("/v2/entries:list")
+    async def entries_list(request: HttpRequest) -> Response:
+        state.logging_requests += 1
+        body = await _json_body(request)
+        return JSONResponse(await run_in_threadpool(_list_entries, state, body))
+
     @app.api_route("/v2/{path:path}", methods=["GET", "POST", "PATCH", "DELETE"])
     async def v2(path: str, request: HttpRequest) -> Response:
         body = await request.body()
@@ -167,7 +178,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/_emulator/health")
     def health():
-        return {"status": "ok", "gcsEndpoint": state.gcs.endpoint}
+        return {"status": "ok", "gcsEndpoint": state.gcs.endpoint, "loggingRequests": state.logging_requests}
 
     @app.post("/_emulator/reset")
     async def reset(request: HttpRequest):
@@ -202,6 +213,15 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):
         return PlainTextResponse(read_logs(state.data_dir, name))
+
+
+def _list_entries(state: AppState, body: dict) -> dict:
+    executions = {}
+    for backend in state.registry.backends():
+        with state.registry.cond:
+            executions.update({name.rsplit("/", 1)[-1]: e for name, e in backend.executions.items()})
+    with state.registry.cond:
+        return logging_api.list_entries(body, state.data_dir, executions)
 
 
 def _add_schedule_routes(app: FastAPI, state: AppState) -> None:

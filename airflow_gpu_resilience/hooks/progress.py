@@ -10,6 +10,8 @@ The worker writes, per task, under ``{prefix}/task-{index}/`` in the checkpoint 
 - ``ckpt-{step:08d}.pt`` and its commit record ``ckpt-{step:08d}.commit.json``
   (``{step, size, sha256, ...}``, written after the data): a checkpoint is committed when its
   record parses, names its step and the data's size (:meth:`CheckpointFilesHook.committed_steps`).
+- ``goodput-{execution}-{attempt}.json``: one attempt's goodput events (see
+  :mod:`airflow_gpu_resilience.goodput`).
 
 Reads go through the Google provider's ``GCSHook`` (which follows ``STORAGE_EMULATOR_HOST``) and
 never raise: a missing, torn or unreadable file is ``None`` (or an empty list), because progress
@@ -30,6 +32,9 @@ from google.api_core.exceptions import NotFound
 PROGRESS_FILE = "progress.json"
 METRICS_FILE = "metrics.json"
 ATTEMPTS_FILE = "attempts.json"
+GOODPUT_PREFIX = "goodput-"
+#: Most goodput events files read per task (the newest names, by execution and attempt).
+MAX_GOODPUT_FILES = 200
 
 log = logging.getLogger(__name__)
 
@@ -231,3 +236,28 @@ class CheckpointFilesHook:
         if not isinstance(data, dict):
             data = self.read_json(task_index, ATTEMPTS_FILE)
         return lost_work_entries(task_index, data)
+
+    def goodput_events(self, task_index: int) -> dict[tuple[str, int], dict[str, Any]]:
+        """The task's goodput events files, by ``(execution, attempt)``; ``{}`` when unreadable.
+
+        Files whose content has no string ``execution`` and integer ``attempt`` are skipped.
+        """
+        prefix = self.object_name(task_index, GOODPUT_PREFIX)
+        try:
+            if self._gcs is None:
+                from airflow.providers.google.cloud.hooks.gcs import GCSHook
+
+                self._gcs = GCSHook(**self._gcs_kwargs)
+            names = sorted(self._gcs.list(bucket_name=self.bucket, prefix=prefix))[-MAX_GOODPUT_FILES:]
+        except Exception as exc:  # best effort, as every read here
+            log.debug("Cannot list gs://%s/%s*: %s", self.bucket, prefix, exc)
+            return {}
+        found: dict[tuple[str, int], dict[str, Any]] = {}
+        for name in names:
+            data = self.read_json(task_index, name.rsplit("/", 1)[-1])
+            if not isinstance(data, dict):
+                continue
+            execution, attempt = data.get("execution"), data.get("attempt")
+            if isinstance(execution, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
+                found[(execution, attempt)] = data
+        return found

@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, NotRequired, TypedDict
 
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
@@ -34,8 +34,10 @@ from airflow_gpu_resilience.exceptions import (
     CloudRunGpuWaitTimeout,
 )
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env, with_env_overrides
+from airflow_gpu_resilience.hooks.cloud_logging import CloudRunLogsHook, ExecutionLogFollower
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from airflow_gpu_resilience.job_spec import TASK_TIMEOUT_ENV, GpuJobSpec
+from airflow_gpu_resilience.operators.goodput_report import GoodputReport, build_report
 from airflow_gpu_resilience.links.cloud_run import CloudRunGpuExecutionLink, CloudRunGpuLogsLink
 from airflow_gpu_resilience.outcome import (
     DEFAULT_FATAL_EXIT_CODES,
@@ -224,6 +226,9 @@ class RunSummary(TypedDict):
     chain: list[ChainEntry]
     """Every execution of the task instance with its class and checkpoint steps (empty without
     ``checkpoint_bucket``)."""
+    goodput: NotRequired[GoodputReport | None]
+    """Where every second of the try's attempts went (:mod:`~airflow_gpu_resilience.goodput`);
+    ``None`` when it could not be built."""
 
 
 # --- the run state of one try --------------------------------------------------------------
@@ -601,14 +606,23 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         default ``None``).
     :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name;
         templated).
+    :param log_container_output: copy the execution's container and platform log lines (the
+        worker's "SIGTERM received ...", "resuming from step ...", the maintenance message) from
+        Cloud Logging into the task log, each line once (default ``False``: no Logging call is
+        made; templated: a bool, or ``"true"``/``"false"``). Needs ``roles/logging.viewer``; reads stay within Cloud Logging's read quota
+        (:class:`~airflow_gpu_resilience.hooks.cloud_logging.ExecutionLogFollower`: at most 12
+        ``entries:list`` requests a minute). Polling in the worker, lines appear while waiting
+        and the rest when the execution ends; deferred, the trigger does not read logs: the
+        operator copies each execution's lines when it resumes after that execution.
     :raises ValueError: at construction for a negative or non-integer ``max_preemption_reruns``,
-        ``max_reruns_without_progress`` or ``max_total_reruns``, or a bad ``timeout``.
+        ``max_reruns_without_progress`` or ``max_total_reruns``, a bad ``timeout`` or ``log_container_output``.
     """
 
     template_fields: Sequence[str] = (
         "job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain", "overrides",
         "max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns",
         "checkpoint_bucket", "checkpoint_prefix", "poll_interval",
+        "log_container_output",
     )
     template_fields_renderers = {"overrides": "json"}
     operator_extra_links = (CloudRunGpuExecutionLink(), CloudRunGpuLogsLink())
@@ -636,6 +650,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         checkpoint_prefix: str | None = None,
         max_reruns_without_progress: int | str = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
         max_total_reruns: int | str = DEFAULT_MAX_TOTAL_RERUNS,
+        log_container_output: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -654,6 +669,10 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         for name in ("max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns"):
             if not isinstance(getattr(self, name), str):  # a template is checked once rendered
                 _count(name, getattr(self, name))
+        self.log_container_output: bool | str = log_container_output
+        if not isinstance(log_container_output, str):
+            _flag("log_container_output", log_container_output)  # a template is checked at execute
+        self._log_follower: ExecutionLogFollower | None = None
         # checked when the DAG is parsed; poll_interval only when it is not a template, the
         # rendered value is checked at execute, also before any API call
         if self.timeout is not None:
@@ -687,6 +706,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         without_progress = _count("max_reruns_without_progress", self.max_reruns_without_progress)
         total = _count("max_total_reruns", self.max_total_reruns)
         self.poll_interval = _seconds("poll_interval", self.poll_interval)
+        self.log_container_output = _flag("log_container_output", self.log_container_output)
         run = RunState(project_id=self.project_id or self.hook.project_id, run_key=self.run_key(context),
                        budget=budget, deadline=self._deadline(), max_reruns_without_progress=without_progress,
                        max_total_reruns=total)
@@ -851,6 +871,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         files = self._files()
 
         def log_progress(current: run_v2.Execution, tasks: list[run_v2.Task]) -> None:
+            self._copy_container_logs(execution)
             if files is not None and time.monotonic() - self._last_progress_log >= self.progress_log_interval:
                 self._last_progress_log = time.monotonic()
                 self._log_progress(files, run, current.task_count)
@@ -881,6 +902,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     # --- acting on a finished execution ----------------------------------------------------
     def _after_finish(self, context: Context, run: RunState, execution: str, attempts: AttemptLog) -> RunStep:
         """Record the finished execution and act on the decision: done, a re-run to wait for, or raise."""
+        self._copy_container_logs(execution, finished=True)
         finished = self.hook.get_execution(execution=execution)
         tasks = self.hook.list_tasks(execution=execution)
         attempts.observe(tasks)
@@ -900,8 +922,10 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self._running_execution = None
         if decision.action is Action.SUCCEED:
             job = execution.split("/executions/")[0]
-            return RunStep.done(run.summary(job, len(tasks), reruns_used, self._lost_work(run, len(tasks)),
-                                            _chain(history or [])))
+            summary = run.summary(job, len(tasks), reruns_used, self._lost_work(run, len(tasks)),
+                                  _chain(history or []))
+            summary["goodput"] = self._goodput(run)
+            return RunStep.done(summary)
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
         raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished)
 
@@ -979,6 +1003,46 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
                              item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
                              item["resumed_from_step"])
         return lost  # type: ignore[return-value]
+
+    def _copy_container_logs(self, execution: str, finished: bool = False) -> None:
+        """With ``log_container_output``: log the execution's new Cloud Logging lines (all of them when
+        ``finished``); a failed read is logged as a warning, never raised."""
+        if not _flag("log_container_output", self.log_container_output):
+            return
+        try:
+            if self._log_follower is None or self._log_follower.execution != execution:
+                hook = CloudRunLogsHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+                created = self.hook.get_execution(execution=execution).create_time or None
+                self._log_follower = ExecutionLogFollower(hook, execution, since=created)
+            lines = self._log_follower.drain() if finished else self._log_follower.read()
+        except Exception as exc:  # the task's outcome never depends on its logs
+            self.log.warning("Cannot read the container logs of %s (roles/logging.viewer needed): %s", execution, exc)
+            return
+        for line in lines:
+            self.log.info("Container log: %s", line.describe())
+
+    def _goodput(self, run: RunState) -> GoodputReport | None:
+        """Build and log the goodput account of this try's executions (best effort: ``None`` on error)."""
+        try:
+            executions = [(e["name"], self.hook.list_tasks(execution=e["name"])) for e in run.executions]
+            report = build_report(executions, self._files(), MAX_PROGRESS_TASKS)
+        except Exception as exc:  # the account must never fail a run that succeeded
+            self.log.warning("Goodput account not built: %s", exc)
+            return None
+        self.log.info("Goodput account (seconds and share of each task's span):\n%s", report["table"])
+        return report
+
+
+def _flag(name: str, value: bool | str) -> bool:
+    """A bool, given or rendered from a template (``"true"``/``"false"``, any case).
+
+    :raises ValueError: naming ``name`` for any other value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{name}={value!r} must be true or false")
 
 
 def override_timeout_seconds(overrides: Mapping[str, Any] | None) -> float | None:

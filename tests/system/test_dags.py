@@ -118,7 +118,7 @@ def test_deploy_renders_the_job_gcloud_deploys() -> None:
     assert container["volumeMounts"] == [{"name": "checkpoint-volume", "mountPath": "/checkpoints"}]
     assert {"name": "CHECKPOINT_DIR", "value": "/checkpoints"} in container["env"]
     assert container["args"] == ["train", "--steps=600", "--checkpoint-every=50", "--step-delay=0.0",
-                                 "--hidden=128", "--seed=0"]
+                                 "--hidden=128", "--seed=0", "--preemption-save=deadline"]
 
 
 def test_without_api_endpoint_the_hook_targets_cloud_run(monkeypatch: pytest.MonkeyPatch) -> None:

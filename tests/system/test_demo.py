@@ -63,4 +63,12 @@ def test_demo_survives_two_preemptions_bit_exactly(tmp_path: Path) -> None:
     assert report["metrics"]["steps"] == 240
     assert report["identical_to_uninterrupted_run"] is True
     assert report["model_sha256"] == report["reference_model_sha256"]
+    # the goodput account (built by the execute operator) covers the attempts' wall time as the
+    # emulator recorded it, within 1 %; the log option is off by default: no Cloud Logging call
+    goodput = report["goodput"]
+    assert goodput["platform"]["attempts"] == len(goodput["tasks"][0]["attempts"]) == 3
+    assert goodput["total"]["span_seconds"] == pytest.approx(goodput["platform"]["span_seconds"], rel=0.01)
+    assert sum(goodput["total"][b] for b in ("productive", "startup", "restore", "save_stall", "wasted",
+                                             "recovery_gap")) == pytest.approx(goodput["total"]["span_seconds"])
+    assert report["logging_requests"] == 0
     assert _leftovers(str(workdir)) == []

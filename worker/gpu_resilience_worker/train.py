@@ -15,6 +15,7 @@ from gpu_resilience_worker import checkpoint as ckpt
 from gpu_resilience_worker.config import WorkerConfig
 from gpu_resilience_worker.data import Dataset, EpochSampler, load_dataset
 from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, DivergedError
+from gpu_resilience_worker.goodput import GoodputRecorder
 from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.preemption import PreemptionWatcher
@@ -124,6 +125,9 @@ class Trainer:
         self._attempts: list[dict[str, Any]] = []
         self._failed_in_a_row = 0
         self._failed_total = 0
+        identity = config.identity
+        self.goodput = GoodputRecorder(self._storage, config.namespace, identity.execution,
+                                       identity.task_index, identity.task_attempt)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.config.namespace, name)
@@ -134,6 +138,15 @@ class Trainer:
         :return: the exit code: 0 when done, 143 when interrupted.
         :raises ConfigError: bad settings. :raises DataError: bad data.
         """
+        try:
+            code = self._run()
+        except BaseException:
+            self.goodput.end("failed")
+            raise
+        self.goodput.end("completed" if code == EXIT_OK else "preempted", code)
+        return code
+
+    def _run(self) -> int:
         configure_torch(self.config.train.threads)
         device = select_device(self.config.train.device)
         data = load_dataset(self.config.data_path)
@@ -169,6 +182,7 @@ class Trainer:
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
         previous = read_json(self._storage, self._path(PROGRESS)) or {}
         reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        restore_start = time.time()
         if self.config.checkpoint.enabled and manager.load():
             step = parts.state.step
             parts.state.checkpoints += 1  # the loaded checkpoint itself
@@ -180,6 +194,7 @@ class Trainer:
             step = 0
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
         lost = max(0, reported - step) if reported is not None else 0
+        self.goodput.restore(restore_start, time.time(), step, lost)
         identity = self.config.identity
         entry = {
             "execution": identity.execution, "attempt": identity.task_attempt,
@@ -241,27 +256,36 @@ class Trainer:
         while state.step < self.config.train.steps:
             if self._watcher.requested:
                 return self._on_stop(manager, parts, progress)
+            self.goodput.first_step()
+            began = time.monotonic()
             state.observe(self._train_step(parts, data))
             state.step += 1
+            computed = time.monotonic() - began
             self._save(manager, parts, state.step)
             progress.update(state.step, state.loss_ema)  # at most once a second, saves or not
             if delay:
+                waited = time.monotonic()
                 self._watcher.wait(delay)
+                computed += time.monotonic() - waited
+            self.goodput.step(computed)
         return EXIT_OK
 
     def _save(self, manager: ckpt.CheckpointManager, parts: Components, step: int,
               force: bool = False) -> bool:
         """Save through ``manager``; a failed save is logged and training goes on, until
         :data:`MAX_FAILED_SAVES_IN_A_ROW` fail in a row (then the error propagates: exit 1)."""
+        began = time.monotonic()
         try:
             saved = manager.save(step, force=force)
         except ckpt.CheckpointSaveError as exc:
+            self.goodput.save(time.monotonic() - began, saved=False)
             self._failed_in_a_row += 1
             self._log.error("checkpoint save failed; training goes on", step=step, error=str(exc),
                             failed_in_a_row=self._failed_in_a_row, failed_saves=manager.failed_saves)
             if self._failed_in_a_row >= MAX_FAILED_SAVES_IN_A_ROW:
                 raise
             return False
+        self.goodput.save(time.monotonic() - began, saved=saved)
         if saved:  # the previous background save, if any, committed too
             parts.state.checkpoints += 1
             self._failed_in_a_row = 0
@@ -270,6 +294,13 @@ class Trainer:
 
     def _settle_in_flight(self, manager: ckpt.CheckpointManager, step: int) -> bool:
         """Finish (or, out of time, abandon) a background save. :return: whether to go on."""
+        began = time.monotonic()
+        try:
+            return self._settle(manager, step)
+        finally:
+            self.goodput.save(time.monotonic() - began, saved=False)
+
+    def _settle(self, manager: ckpt.CheckpointManager, step: int) -> bool:
         try:
             if manager.wait_until_finished(timeout=max(0.0, self._watcher.remaining_grace() - 1.0)):
                 return True

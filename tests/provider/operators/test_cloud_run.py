@@ -527,3 +527,37 @@ def test_deploy_operator_rejects_bad_parameters_when_the_dag_is_parsed(kwargs, m
     base = {"task_id": "d", "job_name": "train", "image": "img", "checkpoint_bucket": BUCKET}
     with pytest.raises(ValueError, match=match):
         CloudRunGpuDeployJobOperator(**{**base, **kwargs})
+
+
+def _logging_requests(emulator) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(emulator.endpoint + "/_emulator/health", timeout=10) as answer:
+        return json.loads(answer.read())["loggingRequests"]
+
+
+@pytest.mark.parametrize("log_container_output", [True, False])
+def test_container_logs_in_the_task_log_polling_in_the_worker_and_the_goodput_account(
+        gcp_conn, job_name, emulator, run_execute, capfd, log_container_output):
+    """Sync mode: each attempt's lines once while polling and at the end; off: no Logging call.
+    Both: the summary's goodput account has both attempts (stub: no events file). About 10 s each."""
+    deploy(job_name, ["preempt-once"], max_retries=1)
+    before = _logging_requests(emulator)
+    ti = run_execute(deferrable=False, log_container_output=log_container_output)
+    assert ti.state == TaskInstanceState.SUCCESS
+    [summary] = CAPTURED["summaries"]
+    [account] = summary["goodput"]["tasks"]
+    assert [(a["attempt"], a["times_from"]) for a in account["attempts"]] == [(1, "platform")]
+    assert account["unknown_attempts"] == 1  # attempt 0 has no times: the stub writes no events file
+    out = capfd.readouterr()
+    # the task log as dag.test() prints it: "... Container log: <line> [airflow.task.operators...] ..."
+    lines = ["Container log: " + m for m in re.findall(r"Container log: (.*?) \[airflow\.task", out.out + out.err)]
+    if not log_container_output:
+        assert lines == [] and _logging_requests(emulator) == before
+        return
+    assert _logging_requests(emulator) > before
+    assert [line for line in lines if "stub preempt-once attempt" in line] == [
+        "Container log: task 0 attempt 0 DEFAULT: stub preempt-once attempt 0",
+        "Container log: task 0 attempt 1 DEFAULT: stub preempt-once attempt 1",
+    ]
+    assert any("attempt 0 WARNING: [platform]" in line for line in lines), lines

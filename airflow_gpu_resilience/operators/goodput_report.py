@@ -1,0 +1,85 @@
+"""Build the goodput account of an execute-operator run from Cloud Run's tasks and the worker's files.
+
+The glue between :mod:`airflow_gpu_resilience.goodput` (pure) and the hooks: Cloud Run gives
+each task's latest attempt's ``start_time``/``completion_time`` (earlier attempts of the same
+execution keep no times in the API); the worker's ``goodput-{execution}-{attempt}.json`` gives the
+rest. Best effort: a read that fails leaves the attempt's events out, it never fails the task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from google.cloud import run_v2
+
+from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, format_table, total
+from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
+
+
+class GoodputReport(TypedDict):
+    """The summary's ``goodput``: per-task accounts, their total and the logged table."""
+
+    tasks: list[GoodputAccount]
+    total: GoodputAccount
+    table: str
+
+
+def _epoch(value: Any) -> float | None:
+    return value.timestamp() if value else None
+
+
+def gpus_per_task(task: run_v2.Task) -> int:
+    """GPUs of one task instance: the sum of its containers' ``nvidia.com/gpu`` limits (0 if none)."""
+    count = 0
+    for container in task.containers:
+        try:
+            count += int(container.resources.limits.get("nvidia.com/gpu", "0"))
+        except ValueError:
+            continue
+    return count
+
+
+def attempt_inputs(
+    executions: Sequence[tuple[str, Sequence[run_v2.Task]]],
+    events: Mapping[int, Mapping[tuple[str, int], Mapping[str, Any]]],
+) -> dict[int, list[AttemptInput]]:
+    """Every attempt of every task index, with the platform's times where it gives them.
+
+    :param executions: ``(full execution name, its tasks)`` in run order.
+    :param events: task index -> ``(execution short id, attempt)`` -> the worker's events.
+    :return: task index -> its attempts (attempts ``0..retried`` of each execution).
+    """
+    inputs: dict[int, list[AttemptInput]] = {}
+    for name, tasks in executions:
+        short = name.rsplit("/", 1)[-1]
+        for task in tasks:
+            found = events.get(task.index, {})
+            last = int(task.retried)
+            for attempt in range(last + 1):
+                platform = attempt == last and task.start_time
+                inputs.setdefault(task.index, []).append(AttemptInput(
+                    execution=short, attempt=attempt,
+                    start=_epoch(task.start_time) if platform else None,
+                    end=_epoch(task.completion_time) if platform else None,
+                    events=found.get((short, attempt)),
+                ))
+    return inputs
+
+
+def build_report(
+    executions: Sequence[tuple[str, Sequence[run_v2.Task]]], files: CheckpointFilesHook | None, max_tasks: int,
+) -> GoodputReport:
+    """The goodput report of a run.
+
+    :param executions: ``(full execution name, its tasks)`` in run order (finished executions).
+    :param files: the worker's files (``None``: no bucket, platform times only: all start-up).
+    :param max_tasks: most task indexes whose files are read.
+    :return: the report (accounts in task-index order).
+    """
+    indexes = sorted({t.index for _, tasks in executions for t in tasks})
+    events = {i: files.goodput_events(i) for i in indexes[:max_tasks]} if files is not None else {}
+    gpus = max((gpus_per_task(t) for _, tasks in executions for t in tasks), default=0)
+    accounts = [account_task(i, attempts, gpus_per_task=gpus)
+                for i, attempts in sorted(attempt_inputs(executions, events).items())]
+    return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts))

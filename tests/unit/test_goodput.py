@@ -1,0 +1,82 @@
+"""The goodput account on hand-made attempt histories (pure; about 0.1 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_gpu_resilience.goodput import BUCKETS, AttemptInput, account_task, format_table, total
+
+E = "job-abc"
+CLEAN = {"process_start": 1.0, "restore_start": 2.0, "restore_end": 3.0, "first_step_at": 10.0,
+         "save_blocking_seconds": 5.0, "steps": 900, "step_seconds": 0.09, "steps_recomputed": 0, "ended_at": 99.5}
+
+CASES = {
+    "one clean attempt": (
+        [AttemptInput(E, 0, 0.0, 100.0, CLEAN)],
+        dict(productive=85.0, startup=9.0, restore=1.0, save_stall=5.0, wasted=0.0, recovery_gap=0.0,
+             span_seconds=100.0, gpu_seconds=100.0, unknown_attempts=0, steps_recomputed=0),
+    ),
+    "preempted, then resumed with 10 steps recomputed": (
+        [AttemptInput(E, 0, None, None, {"process_start": 0.0, "first_step_at": 5.0, "save_blocking_seconds": 2.0,
+                                          "steps": 90, "step_seconds": 0.5, "ended_at": 50.0}),
+         AttemptInput(E, 1, 60.0, 120.0, {"restore_start": 62.0, "restore_end": 64.0, "first_step_at": 70.0,
+                                           "steps": 100, "step_seconds": 0.5, "steps_recomputed": 10,
+                                           "save_blocking_seconds": 1.0})],
+        dict(productive=43.0 + 44.0, startup=5.0 + 8.0, restore=2.0, save_stall=3.0, wasted=5.0, recovery_gap=10.0,
+             span_seconds=120.0, gpu_seconds=110.0, steps_recomputed=10),
+    ),
+    "never reached its first step": (
+        [AttemptInput(E, 0, 0.0, 30.0, {"restore_start": 5.0, "restore_end": 8.0, "steps_recomputed": 4,
+                                         "save_blocking_seconds": 1.0, "step_seconds": 0.5})],
+        dict(productive=0.0, startup=27.0, restore=3.0, save_stall=0.0, wasted=0.0, span_seconds=30.0,
+             steps_recomputed=0, gpu_seconds=30.0),
+    ),
+    "no events file: all start-up": (
+        [AttemptInput(E, 0, 0.0, 12.0, None)],
+        dict(startup=12.0, productive=0.0, span_seconds=12.0),
+    ),
+    "overlapping attempts are clipped, billed in full": (
+        [AttemptInput(E, 1, 40.0, 100.0, {"first_step_at": 45.0}), AttemptInput(E, 0, 0.0, 50.0, {"first_step_at": 0.0})],
+        dict(productive=50.0 + 50.0, startup=0.0, recovery_gap=0.0, span_seconds=100.0, gpu_seconds=110.0),
+    ),
+    "an attempt with no times is left out, its time is gap": (
+        [AttemptInput(E, 0, 0.0, 10.0, None), AttemptInput(E, 1, None, None, None),
+         AttemptInput("job-def", 0, 30.0, 40.0, None)],
+        dict(startup=20.0, recovery_gap=20.0, span_seconds=40.0, unknown_attempts=1, gpu_seconds=20.0),
+    ),
+    "killed worker: its last write is the end": (
+        [AttemptInput(E, 0, None, None, {"process_start": 100.0, "first_step_at": 104.0, "updated_at": 130.0})],
+        dict(startup=4.0, productive=26.0, span_seconds=30.0),
+    ),
+    "events outside the attempt are clamped": (
+        [AttemptInput(E, 0, 10.0, 20.0, {"restore_start": 0.0, "restore_end": 12.0, "first_step_at": 15.0,
+                                          "save_blocking_seconds": 50.0, "steps_recomputed": 9, "steps": 9,
+                                          "step_seconds": 1.0})],
+        dict(restore=2.0, startup=3.0, save_stall=5.0, wasted=0.0, productive=0.0, span_seconds=10.0),
+    ),
+    "nothing at all": ([], dict(span_seconds=0.0, goodput=None, productive=0.0)),
+}
+
+
+@pytest.mark.parametrize("attempts, expected", CASES.values(), ids=CASES.keys())
+def test_account(attempts, expected):
+    account = account_task(0, attempts, gpus_per_task=1)
+    for key, value in expected.items():
+        assert account[key] == pytest.approx(value), key
+    assert sum(account[b] for b in BUCKETS) == pytest.approx(account["span_seconds"])
+    assert account["attempt_seconds"] + account["recovery_gap"] == pytest.approx(account["span_seconds"])
+    for row in account["attempts"]:
+        parts = row["productive"] + row["startup"] + row["restore"] + row["save_stall"] + row["wasted"]
+        assert parts == pytest.approx(row["wall_seconds"]) and min(parts, row["productive"]) >= 0
+
+
+def test_total_table_and_bad_input():
+    a = account_task(0, CASES["one clean attempt"][0], gpus_per_task=2)
+    b = account_task(1, CASES["never reached its first step"][0])
+    assert a["gpu_seconds"] == 200.0
+    both = total([a, b])
+    assert both["span_seconds"] == 130.0 and both["goodput"] == pytest.approx(85.0 / 130.0)
+    table = format_table([a, b])
+    assert table.splitlines()[0].split()[:7] == ["task", *BUCKETS] and table.splitlines()[-1].startswith("  all")
+    with pytest.raises(ValueError, match="gpus_per_task"):
+        account_task(0, [], gpus_per_task=-1)

@@ -1,0 +1,47 @@
+"""The worker's goodput events file (in process, about 1.5 s: it waits out the one-second rule once)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from gpu_resilience_worker.goodput import GoodputRecorder, goodput_file_name, process_start_time
+from gpu_resilience_worker.storage import LocalStorage
+
+
+class CountingStorage(LocalStorage):
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, float]] = []
+
+    def write(self, path, data, *, atomic=False):
+        self.writes.append((path, time.monotonic()))
+        super().write(path, data, atomic=atomic)
+
+
+def test_events_are_recorded_and_the_file_is_rewritten_at_most_once_a_second(tmp_path):
+    storage = CountingStorage()
+    recorder = GoodputRecorder(storage, str(tmp_path), "job-abcde", 0, 2)
+    assert recorder.path.endswith(goodput_file_name("job-abcde", 2)) and recorder.path.endswith("goodput-job-abcde-2.json")
+    recorder.restore(10.0, 11.5, resumed_from_step=40, steps_recomputed=7)
+    recorder.first_step()
+    for _ in range(200):
+        recorder.step(0.01)
+    recorder.save(0.25, saved=True)
+    recorder.save(0.01, saved=False)
+    recorder.end("preempted", 143)
+    times = [t for _, t in storage.writes]
+    assert len(times) == 2 and times[1] - times[0] >= 1.0  # the restore, then the end after the 1 s
+    data = json.loads((tmp_path / "goodput-job-abcde-2.json").read_text())
+    assert (data["resumed_from_step"], data["steps_recomputed"], data["steps"], data["saves"]) == (40, 7, 200, 1)
+    assert data["step_seconds"] == 0.01 and data["save_blocking_seconds"] == 0.26
+    assert (data["status"], data["exit_code"]) == ("preempted", 143) and data["ended_at"] >= data["first_step_at"]
+    assert data["process_start"] <= data["first_step_at"]
+
+
+def test_an_attempt_that_fails_before_its_restore_writes_nothing(tmp_path):
+    GoodputRecorder(LocalStorage(), str(tmp_path), "", 0, 0).end("failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_process_start_is_this_process_start():
+    assert time.time() - 3600 < process_start_time() <= time.time()

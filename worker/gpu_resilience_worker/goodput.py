@@ -1,0 +1,151 @@
+"""The worker's goodput events: what only the worker knows about where an attempt's time went.
+
+Each attempt writes its own file ``goodput-{execution}-{attempt}.json`` in the task namespace
+(a new object name per attempt, so nothing is ever appended to or read back), rewritten at
+most once a second (:data:`~gpu_resilience_worker.files.MIN_REWRITE_SECONDS`), like every file
+in the namespace, so it suits a Cloud Storage FUSE mount. All times are Unix epoch seconds
+(floats, the worker's wall clock):
+
+``process_start``
+    when the container's process started (``/proc/self/stat``; the module's import time where
+    that is unreadable).
+``restore_start`` / ``restore_end``
+    around the checkpoint load (absent when checkpointing is off).
+``first_step_at``
+    when the training loop began its first step (absent if the attempt never got there).
+``resumed_from_step`` / ``steps_recomputed``
+    the step the attempt resumed from and how many steps beyond it the previous attempt had
+    already done (they are computed again).
+``steps`` / ``step_seconds``
+    steps done in this attempt and their mean measured time (compute plus ``--step-delay``,
+    save stalls excluded).
+``save_blocking_seconds`` / ``saves``
+    the total time the loop was blocked by checkpoint saves, and how many.
+``updated_at`` / ``ended_at`` / ``status``
+    the last write, the process's end (absent if it was killed) and ``running``,
+    ``preempted``, ``completed`` or ``failed``.
+
+The provider combines these with the platform's attempt times into the goodput account.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+from gpu_resilience_worker.files import MIN_REWRITE_SECONDS
+from gpu_resilience_worker.storage import Storage
+
+#: File name prefix of the goodput events files in the task namespace.
+GOODPUT_PREFIX = "goodput-"
+_IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """:return: the epoch time this process started (Linux ``/proc``, to 10 ms), else this module's import time.
+
+    The process's age is ``/proc/uptime`` less its start in clock ticks since boot
+    (``/proc/self/stat``); ``btime`` is not used, it has one-second resolution.
+    """
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+    return min(started, _IMPORTED_AT)
+
+
+def goodput_file_name(execution: str, attempt: int) -> str:
+    """:return: ``goodput-{execution}-{attempt}.json`` (``local`` when the execution is unknown)."""
+    return f"{GOODPUT_PREFIX}{execution or 'local'}-{attempt}.json"
+
+
+class GoodputRecorder:
+    """Collects one attempt's goodput events and writes them at most once a second.
+
+    :param storage: the storage backend.
+    :param namespace: the task folder.
+    :param execution: ``CLOUD_RUN_EXECUTION`` (may be empty).
+    :param task_index: ``CLOUD_RUN_TASK_INDEX``.
+    :param attempt: ``CLOUD_RUN_TASK_ATTEMPT``.
+    :param clock: wall clock, epoch seconds (default ``time.time``).
+    :param min_interval: seconds between writes (default 1; never less than 1).
+    """
+
+    def __init__(self, storage: Storage, namespace: str, execution: str, task_index: int, attempt: int, *,
+                 clock: Callable[[], float] = time.time, min_interval: float = MIN_REWRITE_SECONDS) -> None:
+        self._storage, self._clock = storage, clock
+        self._path = os.path.join(namespace, goodput_file_name(execution, attempt))
+        self._min_interval = max(min_interval, MIN_REWRITE_SECONDS)
+        self._last_write = float("-inf")
+        self._step_time = 0.0
+        self.record: dict[str, Any] = {
+            "version": 1, "execution": execution, "task_index": task_index, "attempt": attempt,
+            "process_start": round(process_start_time(), 3), "status": "running",
+            "steps": 0, "step_seconds": None, "save_blocking_seconds": 0.0, "saves": 0,
+            "resumed_from_step": 0, "steps_recomputed": 0,
+        }
+
+    @property
+    def path(self) -> str:
+        """The events file's path."""
+        return self._path
+
+    def restore(self, started: float, ended: float, resumed_from_step: int, steps_recomputed: int) -> None:
+        """Record the checkpoint load (epoch seconds) and what it resumed from; written at once."""
+        self.record.update(restore_start=round(started, 3), restore_end=round(ended, 3),
+                           resumed_from_step=resumed_from_step, steps_recomputed=max(0, steps_recomputed))
+        self.flush()
+
+    def first_step(self) -> None:
+        """Record that the training loop begins its first step now (once)."""
+        self.record.setdefault("first_step_at", round(self._clock(), 3))
+
+    def step(self, seconds: float) -> None:
+        """Record one step of ``seconds`` (save stalls excluded); writes when a second has passed."""
+        self._step_time += seconds
+        self.record["steps"] += 1
+        self.record["step_seconds"] = round(self._step_time / self.record["steps"], 6)
+        self.flush(force=False)
+
+    def save(self, blocking_seconds: float, saved: bool = True) -> None:
+        """Record ``blocking_seconds`` the loop was blocked by checkpointing (a save, a wait for a
+        background save, or a check that none is due); ``saved``: a save was made (counted)."""
+        self.record["save_blocking_seconds"] = round(self.record["save_blocking_seconds"] + blocking_seconds, 6)
+        self.record["saves"] += int(saved)
+
+    def end(self, status: str, exit_code: int | None = None) -> None:
+        """Record the attempt's end (``preempted``, ``completed`` or ``failed``) and write, waiting out the 1 s.
+
+        An attempt that never got as far as its restore (bad input or settings) writes no file: it
+        leaves the namespace untouched, and the account counts it as start-up from the platform's times.
+        """
+        self.record.update(status=status, ended_at=round(self._clock(), 3), exit_code=exit_code)
+        if self._last_write == float("-inf"):
+            return
+        self.flush(force=True)
+
+    def flush(self, force: bool = True) -> bool:
+        """Write the file if due (``force``: now, after sleeping out the rest of the 1 s if needed).
+
+        Never raises: an unwritable events file costs the account, never the training.
+
+        :return: whether it was written.
+        """
+        since = time.monotonic() - self._last_write
+        if since < self._min_interval:
+            if not force:
+                return False
+            time.sleep(max(0.0, MIN_REWRITE_SECONDS - since))
+        self.record["updated_at"] = round(self._clock(), 3)
+        try:
+            self._storage.write(self._path, (json.dumps(self.record, sort_keys=True) + "\n").encode(), atomic=True)
+        except OSError:
+            return False
+        self._last_write = time.monotonic()
+        return True
