@@ -42,7 +42,7 @@ def test_matches_the_installed_airflows_provider_info_schema():
                     assert set(entry) <= set(items["properties"]), (key, entry)
     hooks = {m for entry in info["hooks"] for m in entry["python-modules"]}
     assert hooks == {"airflow_gpu_resilience.hooks.cloud_run", "airflow_gpu_resilience.hooks.gcs",
-                     "airflow_gpu_resilience.hooks.progress"}
+                     "airflow_gpu_resilience.hooks.progress", "airflow_gpu_resilience.hooks.cloud_logging"}
     assert {i["integration-name"] for i in info["integrations"]} >= {
         e["integration-name"] for kind in ("hooks", "operators", "sensors", "triggers") for e in info[kind]
     }
