@@ -546,7 +546,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
             if self.strict:
                 self._record("staged", w.path, w.who, cause=cause, bytes=0, refused="EIO (strict mode)")
                 raise FuseOSError(errno.EIO)
-            if w.opened_existing and not w.dirty and w.mode is None:
+            if w.opened_existing and not w.dirty and w.mode is None and cause != "truncate":
                 # the local copy of an existing object: the whole object is fetched first
                 src = _generation(self._real(w.path))
                 if src is not None:
@@ -823,8 +823,15 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
                 raise FuseOSError(errno.ENOENT)
             temp, fd = self._temp()
             w = _Writer(path, fd, temp, _generation(real), self._who(), opened_existing=True)
-            if flags & os.O_TRUNC:
-                w.opened_existing = True
+            if flags & os.O_TRUNC and w.base is not None and w.base[2] > 0:
+                # truncating an existing object on open: a staged rewrite of it from empty
+                try:
+                    self._stage(w, "truncate")
+                except FuseOSError:
+                    os.close(fd)
+                    self._drop(w)
+                    raise
+                w.dirty = True
             return self._add(w)
 
         def _read_while_writing(self, w: _Writer) -> None:
@@ -922,6 +929,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
 
         def flush(self, path, fh):
             h = self.handles.get(fh)
+            if isinstance(h, _Reader):
+                if h.bytes:  # counted at close (release comes later, asynchronously)
+                    self._record("read", h.path, h.who, bytes=h.bytes)
+                    h.bytes = 0
+                return 0
             if not isinstance(h, _Writer) or h.finalized:
                 return 0
             with self._mu:
