@@ -55,7 +55,8 @@ What is emulated (gcsfuse ``docs/semantics.md``, "Streaming Writes" and "Staged 
   :meth:`GcsFuseMount.stats` ``bytesRead``).
 
 Every record in ``events.jsonl`` is one JSON object: ``kind`` (``staged``, ``throttled-rewrite``,
-``non-atomic-rename``, ``estale``, ``read``), ``object``, ``time`` (epoch s), ``cause`` and
+``non-atomic-rename``, ``estale``, ``read``), ``object`` (and ``bucket`` on the emulator's mounts
+of all buckets), ``time`` (epoch s), ``cause`` and
 ``bytes`` where they apply, and the writer's ``execution``, ``taskIndex`` and ``attempt`` (from its
 ``CLOUD_RUN_*`` environment) or ``pid``.
 
@@ -210,7 +211,8 @@ def read_events(path) -> list:
 
 def summarize(events: list) -> dict:
     """``{"staged", "stagedBytes", "throttled", "nonAtomicRenames", "estale", "bytesRead": {object: n},
-    "causes": {cause: n}}`` of a list of records."""
+    "causes": {cause: n}}`` of a list of records (objects named ``bucket/object`` where records
+    name their bucket)."""
     out = {"staged": 0, "stagedBytes": 0, "throttled": 0, "nonAtomicRenames": 0, "estale": 0, "bytesRead": {},
            "causes": {}}
     for ev in events:
@@ -226,7 +228,8 @@ def summarize(events: list) -> dict:
         elif kind == "estale":
             out["estale"] += 1
         elif kind == "read":
-            out["bytesRead"][ev["object"]] = out["bytesRead"].get(ev["object"], 0) + int(ev.get("bytes") or 0)
+            key = f"{ev['bucket']}/{ev['object']}" if "bucket" in ev else ev["object"]
+            out["bytesRead"][key] = out["bytesRead"].get(key, 0) + int(ev.get("bytes") or 0)
     return out
 
 
@@ -240,17 +243,21 @@ class GcsFuseMount:
     :param strict: staging becomes ``EIO`` (see the module docstring).
     :param options: gcsfuse mount options (strings, see :func:`parse_mount_options`).
     :param start_timeout: seconds to wait for the mount to appear.
+    :param buckets_root: ``source`` holds one folder per bucket (the emulator's storage root):
+        the first path component is the bucket (records get ``bucket``), and nothing but buckets
+        may be made at the top (``EACCES``).
     :raises ValueError: for a bad mount option (before anything is started).
     """
 
     def __init__(self, source, mountpoint, state_dir, strict: bool = False, options=(),
-                 start_timeout: float = 15.0) -> None:
+                 start_timeout: float = 15.0, buckets_root: bool = False) -> None:
         self.options = list(options or ())
         parse_mount_options(self.options)
         self.source = Path(source).resolve()
         self.mountpoint = Path(mountpoint).resolve()
         self.state_dir = Path(state_dir).resolve()
         self.strict = strict
+        self.buckets_root = buckets_root
         self.start_timeout = start_timeout
         self.events_path = self.state_dir / "events.jsonl"
         self.log_path = self.state_dir / "mount.log"
@@ -268,6 +275,7 @@ class GcsFuseMount:
         argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator.gcsfuse", "--source", str(self.source),
                 "--mountpoint", str(self.mountpoint), "--state-dir", str(self.state_dir)]
         argv += ["--strict"] if self.strict else []
+        argv += ["--buckets-root"] if self.buckets_root else []
         for option in self.options:
             argv += ["--option", option]
         with open(self.log_path, "ab") as log:
@@ -309,14 +317,16 @@ class GcsFuseMount:
 
 
 class VolumeMounts:
-    """The emulator's ``cloud-storage`` volumes: one FUSE mount per (bucket, mount options) per
-    emulator, made when the first attempt that mounts it starts and kept until the emulator stops.
+    """The emulator's ``cloud-storage`` volumes: one FUSE mount of the whole storage root (every
+    bucket folder) per set of mount options per emulator, made when the first attempt that needs
+    it starts and kept until the emulator stops; a task sees ``{mount}/{bucket}``.
 
-    Why per emulator and not per execution: a mount costs a process start (about 0.3 s) that
-    would be added to every attempt, and the semantics a worker must meet are per file handle
-    (each open-for-write is its own writer, so two tasks sharing a mount still see "first close
-    wins" and ``ESTALE``); reads keep no cache across opens, so a shared mount hides no download.
-    Volumes with different mount options get different mounts.
+    Why per emulator and not per execution or per bucket: a mount costs a process start (about
+    0.3 s, 20 MB) that would be added to every attempt or every bucket (the tests make a bucket per
+    test), and the semantics a worker must meet are per file handle (each open-for-write is its
+    own writer, so two tasks sharing a mount still see "first close wins" and ``ESTALE``); reads
+    keep no cache across opens, so a shared mount hides no download. Volumes with different mount
+    options (or strictness) get different mounts.
 
     :param data_dir: the emulator's data folder; mounts go under ``data_dir/fuse/``.
     :param bucket_dir: ``callable(bucket) -> Path``, the bucket's folder of objects.
@@ -369,19 +379,20 @@ class VolumeMounts:
             return source
         options = list(options or ())
         parse_mount_options(options)
-        key = (bucket, tuple(sorted(options)))
+        source.mkdir(parents=True, exist_ok=True)  # the mount makes nothing but objects in buckets
+        key = tuple(sorted(options))
         with self._mu:
             mount = self._mounts.get(key)
-            if mount is not None and mount.proc is not None and mount.proc.poll() is None:
-                return mount.mountpoint
-            import hashlib
+            if mount is None or mount.proc is None or mount.proc.poll() is not None:
+                import hashlib
 
-            digest = hashlib.sha256(json.dumps([bucket, sorted(options)]).encode()).hexdigest()[:10]
-            base = self.root / f"{bucket}-{digest}"
-            mount = GcsFuseMount(source, base / "mnt", base / "state", strict=self.strict, options=options)
-            mount.start()
-            self._mounts[key] = mount
-            return mount.mountpoint
+                digest = hashlib.sha256(json.dumps(sorted(options)).encode()).hexdigest()[:10]
+                base = self.root / f"mount-{digest}"
+                mount = GcsFuseMount(source.parent, base / "mnt", base / "state", strict=self.strict,
+                                     options=options, buckets_root=True)
+                mount.start()
+                self._mounts[key] = mount
+            return mount.mountpoint / bucket
 
     def events(self, execution: Optional[str] = None, task_index: Optional[int] = None,
                attempt: Optional[int] = None) -> list:
@@ -402,10 +413,10 @@ class VolumeMounts:
         return sorted(found, key=lambda ev: ev.get("time", 0))
 
     def describe(self) -> dict:
-        """``{"type", "reason", "strict", "mounts": [...], "summary": summarize(all events)}``."""
+        """``{"type", "reason", "strict", "mounts": [{"mountOptions", "mountpoint"}], "summary":
+        summarize(all events)}`` (a bucket's folder is ``{mountpoint}/{bucket}``)."""
         with self._mu:
-            mounts = [{"bucket": k[0], "mountOptions": list(k[1]), "mountpoint": str(m.mountpoint)}
-                      for k, m in self._mounts.items()]
+            mounts = [{"mountOptions": list(k), "mountpoint": str(m.mountpoint)} for k, m in self._mounts.items()]
         return {"type": self.kind, "reason": self.reason, "strict": self.strict, "mounts": mounts,
                 "summary": summarize(self.events())}
 
@@ -423,7 +434,8 @@ def event_line(ev: dict) -> str:
     """One human-readable log line of a record."""
     extra = " ".join(f"{k}={ev[k]}" for k in ("cause", "bytes", "to", "refused", "seconds") if k in ev)
     who = f"task{ev['taskIndex']}-attempt{ev['attempt']}" if "taskIndex" in ev and "attempt" in ev else f"pid {ev.get('pid')}"
-    return f"gcsfuse {ev.get('kind')}: {ev.get('object')} {extra} ({who})".rstrip()
+    name = f"{ev['bucket']}/{ev.get('object')}" if "bucket" in ev else ev.get("object")
+    return f"gcsfuse {ev.get('kind')}: {name} {extra} ({who})".rstrip()
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,7 +494,7 @@ def _identity(pid: int) -> dict:
     return who
 
 
-def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
+def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_root: bool = False):
     import mfusepy
 
     FuseOSError = mfusepy.FuseOSError
@@ -512,11 +524,23 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
         def _real(self, path: str) -> str:
             return self.root + path
 
+        def _top(self, path: str) -> None:
+            """Nothing but buckets at the top of a buckets-root mount."""
+            if buckets_root and path.count("/") <= 1:
+                raise FuseOSError(errno.EACCES)
+
         def _who(self) -> dict:
             return _identity(mfusepy.fuse_get_context()[2])
 
         def _record(self, kind: str, obj: str, who: Optional[dict] = None, **fields) -> None:
-            event = {"kind": kind, "object": obj.lstrip("/"), "time": round(time.time(), 6), **fields}
+            name = obj.lstrip("/")
+            bucket = {}
+            if buckets_root:
+                head, _, name = name.partition("/")
+                bucket = {"bucket": head}
+                if "to" in fields:
+                    fields["to"] = fields["to"].partition("/")[2]
+            event = {"kind": kind, **bucket, "object": name, "time": round(time.time(), 6), **fields}
             event.update(who or {})
             self.events.write(json.dumps(event) + "\n")
 
@@ -649,6 +673,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
                                                "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")}
 
         def mkdir(self, path, mode):
+            self._top(path)
             try:
                 os.mkdir(self._real(path))
             except FileExistsError:
@@ -657,6 +682,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
                 raise FuseOSError(errno.ENOENT) from None
 
         def rmdir(self, path):
+            self._top(path)
             try:
                 os.rmdir(self._real(path))
             except OSError as exc:
@@ -689,6 +715,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
             return 0
 
         def rename(self, old, new):
+            self._top(old)
+            self._top(new)
             real_old, real_new = self._real(old), self._real(new)
             who = self._who()
             with self._mu:
@@ -788,6 +816,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict):
 
         # --- files ----------------------------------------------------------------------
         def create(self, path, mode, fi=None):
+            self._top(path)
             real = self._real(path)
             if not os.path.isdir(os.path.dirname(real)):
                 raise FuseOSError(errno.ENOENT)
@@ -1015,12 +1044,13 @@ def main(argv=None) -> int:
     parser.add_argument("--mountpoint", required=True)
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--strict", action="store_true")
+    parser.add_argument("--buckets-root", action="store_true")
     parser.add_argument("--option", action="append", default=[])
     args = parser.parse_args(argv)
     options = parse_mount_options(args.option)
     os.makedirs(os.path.join(args.state_dir, "staging"), exist_ok=True)
     threading.Thread(target=_watch_parent, args=(args.mountpoint,), daemon=True).start()
-    ops = _make_fs(args.source, args.state_dir, args.strict, options)
+    ops = _make_fs(args.source, args.state_dir, args.strict, options, args.buckets_root)
     try:
         _fast_fuse_class()(ops, args.mountpoint, foreground=True, fsname="gcsfuse-emulator",
                            allow_other=os.getuid() == 0)

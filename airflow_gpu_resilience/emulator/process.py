@@ -104,8 +104,8 @@ class EmulatorProcess:
         """The folder a task of this emulator sees for ``bucket``: its FUSE mount point once an
         attempt mounted it (with ``mount_options``), else the bucket's folder."""
         for mount in self.volumes()["mounts"]:
-            if mount["bucket"] == bucket and mount["mountOptions"] == sorted(mount_options):
-                return Path(mount["mountpoint"])
+            if mount["mountOptions"] == sorted(mount_options):
+                return Path(mount["mountpoint"]) / bucket
         return self.bucket_dir(bucket)
 
     def preempt(self, execution: str, task_index: int = 0, grace_seconds: Optional[float] = None) -> dict:

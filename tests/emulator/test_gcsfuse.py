@@ -237,8 +237,8 @@ def test_job_attempt_records_and_logs_show_the_events_and_bad_mount_options_are_
     assert kinds == {("throttled-rewrite", None), ("staged", "overwrite")}
     assert all(e["execution"] == execution.name.rsplit("/", 1)[-1] for e in attempt["fuseEvents"])
     log = _read(f"{emulator.endpoint}/_emulator/logs/{execution.name}").decode()
-    assert "==> gcsfuse events <==" in log and "gcsfuse throttled-rewrite: state.txt" in log
-    assert emulator.volumes()["type"] == "fuse" and emulator.volume_dir(bucket.name, ["rename-dir-limit=3"]).is_mount()
+    assert "==> gcsfuse events <==" in log and f"gcsfuse throttled-rewrite: {bucket.name}/state.txt" in log
+    assert emulator.volumes()["type"] == "fuse" and emulator.volume_dir(bucket.name, ["rename-dir-limit=3"]).parent.is_mount()
 
     bad = make_job("local/sh", bucket=bucket.name, args=["true"])
     for option, says in (("--implicit-dirs", "without the leading '--'"), ("cache-everything", "allowed: dir-mode"),
@@ -265,7 +265,7 @@ def test_no_mount_is_left_when_the_emulator_is_hard_killed(tmp_path, images_file
                                         client_options={"api_endpoint": emu.endpoint})
         job = create(jobs, "kill-job", make_job("local/sh", bucket=bucket.name, args=["true"]))
         poll_execution(execs, jobs.run_job(name=job.name).metadata.name)
-        point = emu.volume_dir(bucket.name)
+        point = emu.volume_dir(bucket.name).parent
         assert point.is_mount()
     finally:
         os.kill(emu.pid, signal.SIGKILL)
