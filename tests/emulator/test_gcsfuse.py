@@ -274,3 +274,14 @@ def test_no_mount_is_left_when_the_emulator_is_hard_killed(tmp_path, images_file
     while str(point) in Path("/proc/self/mounts").read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert str(point) not in Path("/proc/self/mounts").read_text()
+
+
+def test_more_files_streaming_at_once_than_the_limit_fall_back_to_staging(mnt, fuse_bucket):
+    names = [_name("many") for _ in range(gcsfuse.DEFAULT_STREAMING_FILES + 1)]
+    files = [open(mnt.mountpoint / name, "wb", buffering=0) for name in names]
+    for f in files:
+        f.write(b"abc")
+    for f in files:
+        f.close()
+    assert [e["cause"] for name in names for e in _events(mnt, name, "staged")] == ["streaming-limit"]
+    assert _events(mnt, names[-1], "staged") and all(fuse_bucket.get_blob(n).size == 3 for n in names)
