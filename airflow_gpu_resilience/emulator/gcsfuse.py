@@ -151,10 +151,15 @@ def fuse_available() -> tuple:
         return False, "no /dev/fuse"
     if shutil.which("fusermount3") is None:
         return False, "no fusermount3 (Debian package fuse3)"
-    try:
-        import mfusepy  # noqa: F401  (loads libfuse)
-    except (ImportError, OSError, EnvironmentError) as exc:
-        return False, f"mfusepy or libfuse3 missing ({exc})"
+    import ctypes
+    import importlib.util
+
+    if importlib.util.find_spec("mfusepy") is None:
+        return False, "mfusepy is not installed (the emulator extra)"
+    try:  # dlopen by soname: importing mfusepy would search for it with ldconfig (slow)
+        ctypes.CDLL("libfuse3.so.3")
+    except OSError as exc:
+        return False, f"libfuse3 missing ({exc}; Debian package libfuse3-3)"
     return True, ""
 
 
