@@ -50,6 +50,16 @@ MAX_RETRIES_RANGE = (0, 10)
 MAX_TASK_COUNT = 10_000
 #: Name of the Cloud Storage volume that holds checkpoints.
 CHECKPOINT_VOLUME = "checkpoint-volume"
+#: Cloud Storage FUSE flags a Cloud Run volume accepts in ``mountOptions`` (written without the
+#: leading ``--``), name -> kind of value: ``bool`` (bare or ``=true``/``=false``), ``int``,
+#: ``octal`` (a file mode), ``str``.
+GCSFUSE_MOUNT_OPTIONS = {
+    "implicit-dirs": "bool", "only-dir": "str", "file-mode": "octal", "dir-mode": "octal",
+    "uid": "int", "gid": "int", "rename-dir-limit": "int", "enable-streaming-writes": "bool",
+    "write-global-max-blocks": "int", "metadata-cache-ttl-secs": "int", "stat-cache-max-size-mb": "int",
+    "type-cache-max-size-mb": "int", "kernel-list-cache-ttl-secs": "int", "max-conns-per-host": "int",
+    "log-severity": "str",
+}
 #: Environment variable that tells the worker where the checkpoint root is.
 CHECKPOINT_DIR_ENV = "CHECKPOINT_DIR"
 #: Environment variable that tells the worker its attempt's task timeout (seconds), so that it
@@ -175,6 +185,27 @@ def _bucket_name_problem(bucket: str) -> str | None:
     return None
 
 
+def _mount_option_problem(option: Any) -> str | None:
+    """Why a gcsfuse mount option is invalid, or ``None``."""
+    if not isinstance(option, str):
+        return "must be a string"
+    name, has_value, value = option.partition("=")
+    if name.startswith("-"):
+        return "must be written without the leading '--'"
+    kind = GCSFUSE_MOUNT_OPTIONS.get(name)
+    if kind is None:
+        return f"is not a Cloud Storage FUSE option Cloud Run accepts; allowed: {sorted(GCSFUSE_MOUNT_OPTIONS)}"
+    if kind == "bool" and has_value and value not in ("true", "false"):
+        return "takes no value, or =true / =false"
+    digits = "01234567" if kind == "octal" else "0123456789"
+    if kind in ("int", "octal") and not (value and all(c in digits for c in value)):
+        return f"needs a non-negative {'octal ' if kind == 'octal' else ''}integer value, e.g. {name}=" + (
+            "644" if kind == "octal" else "100")
+    if kind == "str" and not value:
+        return f"needs a value, e.g. {name}=..."
+    return None
+
+
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name}={value!r} is out of range: allowed integers are {low}-{high}")
@@ -211,6 +242,9 @@ class GpuJobSpec:
     :param checkpoint_bucket: Cloud Storage bucket mounted for checkpoints, or ``None`` for no
         volume (a warning is emitted: work is then lost on preemption).
     :param checkpoint_mount_path: absolute mount path of the bucket (default ``/checkpoints``).
+    :param mount_options: Cloud Storage FUSE flags of the checkpoint volume without the leading
+        ``--`` (``volumes[].gcs.mountOptions``), e.g. ``["rename-dir-limit=100"]``; names from
+        :data:`GCSFUSE_MOUNT_OPTIONS` (default none).
     :param labels: job labels (GCP label rules; Cloud Run's reserved prefixes are rejected).
     :raises ValueError: on the first invalid field, naming it and the allowed values.
     """
@@ -232,6 +266,7 @@ class GpuJobSpec:
     service_account: str | None = None
     checkpoint_bucket: str | None = None
     checkpoint_mount_path: str = "/checkpoints"
+    mount_options: Sequence[str] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -333,6 +368,19 @@ class GpuJobSpec:
             raise ValueError(
                 f"checkpoint_mount_path={path!r} must be an absolute path other than '/'"
             )
+        self._validate_mount_options()
+
+    def _validate_mount_options(self) -> None:
+        options = self.mount_options
+        if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
+            raise ValueError(f"mount_options={options!r} must be a list of strings, e.g. ['rename-dir-limit=100']")
+        object.__setattr__(self, "mount_options", tuple(options))
+        for option in options:
+            problem = _mount_option_problem(option)
+            if problem:
+                raise ValueError(f"mount_options: {option!r} {problem}")
+        if options and not self.checkpoint_bucket:
+            raise ValueError("mount_options need checkpoint_bucket: they are the checkpoint volume's options")
 
     def _validate_env(self) -> None:
         for key, value in self.env.items():
@@ -408,7 +456,8 @@ class GpuJobSpec:
         volumes = []
         if self.checkpoint_bucket:
             volumes.append(
-                run_v2.Volume(name=CHECKPOINT_VOLUME, gcs=run_v2.GCSVolumeSource(bucket=self.checkpoint_bucket))
+                run_v2.Volume(name=CHECKPOINT_VOLUME, gcs=run_v2.GCSVolumeSource(
+                    bucket=self.checkpoint_bucket, mount_options=list(self.mount_options)))
             )
             container.volume_mounts = [
                 run_v2.VolumeMount(name=CHECKPOINT_VOLUME, mount_path=self.checkpoint_mount_path)
@@ -464,7 +513,7 @@ def _controlled_view(job: run_v2.Job) -> dict[str, Any]:
         "task_count": execution.task_count or 1,
         "parallelism": execution.parallelism,
         "containers": containers,
-        "volumes": [(v.name, v.gcs.bucket) for v in task.volumes],
+        "volumes": [(v.name, v.gcs.bucket, list(v.gcs.mount_options)) for v in task.volumes],
         "max_retries": task.max_retries if "max_retries" in task else 3,
         "timeout": task.timeout.total_seconds() if "timeout" in task else 600.0,
         "service_account": task.service_account,

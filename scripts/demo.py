@@ -171,10 +171,18 @@ class Preempter(threading.Thread):
                 return False
         return True
 
+    def _listed_folder(self) -> Path:
+        """Task 0's folder as the worker sees it: on a FUSE volume only the mount lists files still
+        being written (the bucket gets them at close)."""
+        if getattr(self, "_mount", None) is None:
+            found = self.emulator.volume_dir(BUCKET)
+            self._mount = found / JOB if found != self.emulator.bucket_dir(BUCKET) else None
+        return self.namespace if self._mount is None else self._mount / self.namespace.relative_to(self.job_folder)
+
     def _checkpoint_files(self) -> tuple[set[int], set[int]]:
         data, commits = set(), set()
         try:
-            names = os.listdir(self.namespace)
+            names = os.listdir(self._listed_folder())
         except OSError:
             return data, commits
         for name in names:
@@ -380,7 +388,23 @@ def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference
         "identical_to_uninterrupted_run": identical,
         "metrics": metrics,
         "goodput": goodput,
+        "volumes": emulator.volumes(),
     }
+
+
+def _volume_line(volumes: dict) -> str:
+    """Which checkpoint volume the tasks had, and what it recorded (see the README's FUSE section)."""
+    if volumes.get("type") != "fuse":
+        return f"checkpoint volume: plain folder ({volumes.get('reason') or 'FUSE off'}); gcsfuse semantics not checked"
+    s = volumes.get("summary", {})
+    reads = sum(s.get("bytesRead", {}).values())
+    events = ", ".join(f"{name} {count}" for name, count in (
+        ("staged writes", s.get("staged", 0)), ("throttled rewrites", s.get("throttled", 0)),
+        ("non-atomic renames", s.get("nonAtomicRenames", 0)), ("ESTALE", s.get("estale", 0))) if count) or "none"
+    causes = ", ".join(f"{c} {n}" for c, n in s.get("causes", {}).items())
+    return (f"checkpoint volume: FUSE (Cloud Storage FUSE semantics{', strict' if volumes.get('strict') else ''}): "
+            f"{s.get('staged', 0)} staged-write fallbacks{f' ({causes})' if causes else ''}, "
+            f"{s.get('throttled', 0)} throttled rewrites; events: {events}; {reads / 1e6:.1f} MB read")
 
 
 def _preemption_line(p: dict) -> str:
@@ -400,6 +424,7 @@ def _print_report(summary: dict, log_path: Path) -> None:
         print(_preemption_line(p))
     if summary["preempter_error"]:
         print(f"preemption injector error: {summary['preempter_error']}")
+    print(_volume_line(summary["volumes"]))
     for a in summary["attempts"]:
         start = f"resumed from step {a.get('resumed_from_step')}" if a.get("resumed_from_step") else "started from step 0"
         print(f"attempt {a.get('attempt')}: {start}, work lost {a.get('lost_steps', 0)} steps")

@@ -5,7 +5,8 @@ Start it::
     python -m airflow_gpu_resilience.emulator serve --port 8123 --gcs-port 9023 \\
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
         [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] \\
-        [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]]
+        [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]] \\
+        [--volumes auto|fuse|folder] [--fuse-strict]
 
 It binds 127.0.0.1 only, answers only loopback ``Host`` values, refuses cross-origin requests and
 non-JSON bodies, and reads at most 4 MiB of a body (see :mod:`.guards`); it prints one JSON ready
@@ -49,9 +50,12 @@ processes), :mod:`.validation`, :mod:`.responses` / :mod:`.urls` / :mod:`.app` (
 Known differences from Cloud Run:
 
 - No containers: an image maps to a local command; processes inherit the emulator's env.
-- GCS volume paths are rewritten in env values, args and command (see :mod:`.runtime`);
-  the GCS emulator re-indexes a bucket's files before each Storage API request (see
-  :mod:`.gcs`), so writes through a mount are visible at once.
+- GCS volume paths are rewritten in env values, args and command (see :mod:`.runtime`) to the
+  bucket's FUSE mount, which behaves like Cloud Storage FUSE (:mod:`.gcsfuse`: objects appear at
+  ``close()``; staged writes, throttled rewrites, non-atomic renames and ``ESTALE`` are recorded
+  and shown by ``/_emulator/attempts``, the logs and ``/_emulator/volumes``), or, without FUSE,
+  to the bucket's folder (one line at start says which); the GCS emulator re-indexes a bucket's
+  files before each Storage API request (see :mod:`.gcs`).
 - REST only (no gRPC, so no ``JobsAsyncClient``); no IAM, secrets, probes, VPC,
   ``showDeleted``, execution tokens, Cloud Logging (``logUri`` points at the emulator).
 - Preemption is an emulator event only: nothing in the v2 API models it; a preempted attempt

@@ -12,9 +12,9 @@ form-typed POST, no ``GET /wipe``), and a bucket insert needs a name valid under
 rules, so no bucket folder is made outside the storage root. Linked files in a bucket folder are
 not indexed.
 
-Not emulated: GCS FUSE semantics (implicit directories, ``readOnly``, ``mountOptions``,
-non-atomic rename, visibility only at ``close()``): a file still being written is visible as
-it is at the moment of the request.
+Tasks reach a bucket folder through a FUSE mount with Cloud Storage FUSE semantics where FUSE
+works (:mod:`.gcsfuse`: an object lands in the folder only at ``close()``); with plain folders (no
+FUSE) a file still being written is visible as it is at the moment of the request.
 """
 
 from __future__ import annotations

@@ -219,3 +219,25 @@ class TestTemplateMatches:
         deployed.template.template._pb.ClearField("max_retries")
         deployed.template.template._pb.ClearField("timeout")
         assert template_matches(deployed, desired)
+
+
+def test_mount_options_reach_the_volume_and_bad_ones_are_refused_naming_the_parameter():
+    job = spec(mount_options=["rename-dir-limit=100", "implicit-dirs", "file-mode=644"]).to_job()
+    assert list(job.template.template.volumes[0].gcs.mount_options) == [
+        "rename-dir-limit=100", "implicit-dirs", "file-mode=644"]
+    assert not template_matches(job, spec().to_job())  # a change of options updates the job
+    for bad, says in (("--implicit-dirs", "without the leading '--'"), ("cache-all", "allowed: ['dir-mode'"),
+                      ("rename-dir-limit=x", "non-negative integer"), ("file-mode=9", "octal"),
+                      ("implicit-dirs=yes", "=true / =false")):
+        with pytest.raises(ValueError, match="^mount_options: ") as err:
+            spec(mount_options=[bad])
+        assert says in str(err.value)
+    with pytest.raises(ValueError, match="must be a list of strings"):
+        spec(mount_options="implicit-dirs")
+
+
+def test_the_emulator_accepts_exactly_the_mount_options_the_spec_allows():
+    from airflow_gpu_resilience.emulator.gcsfuse import MOUNT_OPTIONS
+    from airflow_gpu_resilience.job_spec import GCSFUSE_MOUNT_OPTIONS
+
+    assert MOUNT_OPTIONS == GCSFUSE_MOUNT_OPTIONS
