@@ -29,17 +29,18 @@ REQUIRED = {
     "apache-airflow-providers-google": ">=15.0",
     "google-cloud-run": ">=0.10",
     "google-cloud-storage": ">=2.14",
+    "google-cloud-logging": ">=3.5",
     "google-api-core": ">=2.17",
     "packaging": ">=23",
 }
 #: Extras (name -> requirement names).
 EXTRAS = {
-    "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil"},
+    "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy"},
     "examples": {"numpy", "scikit-learn"},
     "dev": {"pytest", "torch", "matplotlib", "build"},
 }
 #: Never part of a production install: the emulator's servers.
-SERVER_ONLY = {"fastapi", "uvicorn", "gcp-storage-emulator"}
+SERVER_ONLY = {"fastapi", "uvicorn", "gcp-storage-emulator", "mfusepy"}
 
 
 def _requirements() -> list[Requirement]:
