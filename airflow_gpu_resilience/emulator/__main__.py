@@ -1,7 +1,7 @@
 """Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
 
-``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]``
-starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
+``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
+[--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
 which); ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts
 a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`).
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="seeded maintenance preemptions, exponential inter-arrival with this mean (0: off)")
     serve.add_argument("--preempt-seed", type=int, default=0, help="seed of the preemption schedule")
     serve.add_argument("--preempt-prefix", default="", help="only preempt tasks whose name starts with this")
+    serve.add_argument("--volumes", choices=("auto", "fuse", "folder"),
+                       default=os.environ.get("EMULATOR_VOLUMES", "auto"),
+                       help="cloud-storage volumes as FUSE mounts with gcsfuse semantics, or plain folders "
+                            "(default: $EMULATOR_VOLUMES or auto, FUSE when available)")
+    serve.add_argument("--fuse-strict", action=argparse.BooleanOptionalAction,
+                       default=os.environ.get("EMULATOR_FUSE_STRICT", "") not in ("", "0", "false"),
+                       help="FUSE volumes: a write that would fall back to staging fails with EIO "
+                            "(default: $EMULATOR_FUSE_STRICT)")
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
@@ -61,7 +70,8 @@ def main(argv=None) -> int:
         plan = (PreemptionPlan(args.preempt_every, args.preempt_seed, name_prefix=args.preempt_prefix)
                 if args.preempt_every > 0 else None)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
-                          images_file=args.images, policy=policy, preemptions=plan))
+                          images_file=args.images, policy=policy, preemptions=plan, volumes=args.volumes,
+                          fuse_strict=args.fuse_strict))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

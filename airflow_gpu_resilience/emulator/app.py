@@ -20,6 +20,11 @@ Admin endpoints:
   "attempt", "startTime", "endTime", "seconds", "exitCode", "termSignal", "statusCode",
   "message", "stopReason", "log"}]}``: every ended attempt (``stopReason`` is ``preempted``,
   ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure.
+  With FUSE volumes each record also has ``fuseEvents``: the attempt's gcsfuse events (staged
+  writes with cause and bytes, throttled rewrites, non-atomic renames, ``ESTALE``, reads; see
+  :mod:`.gcsfuse`), which the logs above also list in a last ``gcsfuse events`` section.
+- ``GET /_emulator/volumes`` -> ``{"type": "fuse"|"folder", "reason", "strict", "mounts",
+  "summary"}``: how volumes are served and the counts of all their events.
 
 Every request first passes :class:`~.guards.GuardMiddleware` (loopback ``Host``, no foreign
 ``Origin``, ``application/json`` bodies, at most 4 MiB). Errors from the backend are serialized
@@ -46,6 +51,7 @@ from . import responses, urls
 from .backend import Registry
 from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
+from .gcsfuse import event_line
 from .guards import GuardMiddleware, contained
 
 _TASK_NAME = "/tasks/"
@@ -61,6 +67,7 @@ class AppState:
     :param gcs: the :class:`~.gcs.GcsService`.
     :param data_dir: emulator data directory.
     :param schedule: the seeded preemption schedule (one is made if not given).
+    :param mounts: the :class:`~.gcsfuse.VolumeMounts` (FUSE volumes and their events), or ``None``.
     """
 
     registry: Registry
@@ -68,6 +75,7 @@ class AppState:
     gcs: object
     data_dir: Path
     schedule: Optional[PreemptionSchedule] = None
+    mounts: Optional[object] = None
 
     def __post_init__(self) -> None:
         if self.schedule is None:
@@ -174,6 +182,8 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         body = await _json_body(request)
         state.schedule.stop()
         await run_in_threadpool(state.registry.reset)
+        if state.mounts is not None:
+            await run_in_threadpool(state.mounts.stop)
         if body.get("gcs"):
             state.gcs.wipe()
         return {"reset": True}
@@ -197,11 +207,25 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/_emulator/attempts/{name:path}")
     def attempts(name: str):
-        return {"attempts": state.registry.for_name(name, "name").attempts(name)}
+        records = state.registry.for_name(name, "name").attempts(name)
+        if state.mounts is not None and state.mounts.fuse:
+            events = state.mounts.events()
+            for record in records:
+                execution = record["task"].split("/executions/")[-1].split("/")[0]
+                record["fuseEvents"] = [ev for ev in events if ev.get("execution") == execution
+                                        and ev.get("taskIndex") == record["index"]
+                                        and ev.get("attempt") == record["attempt"]]
+        return {"attempts": records}
 
     @app.get("/_emulator/logs/{name:path}")
     def logs(name: str):
-        return PlainTextResponse(read_logs(state.data_dir, name))
+        return PlainTextResponse(read_logs(state.data_dir, name) + _fuse_log(state, name))
+
+    @app.get("/_emulator/volumes")
+    def volumes():
+        if state.mounts is None:
+            return {"type": "folder", "reason": "", "strict": False, "mounts": [], "summary": {}}
+        return state.mounts.describe()
 
 
 def _add_schedule_routes(app: FastAPI, state: AppState) -> None:
@@ -273,6 +297,18 @@ def _preempt(state: AppState, body: dict) -> dict:
 _LOG_NAME = re.compile(
     r"^projects/[^/]+/locations/[^/]+/jobs/[a-z][-a-z0-9]*/executions/(?P<execution>[a-z][-a-z0-9]*)"
     r"(?:/tasks/(?P=execution)-task(?P<index>[0-9]+))?/?$")
+
+
+def _fuse_log(state: AppState, name: str) -> str:
+    """The FUSE volume events of an execution or task, one line each, as a last log section."""
+    found = _LOG_NAME.match(name)
+    if state.mounts is None or not state.mounts.fuse or not found:
+        return ""
+    index = found.group("index")
+    events = state.mounts.events(found.group("execution"), int(index) if index is not None else None)
+    if not events:
+        return ""
+    return "==> gcsfuse events <==\n" + "".join(event_line(ev) + "\n" for ev in events)
 
 
 def read_logs(data_dir: Path, name: str) -> str:

@@ -96,6 +96,18 @@ class EmulatorProcess:
         """Local directory backing ``bucket`` (what a GCS volume mount of it sees)."""
         return bucket_path(self.data_dir, bucket)
 
+    def volumes(self) -> dict:
+        """How cloud-storage volumes are served and their events' counts (``/_emulator/volumes``)."""
+        return self._admin("GET", "/_emulator/volumes", None)
+
+    def volume_dir(self, bucket: str, mount_options=()) -> Path:
+        """The folder a task of this emulator sees for ``bucket``: its FUSE mount point once an
+        attempt mounted it (with ``mount_options``), else the bucket's folder."""
+        for mount in self.volumes()["mounts"]:
+            if mount["bucket"] == bucket and mount["mountOptions"] == sorted(mount_options):
+                return Path(mount["mountpoint"])
+        return self.bucket_dir(bucket)
+
     def preempt(self, execution: str, task_index: int = 0, grace_seconds: Optional[float] = None) -> dict:
         """Maintenance-preempt a running task; returns ``{"task", "attempt", "pid"}``.
 

@@ -22,6 +22,7 @@ Known differences from Cloud Run:
   element equal to a mount path or starting with ``mountPath + "/"`` (also after ``--flag=``)
   is rewritten to the bucket's local directory (honouring ``subPath``); a rewritten path never
   leaves that directory (validation refuses such jobs, :func:`rewrite` refuses them again).
+  With FUSE available that directory is the bucket's FUSE mount (see :mod:`.gcsfuse`).
 - Only the first container runs; sidecars, probes, secrets (``valueSource``) are ignored.
 """
 
@@ -124,25 +125,31 @@ class RuntimeConfig:
     :param images: image table.
     :param gcs: the :class:`~.gcs.GcsService` backing GCS volumes.
     :param policy: pacing and retry settings.
+    :param mounts: the :class:`~.gcsfuse.VolumeMounts` that serve GCS volumes as FUSE mounts, or
+        ``None`` for plain bucket folders.
     """
 
     data_dir: Path
     images: ImageTable
     gcs: object
     policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
+    mounts: Optional[object] = None
 
 
-def mount_map(template: run_v2.TaskTemplate, gcs) -> list:
-    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts.
+def mount_map(template: run_v2.TaskTemplate, gcs, mounts=None) -> list:
+    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts: the bucket's
+    folder, or its FUSE mount (with the volume's ``mountOptions``) when ``mounts`` is given.
 
     :raises PathEscape: when a ``subPath`` leads out of its bucket's folder (validation refuses
         such a job first; this is the last line).
     """
-    buckets = {v.name: v.gcs.bucket for v in template.volumes if v.gcs.bucket}
+    volumes = {v.name: v.gcs for v in template.volumes if v.gcs.bucket}
     pairs = []
     for mount in template.containers[0].volume_mounts if template.containers else []:
-        if mount.name in buckets:
-            local = gcs.bucket_dir(buckets[mount.name])
+        if mount.name in volumes:
+            volume = volumes[mount.name]
+            local = (mounts.local_dir(volume.bucket, list(volume.mount_options)) if mounts is not None
+                     else gcs.bucket_dir(volume.bucket))
             pairs.append((mount.mount_path.rstrip("/") or "/", contained(local, mount.sub_path) if mount.sub_path else local))
     return pairs
 
@@ -241,7 +248,10 @@ def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> 
     entry = config.images.resolve(container.image)
     if entry is None:
         raise LookupError(f"Image '{container.image}' is not in the emulator's image table.")
-    mounts = mount_map(task.template, config.gcs)
+    try:
+        mounts = mount_map(task.template, config.gcs, config.mounts)
+    except (RuntimeError, ValueError) as exc:
+        raise OSError(f"the cloud-storage volume could not be mounted: {exc}") from exc
     argv = [rewrite(a, mounts) for a in entry.argv(list(container.command), list(container.args))]
     log_dir = Path(config.data_dir, "logs", task.execution)
     log_dir.mkdir(parents=True, exist_ok=True)

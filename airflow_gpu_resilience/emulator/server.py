@@ -28,6 +28,7 @@ from .app import AppState, create_app
 from .backend import Registry
 from .faults import ApiFaults, PreemptionPlan
 from .gcs import GcsService
+from .gcsfuse import VolumeMounts
 from .images import ImageTable
 from .runtime import RuntimeConfig, RuntimePolicy
 
@@ -43,6 +44,9 @@ class ServeConfig:
     :param shutdown_grace_seconds: grace for task processes when the emulator stops (s).
     :param policy: retry, grace and pacing settings (see :class:`~.runtime.RuntimePolicy`).
     :param preemptions: a seeded preemption schedule to start with the server, or ``None``.
+    :param volumes: how ``cloud-storage`` volumes are served: ``auto`` (FUSE when available,
+        else folders), ``fuse`` or ``folder`` (see :mod:`.gcsfuse`).
+    :param fuse_strict: strict mode of the FUSE volumes (staging becomes ``EIO``).
     """
 
     data_dir: Path
@@ -52,6 +56,8 @@ class ServeConfig:
     shutdown_grace_seconds: float = 2.0
     policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
     preemptions: Optional[PreemptionPlan] = None
+    volumes: str = "auto"
+    fuse_strict: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -84,10 +90,13 @@ def serve(config: ServeConfig) -> None:
     sock.bind(("127.0.0.1", config.port))
     endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
     gcs = GcsService(data_dir, config.gcs_port)
+    mounts = VolumeMounts(data_dir, gcs.bucket_dir, mode=config.volumes, strict=config.fuse_strict)
+    print(mounts.banner(), file=sys.stderr, flush=True)
+    mounts.start()
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
-                            policy=config.policy)
+                            policy=config.policy, mounts=mounts if mounts.fuse else None)
     registry = Registry(runtime, endpoint)
-    state = AppState(registry, ApiFaults(), gcs, data_dir)
+    state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}
@@ -100,5 +109,6 @@ def serve(config: ServeConfig) -> None:
     finally:
         state.schedule.stop()
         registry.shutdown(config.shutdown_grace_seconds)
+        mounts.stop()
         gcs.stop()
         sys.stdout.flush()

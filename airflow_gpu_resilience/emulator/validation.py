@@ -13,7 +13,8 @@ from its documentation, not confirmed):
   timeout over 1 h, and for a non-GPU timeout over 24 h;
 - project ids (6-30 lowercase letters, digits, hyphens; or a project number) and regions in
   names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
-- every GCS volume's bucket exists; every volume mount names a declared volume; a
+- every GCS volume's bucket exists and its ``mountOptions`` are gcsfuse flags the emulator knows
+  (see :data:`.gcsfuse.MOUNT_OPTIONS`); every volume mount names a declared volume; a
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
   without ``..``; an env value, arg or command element under a GCS mount path does not lead out
   of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
@@ -30,6 +31,7 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 
 from .exceptions import InvalidArgument
+from .gcsfuse import parse_mount_options
 from .guards import climbs_out, under_mount
 
 JOB_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -213,6 +215,10 @@ def _validate_volumes(template: run_v2.TaskTemplate, bucket_exists) -> None:
             if not bucket_exists(volume.gcs.bucket):
                 raise InvalidArgument(
                     f"{TT}.volumes[{i}].gcs.bucket: bucket '{volume.gcs.bucket}' does not exist.")
+            try:
+                parse_mount_options(list(volume.gcs.mount_options), f"{TT}.volumes[{i}].gcs.mount_options")
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
     sql = {v.name for v in template.volumes if "cloud_sql_instance" in v}
     for c, container in enumerate(template.containers):
         mounted = []

@@ -57,6 +57,7 @@ def images_file(tmp_path_factory):
         "local/sleep:*": {"entrypoint": ["{python}", "-c", SLEEP_SCRIPT]},
         "local/stubborn": {"entrypoint": ["{python}", "-c", STUBBORN_SCRIPT]},
         "local/short": {"entrypoint": ["/bin/sh", "-c", SHORT_SCRIPT]},
+        "local/sh": {"entrypoint": ["/bin/sh", "-c"]},  # the job's args[0] is the script
     }
     path.write_text(json.dumps({"images": images}))
     return path

@@ -81,7 +81,7 @@ def test_gpu_job_with_gcs_volume_runs_to_success(jobs, executions, tasks, emulat
     record = json.loads((emulator.bucket_dir(bucket.name) / "out/task-0/attempt-0.json").read_text())
     assert record["CLOUD_RUN_JOB"] == job_id and record["CLOUD_RUN_TASK_COUNT"] == "1"
     assert record["CLOUD_RUN_EXECUTION"] == execution.name.rsplit("/", 1)[-1]
-    assert record["argv"] == [f"--out={emulator.bucket_dir(bucket.name)}/x"]  # args replace cmd, path rewritten
+    assert record["argv"] == [f"--out={emulator.volume_dir(bucket.name)}/x"]  # args replace cmd, path rewritten
 
     refreshed = jobs.get_job(name=job.name)
     assert refreshed.execution_count == 1

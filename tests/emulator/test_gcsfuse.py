@@ -1,0 +1,276 @@
+"""The emulator's FUSE volume against Cloud Storage FUSE's documented semantics (see
+:mod:`airflow_gpu_resilience.emulator.gcsfuse`): what becomes an object and when, what falls back to
+staged writes (and is ``EIO`` in strict mode), rename, rewrite throttling, ``ESTALE``, killed
+writers, bytes read, and the folder fallback. Objects are checked through the real
+google-cloud-storage client on the emulator's GCS endpoint.
+
+Cost: about 15 s on two loaded cores (two mounts for the module, one emulator started and
+hard-killed, one job).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from google.cloud import run_v2
+
+from airflow_gpu_resilience.emulator import gcsfuse
+from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, VolumeMounts
+from airflow_gpu_resilience.emulator.process import EmulatorProcess
+
+from .conftest import PARENT, make_job
+from .test_api import _read, create, poll_execution
+
+pytestmark = pytest.mark.skipif(not gcsfuse.fuse_available()[0], reason=f"FUSE: {gcsfuse.fuse_available()[1]}")
+
+
+@pytest.fixture(scope="module")
+def fuse_bucket(storage_client):
+    return storage_client.create_bucket(f"fuse-{uuid.uuid4().hex[:10]}")
+
+
+def _mount(emulator, bucket, strict, options=()):
+    base = Path(emulator.data_dir, "fuse-tests", f"{bucket.name}-{'strict' if strict else 'normal'}")
+    return GcsFuseMount(emulator.bucket_dir(bucket.name), base / "mnt", base / "state", strict=strict,
+                        options=options)
+
+
+@pytest.fixture(scope="module")
+def mnt(emulator, fuse_bucket):
+    with _mount(emulator, fuse_bucket, strict=False) as mount:
+        yield mount
+
+
+@pytest.fixture(scope="module")
+def strict(emulator, fuse_bucket):
+    with _mount(emulator, fuse_bucket, strict=True, options=["rename-dir-limit=5"]) as mount:
+        yield mount
+
+
+def _name(prefix="f"):
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _events(mount, name, kind=None):
+    return [e for e in mount.events() if e["object"] == name and (kind is None or e["kind"] == kind)]
+
+
+def _put(mount, name, data=b"0123456789"):
+    with open(mount.mountpoint / name, "wb") as f:
+        f.write(data)
+
+
+def test_new_file_is_an_object_only_at_close_and_fsync_does_not_finalize(mnt, fuse_bucket):
+    name = _name()
+    f = open(mnt.mountpoint / name, "wb")
+    f.write(b"x" * 300_000)
+    f.flush()
+    os.fsync(f.fileno())
+    assert name in os.listdir(mnt.mountpoint)  # the writer's own mount shows the local file
+    assert fuse_bucket.get_blob(name) is None and name not in [b.name for b in fuse_bucket.list_blobs()]
+    f.write(b"y" * 100)
+    f.close()
+    blob = fuse_bucket.get_blob(name)
+    assert blob is not None and blob.size == 300_100 and blob.download_as_bytes()[-100:] == b"y" * 100
+    assert _events(mnt, name, "staged") == []  # a sequential new file streams
+
+
+def test_overwrite_of_an_existing_object_is_staged_and_eio_in_strict_mode(mnt, strict, fuse_bucket):
+    name = _name()
+    _put(mnt, name)
+    with open(mnt.mountpoint / name, "r+b") as f:
+        f.write(b"AB")
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"AB23456789"
+    staged = _events(mnt, name, "staged")
+    assert [(e["cause"], e["bytes"]) for e in staged] == [("overwrite", 10)]
+    with open(strict.mountpoint / name, "r+b", buffering=0) as f:
+        with pytest.raises(OSError) as err:
+            f.write(b"CD")
+        assert err.value.errno == errno.EIO
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"AB23456789"
+
+
+def test_truncation_is_staged_and_eio_in_strict_mode(mnt, strict, fuse_bucket):
+    name = _name()
+    _put(mnt, name)
+    os.truncate(mnt.mountpoint / name, 4)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"0123"
+    assert [e["cause"] for e in _events(mnt, name, "staged")] == ["truncate"]
+    with pytest.raises(OSError) as err:
+        os.truncate(strict.mountpoint / name, 2)
+    assert err.value.errno == errno.EIO and fuse_bucket.get_blob(name).size == 4
+    with pytest.raises(OSError) as err:  # open(O_TRUNC) of an existing object
+        open(strict.mountpoint / name, "wb")
+    assert err.value.errno == errno.EIO and fuse_bucket.get_blob(name).size == 4
+    _put(mnt, name, b"new")
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"new"
+    assert [(e["cause"], e["bytes"]) for e in _events(mnt, name, "staged")] == [("truncate", 4), ("truncate", 3)]
+
+
+def test_out_of_order_write_is_staged_and_eio_in_strict_mode(mnt, strict, fuse_bucket):
+    name = _name()
+    with open(mnt.mountpoint / name, "wb") as f:
+        f.write(b"a" * 10)
+        f.flush()
+        f.seek(100)
+        f.write(b"b")
+    assert fuse_bucket.get_blob(name).size == 101
+    assert [e["cause"] for e in _events(mnt, name, "staged")] == ["out-of-order-write"]
+    other = _name()
+    f = open(strict.mountpoint / other, "wb", buffering=0)
+    f.write(b"a" * 10)
+    with pytest.raises(OSError) as err:
+        os.pwrite(f.fileno(), b"b", 100)
+    assert err.value.errno == errno.EIO
+    f.close()
+    assert fuse_bucket.get_blob(other).size == 10  # what was streamed is finalized at close
+
+
+def test_read_while_writing_finalizes_then_stages_and_is_eio_in_strict_mode(mnt, strict, fuse_bucket):
+    name = _name()
+    f = open(mnt.mountpoint / name, "wb", buffering=0)
+    f.write(b"first")
+    assert (mnt.mountpoint / name).read_bytes() == b"first"
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"first"  # the read finalized it
+    f.write(b"-second")
+    f.close()
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"first-second"
+    assert [e["cause"] for e in _events(mnt, name, "staged")] == ["read-while-writing"]
+    other = _name()
+    g = open(strict.mountpoint / other, "wb", buffering=0)
+    g.write(b"data")
+    with pytest.raises(OSError) as err:
+        (strict.mountpoint / other).read_bytes()
+    assert err.value.errno == errno.EIO
+    g.close()
+    assert fuse_bucket.get_blob(other).download_as_bytes() == b"data"
+
+
+def test_rename_is_copy_then_delete_and_directory_rename_is_refused(mnt, strict, fuse_bucket):
+    name, new = _name(), _name("renamed")
+    _put(mnt, name)
+    os.rename(mnt.mountpoint / name, mnt.mountpoint / new)
+    assert fuse_bucket.get_blob(name) is None and fuse_bucket.get_blob(new).download_as_bytes() == b"0123456789"
+    [event] = _events(mnt, name, "non-atomic-rename")
+    assert event["to"] == new and event["bytes"] == 10
+    folder = _name("dir")
+    os.mkdir(mnt.mountpoint / folder)
+    _put(mnt, f"{folder}/a")
+    with pytest.raises(OSError) as err:  # a flat bucket without rename-dir-limit: EMFILE, as gcsfuse
+        os.rename(mnt.mountpoint / folder, mnt.mountpoint / f"{folder}-moved")
+    assert err.value.errno == errno.EMFILE and fuse_bucket.get_blob(f"{folder}/a") is not None
+    os.rename(strict.mountpoint / folder, strict.mountpoint / f"{folder}-moved")  # rename-dir-limit=5
+    assert fuse_bucket.get_blob(f"{folder}-moved/a") is not None and fuse_bucket.get_blob(f"{folder}/a") is None
+    assert [e.get("objects") for e in _events(strict, folder, "non-atomic-rename")] == [1]
+
+
+def test_rewrite_within_a_second_is_recorded_as_throttled(mnt, fuse_bucket):
+    name = _name()
+    _put(mnt, name, b"one")
+    os.unlink(mnt.mountpoint / name)
+    _put(mnt, name, b"two")  # a new file again, so it streams: only the rate is wrong
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"two"
+    assert len(_events(mnt, name, "throttled-rewrite")) == 1 and _events(mnt, name, "staged") == []
+
+
+def test_second_writer_of_one_object_gets_estale_at_close(mnt, fuse_bucket):
+    name = _name()
+    first = open(mnt.mountpoint / name, "wb")
+    second = open(mnt.mountpoint / name, "wb")
+    first.write(b"first")
+    second.write(b"second")
+    first.close()
+    with pytest.raises(OSError) as err:
+        second.close()
+    assert err.value.errno == errno.ESTALE
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"first"
+    assert len(_events(mnt, name, "estale")) == 1
+
+
+def test_killed_writer_leaves_a_short_object(mnt, fuse_bucket):
+    name = _name()
+    script = ("import os,signal,sys\nf=open(sys.argv[1],'wb',buffering=0)\n"
+              "f.write(b'z'*(1<<20)); os.kill(os.getpid(), signal.SIGKILL); f.write(b'never')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(mnt.mountpoint / name)], check=False)
+    assert proc.returncode == -signal.SIGKILL
+    blob = fuse_bucket.get_blob(name)  # the kernel closed the file: finalized as it was
+    assert blob is not None and blob.size == 1 << 20
+
+
+def test_reads_go_to_storage_each_time_and_are_counted(mnt, fuse_bucket):
+    name = _name()
+    fuse_bucket.blob(name).upload_from_string(b"r" * 200_000)  # through the Storage API
+    for _ in range(2):
+        assert (mnt.mountpoint / name).read_bytes() == b"r" * 200_000
+    assert mnt.stats()["bytesRead"][name] == 400_000
+
+
+def test_fallback_to_folders_when_fuse_is_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setattr(gcsfuse.os.path, "exists", lambda path: path != "/dev/fuse" and os.access(path, os.F_OK))
+    mounts = VolumeMounts(tmp_path, lambda bucket: tmp_path / "gcs" / bucket)
+    assert mounts.kind == "folder"
+    assert mounts.banner() == ("cloud-storage volumes: plain folders, FUSE unavailable (no /dev/fuse); "
+                               "gcsfuse semantics not emulated")
+    assert mounts.local_dir("b") == tmp_path / "gcs" / "b"
+    with pytest.raises(RuntimeError, match="FUSE requested but unavailable: no /dev/fuse"):
+        VolumeMounts(tmp_path, lambda bucket: tmp_path, mode="fuse")
+
+
+def test_job_attempt_records_and_logs_show_the_events_and_bad_mount_options_are_refused(
+        jobs, executions, emulator, bucket, job_id):
+    script = "import os; f = os.environ['F']; open(f, 'w').write('one'); open(f, 'r+').write('two')"
+    spec = make_job("local/sh", env={"F": "/checkpoints/state.txt"}, bucket=bucket.name,
+                    args=[f'{sys.executable} -c "{script}"'])
+    spec.template.template.volumes[0].gcs.mount_options = ["rename-dir-limit=3"]
+    execution = poll_execution(executions, jobs.run_job(name=create(jobs, job_id, spec).name).metadata.name)
+    assert execution.succeeded_count == 1
+    [attempt] = emulator.attempts(execution.name)
+    kinds = {(e["kind"], e.get("cause")) for e in attempt["fuseEvents"]}
+    assert kinds == {("throttled-rewrite", None), ("staged", "overwrite")}
+    assert all(e["execution"] == execution.name.rsplit("/", 1)[-1] for e in attempt["fuseEvents"])
+    log = _read(f"{emulator.endpoint}/_emulator/logs/{execution.name}").decode()
+    assert "==> gcsfuse events <==" in log and "gcsfuse throttled-rewrite: state.txt" in log
+    assert emulator.volumes()["type"] == "fuse" and emulator.volume_dir(bucket.name, ["rename-dir-limit=3"]).is_mount()
+
+    bad = make_job("local/sh", bucket=bucket.name, args=["true"])
+    for option, says in (("--implicit-dirs", "without the leading '--'"), ("cache-everything", "allowed: dir-mode"),
+                         ("rename-dir-limit=x", "needs a non-negative int")):
+        bad.template.template.volumes[0].gcs.mount_options = [option]
+        with pytest.raises(Exception) as err:
+            jobs.create_job(parent=PARENT, job=bad, job_id=f"{job_id}-bad").result(timeout=10)
+        assert "volumes[0].gcs.mount_options[0]" in str(err.value) and says in str(err.value)
+
+
+def test_no_mount_is_left_when_the_emulator_is_hard_killed(tmp_path, images_file, storage_client):
+    emu = EmulatorProcess(tmp_path / "emu", images_file=images_file, grace_seconds=1.0)
+    emu.__enter__()
+    try:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        client = storage.Client(project="p", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": emu.gcs_endpoint})
+        bucket = client.create_bucket(_name("kill"))
+        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                                 client_options={"api_endpoint": emu.endpoint})
+        execs = run_v2.ExecutionsClient(credentials=AnonymousCredentials(), transport="rest",
+                                        client_options={"api_endpoint": emu.endpoint})
+        job = create(jobs, "kill-job", make_job("local/sh", bucket=bucket.name, args=["true"]))
+        poll_execution(execs, jobs.run_job(name=job.name).metadata.name)
+        point = emu.volume_dir(bucket.name)
+        assert point.is_mount()
+    finally:
+        os.kill(emu.pid, signal.SIGKILL)
+        emu._popen.wait()
+    deadline = time.monotonic() + 10
+    while str(point) in Path("/proc/self/mounts").read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert str(point) not in Path("/proc/self/mounts").read_text()
