@@ -223,3 +223,27 @@ def test_local_copy_counts_a_longer_file_and_frees_on_close(tmp_path: Path) -> N
     copy.close()
     with pytest.raises(ValueError, match="size must be >= 0"):
         LocalCopy(-1)
+
+
+def test_a_restore_under_a_file_size_limit_reads_into_memory(tmp_path: Path) -> None:
+    """Where no local file can hold the copy (RLIMIT_FSIZE below the checkpoint's size, as in
+    the disk-full fault test), the restore still reads once, into anonymous memory."""
+    import resource
+    import signal
+
+    box = Box()
+    box.tensor = torch.randn(1 << 16)
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+    size = (tmp_path / "ckpt-00000010.pt").stat().st_size
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, previous[1]))
+    try:
+        storage, restored = CountingStorage(), Box()
+        with _manager(tmp_path, restored, storage) as manager:
+            assert manager.load() and manager.loaded_step == 10
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert torch.equal(restored.tensor, box.tensor) and storage.data_bytes() == size

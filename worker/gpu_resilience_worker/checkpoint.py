@@ -294,6 +294,9 @@ class CheckpointManager:
 
         import torch
 
+        if copy.path is None:  # an in-memory copy (no local file could hold it)
+            assert copy.buffer is not None
+            return torch.load(io.BytesIO(copy.buffer[: copy.size]), map_location="cpu", weights_only=True)
         flags = getattr(torch.serialization, "get_default_mmap_options", lambda: mmap.MAP_PRIVATE)()
         if flags == mmap.MAP_PRIVATE:
             try:

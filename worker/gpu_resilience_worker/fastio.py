@@ -413,8 +413,13 @@ class LocalCopy:
     a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
     when both the copy is closed and those tensors are gone (a mapping outlives its file).
 
+    Where no such file can be made at that size (a file size limit, a full temporary folder),
+    the copy is anonymous memory instead: :attr:`path` is then ``None`` and :attr:`buffer` holds
+    the bytes (loading it costs one more copy of the state while it is deserialized).
+
     :param size: bytes of the copy.
-    :raises OSError: when it cannot be created at that size.
+    :raises ValueError: for a negative size.
+    :raises OSError: when not even anonymous memory of that size can be had.
     """
 
     def __init__(self, size: int) -> None:
@@ -422,17 +427,21 @@ class LocalCopy:
             raise ValueError(f"size must be >= 0, got {size!r}")
         self.size = size
         self._temp: str | None = None
-        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
-            self._fd = os.memfd_create("checkpoint-copy", os.MFD_CLOEXEC)
-            self.path = f"/proc/self/fd/{self._fd}"
-        else:
-            self._fd, self._temp = tempfile.mkstemp(prefix="checkpoint-copy-")
-            self.path = self._temp
+        self._fd = -1
+        self.path: str | None = None
+        self.buffer: mmap.mmap | None = None
         try:
+            if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+                self._fd = os.memfd_create("checkpoint-copy", os.MFD_CLOEXEC)
+                self.path = f"/proc/self/fd/{self._fd}"
+            else:
+                self._fd, self._temp = tempfile.mkstemp(prefix="checkpoint-copy-")
+                self.path = self._temp
             os.ftruncate(self._fd, size)
         except OSError:
             self.close()
-            raise
+            self.path = None
+            self.buffer = mmap.mmap(-1, max(size, 1))
 
     def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
         """Read ``handle`` into the copy in one sequential pass, hashing each piece as it lands.
@@ -447,8 +456,9 @@ class LocalCopy:
         hasher = ChunkHasher(chunk_bytes, digest)
         if self.size == 0:
             return len(handle.read(1) or b""), []
-        with mmap.mmap(self._fd, self.size, access=mmap.ACCESS_WRITE) as mapped:
-            view = memoryview(mapped)
+        with (mmap.mmap(self._fd, self.size, access=mmap.ACCESS_WRITE) if self.buffer is None
+              else memoryview(self.buffer)) as mapped:
+            view = memoryview(mapped)[: self.size]
             pending: list[Future] = []
             position = 0
             try:
@@ -470,6 +480,9 @@ class LocalCopy:
 
     def close(self) -> None:
         """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
