@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import zlib
 import json
 import os
 import queue
@@ -182,10 +183,23 @@ def _digest_of(data: bytes, record: dict) -> str:
     size = record.get("chunk_bytes")
     if not size:
         return hashlib.sha256(data).hexdigest()
-    digests = [hashlib.sha256(data[o : o + size]).digest() for o in range(0, len(data), size)]
+    digests = [_chunk_digest(data[o : o + size], record.get("digest", "sha256")) for o in range(0, len(data), size)]
     if [d.hex() for d in digests] != record["chunks"]:
         return ""
     return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _chunk_digest(chunk: bytes, kind: str) -> bytes:
+    """One chunk's digest, recomputed independently of the worker: sha256 (records without a
+    ``digest`` field), CRC-32 (zlib) or CRC-32C (google-crc32c), big-endian."""
+    if kind == "sha256":
+        return hashlib.sha256(chunk).digest()
+    if kind == "crc32":
+        return zlib.crc32(chunk).to_bytes(4, "big")
+    assert kind == "crc32c", kind
+    import google_crc32c
+
+    return google_crc32c.value(chunk).to_bytes(4, "big")
 
 
 @pytest.fixture

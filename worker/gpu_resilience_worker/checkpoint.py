@@ -9,6 +9,8 @@ protocol of :mod:`gpu_resilience_worker.commit`; its names are re-exported here.
 from __future__ import annotations
 
 import io
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
@@ -17,7 +19,7 @@ from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the chec
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
     ParsedName,
 )
-from gpu_resilience_worker.fastio import SnapshotBuffers
+from gpu_resilience_worker.fastio import LocalCopy, SnapshotBuffers
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
@@ -41,6 +43,24 @@ class Stateful(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state returned by :meth:`state_dict`."""
+
+
+#: Niceness added to the background save thread (Linux: per thread), so that training, which
+#: runs at the process's own priority, gets the cores first when they are all busy.
+BACKGROUND_NICE = 10
+
+
+def _lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE` (Linux; elsewhere, or
+    when refused, nothing happens). The thread ends with the save, so it is never raised again."""
+    get_id = getattr(threading, "get_native_id", None)
+    if get_id is None or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = get_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except OSError:
+        pass
 
 
 class CheckpointSaveError(RuntimeError):
@@ -220,6 +240,7 @@ class CheckpointManager:
         return {key: obj.state_dict() for key, obj in self._states.items()}
 
     def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
+        _lower_thread_priority()
         try:
             self._commit(step, snapshot, started)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
@@ -237,7 +258,7 @@ class CheckpointManager:
         mode = "async" if threading.current_thread() is self._thread else "sync"
         self._log.info("checkpoint saved", step=step, bytes=record.size, seconds=round(seconds, 4),
                        file=self.path(step), mode=mode)
-        for doomed in self._keep_policy.to_delete(self.present_steps(), self.valid_steps()):
+        for doomed in self._keep_policy.to_delete(self.present_steps(), self._store.committed_steps()):
             self._store.delete(doomed)
         self._log_auto_interval()
 
@@ -262,38 +283,42 @@ class CheckpointManager:
             return True
         return False
 
-    def _deserialize(self, step: int) -> Any:
-        """Load a verified data file with the ``weights_only`` unpickler (no code runs).
+    def _deserialize(self, copy: LocalCopy) -> Any:
+        """Load a verified local copy with the ``weights_only`` unpickler (no code runs).
 
-        Local files are memory-mapped privately (copy-on-write: training never writes back into
-        the checkpoint; no copy beyond the one into the states). Other storage, a mapping that
-        fails, or a process whose torch mmap default is not ``MAP_PRIVATE`` read into memory.
+        The copy is memory-mapped privately (copy-on-write: no copy beyond the one into the
+        states). A mapping that fails, or a process whose torch mmap default is not
+        ``MAP_PRIVATE``, reads the copy into memory (never the checkpoint from storage again).
         """
         import mmap
 
         import torch
 
-        path = self.path(step, DATA)
-        local = self._store.storage.local_path(path)
+        if copy.path is None:  # an in-memory copy (no local file could hold it)
+            assert copy.buffer is not None
+            return torch.load(io.BytesIO(copy.buffer[: copy.size]), map_location="cpu", weights_only=True)
         flags = getattr(torch.serialization, "get_default_mmap_options", lambda: mmap.MAP_PRIVATE)()
-        if local is not None and flags == mmap.MAP_PRIVATE:
+        if flags == mmap.MAP_PRIVATE:
             try:
-                return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True)
             except (OSError, RuntimeError) as exc:
                 self._log.debug("memory-mapped load failed; reading into memory", error=str(exc))
-        return torch.load(io.BytesIO(self._store.storage.read(path)), map_location="cpu", weights_only=True)
+        with open(copy.path, "rb") as handle:
+            return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
 
     def _read_state(self, step: int) -> dict[str, Any] | None:
-        ok, reason = self.verify(step)
-        if ok:
+        copy, reason = self._store.read_verified(step)  # the one read of the data
+        if copy is not None:
             try:
-                state = self._deserialize(step)
+                state = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]
                 if not missing:
                     return state
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
+            finally:
+                copy.close()  # a memory-mapped state keeps its pages until it is dropped
         self._log.warning(
             "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason
         )

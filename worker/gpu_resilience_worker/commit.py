@@ -2,16 +2,23 @@
 
 No atomic rename is assumed (GCS FUSE renames by copy and delete). To commit step ``s``:
 
-1. Remove any stale commit record of ``s`` (left by an earlier attempt).
-2. Stream the data to ``ckpt-{s:08d}.pt``, flush, fsync and close it.
-3. Write the commit record ``ckpt-{s:08d}.commit.json`` = ``{step, size, sha256, chunk_bytes,
-   chunks, created_at}`` last, through a temporary name, fsync and rename. ``chunks`` is the
-   data's hash list (the sha256 of every ``chunk_bytes`` bytes) and ``sha256`` the sha256 of the
-   concatenated binary chunk digests, so that the chunks hash in parallel when writing and
-   verifying (:mod:`gpu_resilience_worker.fastio`).
+1. Remove any stale commit record of ``s`` (left by an earlier attempt), then any data file of it:
+   every save creates new objects, never truncates or overwrites one (on Cloud Storage FUSE that
+   would stage the whole file in memory).
+2. Stream the data to ``ckpt-{s:08d}.pt`` sequentially (nothing reads it back), flush, fsync and
+   close it. The commit record follows only a successful ``close()``: on Cloud Storage FUSE the
+   object is created, and an upload error reported, at close.
+3. Write the commit record ``ckpt-{s:08d}.commit.json`` = ``{step, size, digest, sha256,
+   chunk_bytes, chunks, created_at}`` last, through a temporary name, fsync and rename. ``chunks``
+   is the data's hash list (the ``digest`` of every ``chunk_bytes`` bytes: ``crc32c`` or ``crc32``
+   for new checkpoints; records without ``digest``, written by earlier versions, mean ``sha256``)
+   and ``sha256`` the sha256 of the concatenated binary chunk digests
+   (:mod:`gpu_resilience_worker.fastio`).
 
 A checkpoint exists only when its commit record parses and matches the data's size and every
-chunk's sha256. Anything else (a data file with no record, a truncated or corrupted file, a torn
+chunk's digest. A restore reads the data once: into one private local copy
+(:class:`~gpu_resilience_worker.fastio.LocalCopy`), verified while it is read, and loads that
+copy (:meth:`CommitStore.read_verified`). Anything else (a data file with no record, a truncated or corrupted file, a torn
 or oversized record) is ignored by discovery and skipped, with a warning, on load. Stale files
 (temporary names, data without a record) are removed by :meth:`CommitStore.cleanup_stale`, which
 only a writer calls; reading a folder never deletes anything.
@@ -25,8 +32,8 @@ import re
 from typing import Any
 
 from gpu_resilience_worker.fastio import (
-    DIGEST_CHUNK, HashingWriter, file_chunk_digests, root_digest, save_without_crc32,
-    stream_chunk_digests,
+    DIGEST_CHUNK, DIGESTS, HEX_CHARS, HashingWriter, LocalCopy, default_digest, file_chunk_digests,
+    root_digest, save_without_crc32, stream_chunk_digests,
 )
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import Storage
@@ -42,6 +49,7 @@ MIN_CHUNK_BYTES = 4096
 MAX_RECORD_BYTES = 8 << 20
 _NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +102,9 @@ class CommitRecord:
     :param sha256: hex sha256 of the concatenated binary ``chunks`` digests.
     :param created_at: RFC 3339 UTC time of the commit.
     :param chunk_bytes: bytes per entry of ``chunks`` (the last chunk may be shorter).
-    :param chunks: hex sha256 of every ``chunk_bytes`` bytes of the data file, in order.
+    :param chunks: hex ``digest`` of every ``chunk_bytes`` bytes of the data file, in order.
+    :param digest: the chunk digest, one of :data:`~gpu_resilience_worker.fastio.DIGESTS`;
+        default ``sha256`` (what a record without the field means).
     """
 
     step: int
@@ -103,16 +113,21 @@ class CommitRecord:
     created_at: str
     chunk_bytes: int
     chunks: tuple[str, ...]
+    digest: str = "sha256"
 
     @classmethod
     def of_chunks(cls, step: int, size: int, chunks: list[str], created_at: str,
-                  chunk_bytes: int = DIGEST_CHUNK) -> CommitRecord:
+                  chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> CommitRecord:
         """:return: the record of a data file of ``size`` bytes with hash list ``chunks``."""
-        return cls(step, size, root_digest(chunks), created_at, chunk_bytes, tuple(chunks))
+        return cls(step, size, root_digest(chunks), created_at, chunk_bytes, tuple(chunks), digest)
 
     def to_bytes(self) -> bytes:
-        """:return: the record as JSON bytes."""
-        return json.dumps({**dataclasses.asdict(self), "chunks": list(self.chunks)}, sort_keys=True).encode()
+        """:return: the record as JSON bytes (a sha256 record without the ``digest`` field, as
+        earlier versions wrote it)."""
+        obj = {**dataclasses.asdict(self), "chunks": list(self.chunks)}
+        if self.digest == "sha256":
+            del obj["digest"]
+        return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> CommitRecord:
@@ -132,16 +147,19 @@ class CommitRecord:
             raise ValueError("commit record has no valid step or size")
         if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
             raise ValueError("commit record has no valid sha256")
-        chunk_bytes, chunks = obj.get("chunk_bytes"), obj.get("chunks")
+        chunk_bytes, chunks, kind = obj.get("chunk_bytes"), obj.get("chunks"), obj.get("digest", "sha256")
+        if kind not in DIGESTS:
+            raise ValueError(f"commit record's digest must be one of {DIGESTS}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < MIN_CHUNK_BYTES:
             raise ValueError(f"commit record has no valid chunk_bytes (an int >= {MIN_CHUNK_BYTES})")
         if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes):
             raise ValueError(f"commit record's hash list does not cover {size} bytes")
-        if not all(isinstance(c, str) and _HEX64.fullmatch(c) for c in chunks):
+        width = HEX_CHARS[kind]
+        if not all(isinstance(c, str) and len(c) == width and _HEX.fullmatch(c) for c in chunks):
             raise ValueError("commit record's hash list has an invalid digest")
         if root_digest(chunks) != digest:
             raise ValueError("commit record's sha256 does not match its hash list")
-        return cls(step, size, digest, str(obj.get("created_at", "")), chunk_bytes, tuple(chunks))
+        return cls(step, size, digest, str(obj.get("created_at", "")), chunk_bytes, tuple(chunks), kind)
 
 
 class CommitStore:
@@ -157,6 +175,8 @@ class CommitStore:
         self.storage = storage
         self._log = logger
         self._verified: dict[int, str] = {}  # step -> sha256 verified (or written) by this process
+        #: the chunk digest of the checkpoints this store writes (see :func:`default_digest`)
+        self.digest = default_digest()
 
     def path(self, step: int, kind: str = DATA) -> str:
         """:return: the path of the data file or commit record of ``step``."""
@@ -220,20 +240,73 @@ class CommitStore:
                 return False, f"size {size} bytes, commit record says {record.size}"
             local = self.storage.local_path(path)
             if local is not None:
-                size, digests = file_chunk_digests(local, record.chunk_bytes)
+                size, digests = file_chunk_digests(local, record.chunk_bytes, record.digest)
             else:
                 with self.storage.open_read(path) as handle:
-                    size, digests = stream_chunk_digests(handle, record.chunk_bytes)
-        except (OSError, ValueError) as exc:
+                    size, digests = stream_chunk_digests(handle, record.chunk_bytes, record.digest)
+        except (OSError, ValueError, ImportError) as exc:
             return False, f"unreadable data file: {exc}"
+        return self._check(step, record, size, digests)
+
+    def _check(self, step: int, record: CommitRecord, size: int, digests: list[str]) -> tuple[bool, str]:
         if size != record.size:
             return False, f"size {size} bytes, commit record says {record.size}"
         bad = next((i for i, (a, b) in enumerate(zip(digests, record.chunks)) if a != b), None)
         if bad is not None:
             start = bad * record.chunk_bytes
-            return False, f"sha256 of bytes {start}-{min(start + record.chunk_bytes, size) - 1} does not match the commit record"
+            return False, (f"{record.digest} of bytes {start}-{min(start + record.chunk_bytes, size) - 1}"
+                           " does not match the commit record")
         self._verified[step] = record.sha256
         return True, ""
+
+    def read_verified(self, step: int) -> tuple[LocalCopy | None, str]:
+        """Read one checkpoint's data once, sequentially through :meth:`Storage.open_read`, into
+        a private local copy, checking it against its commit record as it is read.
+
+        The copy is what gets loaded, so the bytes loaded are the bytes verified (a file that
+        changes afterwards cannot slip in), and the data is read from storage exactly once.
+        Peak memory: one checkpoint's size (the copy), which a ``mmap=True`` load shares.
+
+        :return: ``(copy, "")`` when valid (the caller closes the copy), else ``(None, reason)``.
+        """
+        record, reason = self.record(step)
+        if record is None:
+            return None, reason
+        path = self.path(step, DATA)
+        copy: LocalCopy | None = None
+        try:
+            size = self.storage.size(path)
+            if size != record.size:
+                return None, f"size {size} bytes, commit record says {record.size}"
+            copy = LocalCopy(size)
+            with self.storage.open_read(path) as handle:
+                size, digests = copy.fill(handle, record.chunk_bytes, record.digest)
+            ok, reason = self._check(step, record, size, digests)
+        except (OSError, ValueError, ImportError) as exc:
+            ok, reason = False, f"unreadable data file: {exc}"
+        if not ok and copy is not None:
+            copy.close()
+            copy = None
+        return copy, reason
+
+    def committed_steps(self) -> list[int]:
+        """:return: newest first, the steps whose commit record is valid and whose data file has
+        the recorded size, data unread (what retention counts as kept: re-reading every kept
+        checkpoint after each save would download it again on Cloud Storage FUSE). Checkpoints
+        this process wrote or verified count without a look at the data."""
+        steps = []
+        for step in self.present_steps(COMMIT):
+            record, _ = self.record(step)
+            if record is None:
+                continue
+            if self._verified.get(step) != record.sha256:
+                try:
+                    if self.storage.size(self.path(step, DATA)) != record.size:
+                        continue
+                except OSError:
+                    continue
+            steps.append(step)
+        return steps
 
     def valid_steps(self) -> list[int]:
         """:return: the steps of committed, verified checkpoints, newest first."""
@@ -247,17 +320,19 @@ class CommitStore:
         """
         data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
         self.storage.remove(commit_path)
+        self.storage.remove(data_path)  # a new object: never truncate an old one
         self._verified.pop(step, None)
         result: dict[str, Any] = {}
+        digest = self.digest
 
         def produce(handle: Any) -> None:
-            writer = HashingWriter(handle)
+            writer = HashingWriter(handle, digest=digest)
             save_without_crc32(state, writer)
             result["chunks"], result["size"] = writer.digests(), writer.size
 
-        self.storage.write(data_path, produce)
+        self.storage.write(data_path, produce)  # raises when close() fails: then no record
         self._log.debug("checkpoint data written", step=step, file=data_path)
-        record = CommitRecord.of_chunks(step, result["size"], result["chunks"], utc_now())
+        record = CommitRecord.of_chunks(step, result["size"], result["chunks"], utc_now(), digest=digest)
         self.storage.write(commit_path, record.to_bytes(), atomic=True)
         self._verified[step] = record.sha256
         return record

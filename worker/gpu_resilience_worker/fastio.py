@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import sys
+import tempfile
 import threading
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO
 
@@ -42,6 +45,109 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+#: Chunk digests a commit record may name: ``sha256`` (the records of earlier versions, which
+#: carry no ``digest`` field), ``crc32c`` (Castagnoli, what Cloud Storage itself checks; computed by
+#: the optional ``google-crc32c`` package) and ``crc32`` (``zlib``, always there).
+DIGESTS = ("sha256", "crc32c", "crc32")
+#: Hex characters of one chunk digest, per algorithm.
+HEX_CHARS = {"sha256": 64, "crc32c": 8, "crc32": 8}
+
+
+class _Crc32:
+    """``zlib.crc32`` behind the ``update``/``hexdigest`` interface of :mod:`hashlib`."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Any) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+_CRC32C_EXTEND: Any = None
+_CRC32C_CHECKED = False
+
+
+def _crc32c_extend() -> Any:
+    """:return: ``crc32c_extend(crc, pointer, length)`` of the C library ``google-crc32c`` ships,
+    through ctypes (no copy of the buffer, the GIL released), or ``None`` when not found."""
+    global _CRC32C_EXTEND, _CRC32C_CHECKED
+    if not _CRC32C_CHECKED:
+        _CRC32C_CHECKED = True
+        try:
+            import glob
+
+            import google_crc32c
+
+            folder = os.path.dirname(os.path.dirname(google_crc32c.__file__))
+            for library in sorted(glob.glob(os.path.join(folder, "google_crc32c.libs", "libcrc32c*.so*"))):
+                function = ctypes.CDLL(library).crc32c_extend
+                function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+                function.restype = ctypes.c_uint32
+                _CRC32C_EXTEND = function
+                break
+        except (ImportError, OSError, AttributeError):
+            _CRC32C_EXTEND = None
+    return _CRC32C_EXTEND
+
+
+class _Crc32c:
+    """CRC-32C behind the ``update``/``hexdigest`` interface of :mod:`hashlib`: ``google-crc32c``'s
+    C library called on the buffer in place where it is writable, its extension module (which
+    takes ``bytes`` only, so a copy) otherwise."""
+
+    def __init__(self) -> None:
+        import google_crc32c
+
+        self._extend = _crc32c_extend()
+        self._module = google_crc32c
+        self._value = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self._extend is not None and not view.readonly and view.nbytes:
+            pointer = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            self._value = self._extend(self._value, pointer, view.nbytes)
+        else:
+            self._value = self._module.extend(self._value, bytes(view))
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+def crc32c_available() -> bool:
+    """:return: whether ``google-crc32c`` is importable with its C (hardware) implementation."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return False
+    return getattr(google_crc32c, "implementation", "") == "c"
+
+
+def default_digest() -> str:
+    """:return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`,
+    else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers in ``worker/README.md``)
+    and, with the size in the commit record, catch a torn or truncated file the same way."""
+    return "crc32c" if crc32c_available() else "crc32"
+
+
+def new_hasher(digest: str) -> Any:
+    """:return: a fresh hasher of ``digest`` with ``update(buffer)`` and ``hexdigest()``.
+
+    :param digest: one of :data:`DIGESTS`.
+    :raises ValueError: for another name; :raises ImportError: for ``crc32c`` without ``google-crc32c``.
+    """
+    if digest == "sha256":
+        return hashlib.sha256()
+    if digest == "crc32":
+        return _Crc32()
+    if digest == "crc32c":
+        return _Crc32c()
+    raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
+
+
 def root_digest(chunks: list[str]) -> str:
     """:return: the sha256 (hex) of the concatenated binary chunk digests of a hash list.
 
@@ -51,22 +157,32 @@ def root_digest(chunks: list[str]) -> str:
     return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
 
 
-def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK) -> list[str]:
-    """:return: the hex sha256 of every ``chunk_bytes`` bytes of ``data`` (empty for no data)."""
+def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> list[str]:
+    """:return: the hex ``digest`` (default sha256) of every ``chunk_bytes`` bytes of ``data``
+    (empty for no data)."""
     view = memoryview(data).cast("B")
-    return [hashlib.sha256(view[o : o + chunk_bytes]).hexdigest() for o in range(0, view.nbytes, chunk_bytes)]
+    out = []
+    for offset in range(0, view.nbytes, chunk_bytes):
+        hasher = new_hasher(digest)
+        hasher.update(view[offset : offset + chunk_bytes])
+        out.append(hasher.hexdigest())
+    return out
 
 
 class ChunkHasher:
-    """The hash list of a byte stream fed in order, chunks hashed on the helper threads.
+    """The hash list of a byte stream fed in order: sha256 chunks hashed on the helper threads,
+    CRC chunks inline on the calling thread (they cost less than handing them over).
 
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+    :param digest: one of :data:`DIGESTS`; default ``sha256``.
     """
 
-    def __init__(self, chunk_bytes: int = DIGEST_CHUNK) -> None:
+    def __init__(self, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
+        new_hasher(digest)  # validates the name
         self.chunk_bytes = chunk_bytes
+        self.digest = digest
         self.size = 0
         self._hashers: list[Any] = []
 
@@ -80,7 +196,7 @@ class ChunkHasher:
         position = 0
         while position < view.nbytes:
             while len(self._hashers) <= self.size // self.chunk_bytes:
-                self._hashers.append(hashlib.sha256())
+                self._hashers.append(new_hasher(self.digest))
             hasher = self._hashers[-1]
             take = min(self.chunk_bytes - self.size % self.chunk_bytes, view.nbytes - position)
             piece = view[position : position + take]
@@ -90,6 +206,10 @@ class ChunkHasher:
                 groups.append((hasher, [piece]))
             position += take
             self.size += take
+        if self.digest != "sha256":  # inline: one pass, on the thread that writes or reads
+            for hasher, pieces in groups:
+                _update_all(hasher, pieces)
+            return []
         pool = _pool()
         return [pool.submit(_update_all, hasher, pieces) for hasher, pieces in groups]
 
@@ -153,13 +273,17 @@ class HashingWriter:
     pieces, starting each piece's writeback; small records are collected in a buffer. Every
     record is hashed before :meth:`write` returns (a view is only valid during the call).
 
+    With a CRC ``digest`` every piece is hashed and then written by the calling thread: one pass
+    over the bytes, no helper thread competing with training.
+
     :param handle: an unbuffered binary file opened for writing, at its start.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+    :param digest: one of :data:`DIGESTS`; default ``sha256``.
     """
 
-    def __init__(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> None:
+    def __init__(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> None:
         self._handle = handle
-        self._hasher = ChunkHasher(chunk_bytes)
+        self._hasher = ChunkHasher(chunk_bytes, digest)
         self._small = bytearray()
         self._written = 0
         try:
@@ -185,10 +309,13 @@ class HashingWriter:
         return view.nbytes
 
     def _overlapped(self, view: memoryview) -> None:
-        pending = self._hasher.submit(view)
+        inline = self._hasher.digest != "sha256"
+        pending = [] if inline else self._hasher.submit(view)
         try:
             for offset in range(0, view.nbytes, CHUNK):
                 piece = view[offset : offset + CHUNK]
+                if inline:  # hash the piece while it is hot in the cache, then write it
+                    self._hasher.submit(piece)
                 _write_all(self._handle, piece)
                 if self._fd is not None:
                     start_writeback(self._fd, self._written, piece.nbytes)
@@ -214,17 +341,17 @@ class HashingWriter:
         return self._hasher.digests()
 
 
-def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int, list[str]]:
+def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
     """The hash list of a local file, its chunks hashed in parallel through a read-only memory
     map (no copy into user buffers; the pages stay cached for a memory-mapped ``torch.load``).
 
     :param path: a local (or FUSE-mounted) file.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
-    :return: ``(size in bytes, hex sha256 per chunk)``.
+    :param digest: one of :data:`DIGESTS`; default ``sha256``.
+    :return: ``(size in bytes, hex digest per chunk)``.
     :raises OSError: when the file cannot be opened or mapped.
     """
-    import mmap
-
+    new_hasher(digest)
     with open(path, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size == 0:
@@ -237,7 +364,7 @@ def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int,
             offsets = range(0, size, chunk_bytes)
             try:
                 for first in range(0, len(offsets), window):  # a bounded number of tasks at a time
-                    futures = [pool.submit(_hex_of, view, o, chunk_bytes) for o in offsets[first : first + window]]
+                    futures = [pool.submit(_hex_of, view, o, chunk_bytes, digest) for o in offsets[first : first + window]]
                     wait(futures)  # every task ends before the map closes, even when one failed
                     digests += [future.result() for future in futures]
             finally:
@@ -245,24 +372,25 @@ def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int,
     return size, digests
 
 
-def _hex_of(view: memoryview, start: int, length: int) -> str:
-    """:return: the hex sha256 of ``view[start : start + length]``, hashed in :data:`CHUNK` pieces."""
-    digest = hashlib.sha256()
+def _hex_of(view: memoryview, start: int, length: int, name: str = "sha256") -> str:
+    """:return: the hex digest of ``view[start : start + length]``, hashed in :data:`CHUNK` pieces."""
+    digest = new_hasher(name)
     end = min(start + length, view.nbytes)
     for offset in range(start, end, CHUNK):
         digest.update(view[offset : min(offset + CHUNK, end)])
     return digest.hexdigest()
 
 
-def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> tuple[int, list[str]]:
+def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
     """The hash list of ``handle`` read to its end, hashing each piece while the next is read.
 
     :param handle: an unbuffered binary file opened for reading.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
-    :return: ``(size in bytes, hex sha256 per chunk)``.
+    :param digest: one of :data:`DIGESTS`; default ``sha256``.
+    :return: ``(size in bytes, hex digest per chunk)``.
     :raises OSError: when reading fails.
     """
-    hasher = ChunkHasher(chunk_bytes)
+    hasher = ChunkHasher(chunk_bytes, digest)
     buffers = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
     pending: list[Future] = []
     index = 0
@@ -275,6 +403,101 @@ def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK) -> t
             return hasher.size, hasher.digests()
         pending = hasher.submit(buffer[:count])
         index += 1
+
+
+class LocalCopy:
+    """A private local copy of a file's bytes that ``torch.load(..., mmap=True)`` can map.
+
+    On Linux it is an anonymous memory file (``memfd_create``), opened by path through
+    ``/proc/self/fd``; elsewhere an unnamed-after-use temporary file. Its pages are the one copy of
+    a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
+    when both the copy is closed and those tensors are gone (a mapping outlives its file).
+
+    Where no such file can be made at that size (a file size limit, a full temporary folder),
+    the copy is anonymous memory instead: :attr:`path` is then ``None`` and :attr:`buffer` holds
+    the bytes (loading it costs one more copy of the state while it is deserialized).
+
+    :param size: bytes of the copy.
+    :raises ValueError: for a negative size.
+    :raises OSError: when not even anonymous memory of that size can be had.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size!r}")
+        self.size = size
+        self._temp: str | None = None
+        self._fd = -1
+        self.path: str | None = None
+        self.buffer: mmap.mmap | None = None
+        try:
+            if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+                self._fd = os.memfd_create("checkpoint-copy", os.MFD_CLOEXEC)
+                self.path = f"/proc/self/fd/{self._fd}"
+            else:
+                self._fd, self._temp = tempfile.mkstemp(prefix="checkpoint-copy-")
+                self.path = self._temp
+            os.ftruncate(self._fd, size)
+        except OSError:
+            self.close()
+            self.path = None
+            self.buffer = mmap.mmap(-1, max(size, 1))
+
+    def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
+        """Read ``handle`` into the copy in one sequential pass, hashing each piece as it lands.
+
+        :param handle: an unbuffered binary file opened for reading, at its start.
+        :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+        :param digest: one of :data:`DIGESTS`; default ``sha256``.
+        :return: ``(bytes read, hex digest per chunk)``; the bytes read stop at :attr:`size`, and
+            one byte more counts (so a file longer than expected does not match).
+        :raises OSError: when reading fails.
+        """
+        hasher = ChunkHasher(chunk_bytes, digest)
+        if self.size == 0:
+            return len(handle.read(1) or b""), []
+        with (mmap.mmap(self._fd, self.size, access=mmap.ACCESS_WRITE) if self.buffer is None
+              else memoryview(self.buffer)) as mapped:
+            view = memoryview(mapped)[: self.size]
+            pending: list[Future] = []
+            position = 0
+            try:
+                while position < self.size:
+                    count = handle.readinto(view[position : min(position + CHUNK, self.size)]) or 0
+                    for future in pending:
+                        future.result()
+                    pending = []
+                    if count == 0:
+                        break
+                    pending = hasher.submit(view[position : position + count])
+                    position += count
+            finally:
+                for future in pending:
+                    future.result()
+                view.release()
+        extra = len(handle.read(1) or b"") if position == self.size else 0
+        return position + extra, hasher.digests()
+
+    def close(self) -> None:
+        """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._temp is not None:
+            try:
+                os.remove(self._temp)
+            except OSError:
+                pass
+            self._temp = None
+
+    def __enter__(self) -> LocalCopy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class SnapshotBuffers:

@@ -68,7 +68,9 @@ class LocalStorage:
     """:class:`Storage` on a local or FUSE-mounted POSIX file system."""
 
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
-        """Write, flush and fsync ``data`` to ``path``.
+        """Write, flush and fsync ``data`` to ``path``, as a new file written sequentially from
+        its start (an existing file is deleted first, never truncated or overwritten in place).
+        Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails.
 
         :param path: destination file.
         :param data: the bytes to write, or a function writing them into the open file.
@@ -78,7 +80,11 @@ class LocalStorage:
         folder = os.path.dirname(path) or "."
         os.makedirs(folder, exist_ok=True)
         target = path + ".tmp" if atomic else path
-        with open(target, "wb", buffering=0) as handle:
+        try:  # a new file every time: truncating an existing object makes GCS FUSE stage it
+            os.remove(target)
+        except FileNotFoundError:
+            pass
+        with open(target, "xb", buffering=0) as handle:
             if callable(data):
                 data(handle)
             else:

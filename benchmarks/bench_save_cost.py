@@ -1,0 +1,430 @@
+"""End-to-end cost of checkpointing, digests, and checkpoint I/O against raw I/O of the same bytes.
+
+``python benchmarks/bench_save_cost.py [--size-mib 256] [--steps 36] [--every 6] [--dir DIR]``
+prints three tables and writes ``benchmarks/results/save_cost.json``:
+
+1. digests: throughput (GB/s) of every chunk digest a commit record may name (sha256 on one
+   thread and as the hash list on the helper threads, zlib CRC-32, CRC-32C when
+   ``google-crc32c`` is importable) over the same buffer;
+2. end-to-end: a training loop (matrix products, ``--steps`` steps) holding a state of
+   ``--size-mib`` MiB, checkpointed by :class:`CheckpointManager` every ``--every`` steps with no
+   saves, synchronous saves and asynchronous saves, with the new chunk digest and with sha256 (the
+   old writer); each run in its own process (its peak RSS from ``getrusage``). The overhead
+   (wall - none) is set against ``saves x bytes / raw write bandwidth``, the raw bandwidth being
+   a sequential write + fsync of the same bytes in the same folder (target: at most 1.2x);
+3. I/O in ``--dir`` (a Cloud Storage FUSE mount, or any folder): a checkpoint write and a restore
+   against a raw sequential write and read of the same bytes there (target: at least 80 %), the
+   bytes a restore reads (target: one checkpoint's size), and the time from a process start to
+   its first training step after a restore against a process start plus one raw read (target:
+   at most 1.5x).
+
+It is a benchmark, not a test: numbers depend on the machine and its load (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "worker"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+MIB = 1 << 20
+CHUNK = 8 << 20
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """:return: ``model`` and ``optimizer`` stateful bags of float32 tensors, ``size_bytes`` in all."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_checkpoint import make_state
+
+    torch.manual_seed(seed)
+    return make_state(size_bytes, seed)
+
+
+def _compute(steps: int, hidden: int) -> Any:
+    """:return: a function doing one 'training step' (a fixed amount of matrix products)."""
+    import torch
+
+    a = torch.randn(hidden, hidden)
+    b = torch.randn(hidden, hidden)
+
+    def step() -> None:
+        c = a
+        for _ in range(4):
+            c = torch.tanh(c @ b)
+
+    return step
+
+
+def child_train(args: argparse.Namespace) -> dict[str, Any]:
+    """One end-to-end run in this process: build the state, train, save on the interval."""
+    import torch
+
+    from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
+    from gpu_resilience_worker.logs import StructuredLogger
+
+    states = _state(args.size_mib * MIB)
+    step = _compute(args.steps, args.hidden)
+    folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
+    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
+    logger = StructuredLogger(open(os.devnull, "w"))
+    started = time.perf_counter()
+    if mode is None:
+        for _ in range(args.steps):
+            step()
+            for bag in states.values():  # the optimizer touches its state every step
+                next(iter(bag.tensors.values())).add_(1e-6)
+        saves, written = 0, 0
+    else:
+        config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
+        with CheckpointManager(config, states, logger=logger) as manager:
+            if args.digest != "default":
+                manager._store.digest = args.digest
+            for number in range(1, args.steps + 1):
+                step()
+                for bag in states.values():
+                    next(iter(bag.tensors.values())).add_(1e-6)
+                manager.save(number)
+        saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
+    wall = time.perf_counter() - started
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
+            "threads": torch.get_num_threads()}
+
+
+def raw_write(path: Path, size: int) -> float:
+    """:return: seconds of a sequential write + fsync of ``size`` bytes to the new file ``path``."""
+    buffer = memoryview(os.urandom(CHUNK))
+    started = time.perf_counter()
+    with open(path, "xb", buffering=0) as handle:
+        left = size
+        while left:
+            take = min(left, CHUNK)
+            handle.write(buffer[:take])
+            left -= take
+        os.fsync(handle.fileno())
+    return time.perf_counter() - started
+
+
+def raw_read(path: Path) -> tuple[float, int]:
+    """:return: (seconds, bytes) of one sequential read of ``path`` into one reused buffer."""
+    buffer = bytearray(CHUNK)
+    started, total = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            count = handle.readinto(buffer)
+            if not count:
+                break
+            total += count
+    return time.perf_counter() - started, total
+
+
+def _drop(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def bench_digests(size: int) -> dict[str, float]:
+    """:return: GB/s of each chunk digest over ``size`` random bytes (best of 3)."""
+    from gpu_resilience_worker.fastio import ChunkHasher, crc32c_available, new_hasher
+
+    data = memoryview(bytearray(os.urandom(size)))
+    out: dict[str, float] = {}
+
+    def best(action: Any) -> float:
+        seconds = min(_timed(action) for _ in range(3))
+        return round(size / seconds / 1e9, 3)
+
+    def one(kind: str) -> Any:
+        def run() -> None:
+            hasher = new_hasher(kind)
+            for offset in range(0, size, CHUNK):
+                hasher.update(data[offset : offset + CHUNK])
+            hasher.hexdigest()
+        return run
+
+    out["sha256 (1 thread)"] = best(one("sha256"))
+
+    def listed() -> None:
+        hasher = ChunkHasher(digest="sha256")
+        for future in hasher.submit(data):
+            future.result()
+
+    out["sha256 hash list (helper threads)"] = best(listed)
+    out["crc32 (zlib)"] = best(one("crc32"))
+    if crc32c_available():
+        out["crc32c (google-crc32c)"] = best(one("crc32c"))
+    out["memcpy"] = best(lambda: bytearray(data))
+    return out
+
+
+def _timed(action: Any) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def _child(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--size-mib", str(args.size_mib), "--steps", str(args.steps),
+               "--every", str(args.every), "--hidden", str(args.hidden), "--dir", args.dir, *extra]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"child {extra} failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class _Counting:
+    """Wraps a file opened for reading and counts the bytes read."""
+
+    def __init__(self, handle: BinaryIO, counter: list[int]) -> None:
+        self._handle, self._counter = handle, counter
+
+    def readinto(self, buffer: Any) -> int:
+        count = self._handle.readinto(buffer) or 0
+        self._counter[0] += count
+        return count
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._handle.read(size)
+        self._counter[0] += len(data)
+        return data
+
+    def __enter__(self) -> _Counting:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.close()
+
+
+def child_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """A restarted worker: import, build the model, restore the newest checkpoint, one step.
+    With ``--raw``: import, build the model, one raw read of the checkpoint file, one step."""
+    from gpu_resilience_worker.checkpoint import CheckpointConfig, CheckpointManager
+    from gpu_resilience_worker.logs import StructuredLogger
+    from gpu_resilience_worker.storage import LocalStorage
+
+    import bench_checkpoint
+
+    counter = [0]
+
+    class CountingStorage(LocalStorage):
+        def open_read(self, path: str) -> BinaryIO:
+            handle = super().open_read(path)
+            return _Counting(handle, counter) if path.endswith(".pt") else handle  # type: ignore[return-value]
+
+        def read(self, path: str) -> bytes:
+            data = super().read(path)
+            if path.endswith(".pt"):
+                counter[0] += len(data)
+            return data
+
+    states = bench_checkpoint.empty_like_state(_state(args.size_mib * MIB))
+    step = _compute(1, args.hidden)
+    folder = Path(args.dir) / "restore"
+    if args.raw:
+        data = sorted(folder.glob("ckpt-*.pt"))[-1]
+        _, counter[0] = raw_read(data)
+    else:
+        config = CheckpointConfig(folder=str(folder), interval=0)
+        with CheckpointManager(config, states, storage=CountingStorage(),
+                               logger=StructuredLogger(open(os.devnull, "w"))) as manager:
+            assert manager.load(), "no checkpoint restored"
+    step()
+    return {"first_step_at": time.time(), "bytes_read": counter[0], "peak_rss_bytes": _rss_peak_bytes()}
+
+
+def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
+    """Checkpoint write/restore in ``--dir`` against raw sequential I/O of the same bytes there."""
+    from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
+    from gpu_resilience_worker.logs import StructuredLogger
+
+    import bench_checkpoint
+
+    folder = Path(args.dir) / "restore"
+    folder.mkdir(parents=True, exist_ok=True)
+    states = _state(args.size_mib * MIB)
+    logger = StructuredLogger(open(os.devnull, "w"))
+    config = CheckpointConfig(folder=str(folder), interval=1, keep_latest_k=2, async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, states, logger=logger) as manager:
+        write_s = _timed(lambda: manager.save(1, force=True))
+        size = manager.stats.sizes[-1]
+    raw_file = Path(args.dir) / "raw.bin"
+    raw_file.unlink(missing_ok=True)
+    raw_write_s = raw_write(raw_file, size)
+    _drop(raw_file)
+    raw_read_s, _ = raw_read(raw_file)
+    data_file = folder / "ckpt-00000001.pt"
+    _drop(data_file)
+    fresh = bench_checkpoint.empty_like_state(states)
+    data_object = os.path.relpath(data_file, mount.mountpoint) if mount is not None else None
+    before = mount.stats()["bytesRead"].get(data_object, 0) if mount is not None else 0
+    with CheckpointManager(CheckpointConfig(folder=str(folder), interval=0), fresh, logger=logger) as manager:
+        restore_s = _timed(manager.load)
+    fuse_read = mount.stats()["bytesRead"].get(data_object, 0) - before if mount is not None else None
+    raw_file.unlink()
+    del states, fresh
+    _drop(data_file)
+    started = time.time()
+    restored = _child(["--child", "restart"], args)
+    restart_s = restored["first_step_at"] - started
+    _drop(data_file)
+    started = time.time()
+    raw = _child(["--child", "restart", "--raw"], args)
+    raw_start_s = raw["first_step_at"] - started
+    return {
+        "bytes": size, "checkpoint_write_s": write_s, "raw_write_s": raw_write_s,
+        "write_ratio": raw_write_s / write_s, "restore_s": restore_s, "raw_read_s": raw_read_s,
+        "restore_ratio": raw_read_s / restore_s, "bytes_read_per_restore": restored["bytes_read"],
+        "restart_to_first_step_s": restart_s, "start_plus_raw_read_s": raw_start_s,
+        "restart_ratio": restart_s / raw_start_s, "restart_peak_rss_bytes": restored["peak_rss_bytes"],
+        "raw_start_peak_rss_bytes": raw["peak_rss_bytes"], "fuse_bytes_read_per_restore": fuse_read,
+        "fuse_events": mount.stats() if mount is not None else None,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    import common
+
+    lines = common.machine_lines(result["machine"])
+    lines.append(f"state {result['size_mib']} MiB, {result['steps']} steps, a save every {result['every']} steps; "
+                 f"folder {result['dir']} ({result['dir_kind']}); nice {result['nice']}")
+    lines.append("")
+    lines.append("chunk digests (GB/s, best of 3)")
+    for name, rate in result["digests"].items():
+        lines.append(f"  {name:36s} {rate:8.3f}")
+    lines.append("")
+    bandwidth = result["raw_write_bytes_per_s"]
+    lines.append(f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)")
+    lines.append(f"  (wall: the fastest of {result['repeats']} interleaved runs, the one least slowed by other load)")
+    lines.append(f"  {'mode':22s} {'wall s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>6s} {'peak RSS GB':>11s}")
+    for name, run in result["runs"].items():
+        ideal = run["bytes_written"] / bandwidth
+        overhead = run["wall_s"] - result["runs"]["none"]["wall_s"]
+        ratio = f"{overhead / ideal:6.2f}" if ideal else "     -"
+        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio} "
+                     f"{run['peak_rss_bytes'] / 1e9:11.2f}")
+    io = result.get("io")
+    if io:
+        lines.append("")
+        lines.append(f"I/O in the folder ({io['bytes'] / 1e6:.0f} MB checkpoint)")
+        lines.append(f"  checkpoint write {io['checkpoint_write_s']:.2f} s vs raw write {io['raw_write_s']:.2f} s: "
+                     f"{100 * io['write_ratio']:.0f} % of raw (target >= 80 %)")
+        lines.append(f"  restore {io['restore_s']:.2f} s vs raw read {io['raw_read_s']:.2f} s: "
+                     f"{100 * io['restore_ratio']:.0f} % of raw (target >= 80 %)")
+        lines.append(f"  bytes read per restore {io['bytes_read_per_restore']} = "
+                     f"{io['bytes_read_per_restore'] / io['bytes']:.2f} x the checkpoint (target 1)")
+        if io.get("fuse_bytes_read_per_restore") is not None:
+            events = io["fuse_events"]
+            lines.append(f"  FUSE volume's count of bytes read per restore {io['fuse_bytes_read_per_restore']}; "
+                         f"staged writes {events['staged']}, throttled rewrites {events['throttled']}, "
+                         f"non-atomic renames {events['nonAtomicRenames']}")
+        lines.append(f"  restart to first step {io['restart_to_first_step_s']:.2f} s vs start + raw read "
+                     f"{io['start_plus_raw_read_s']:.2f} s: {io['restart_ratio']:.2f} x (target <= 1.5)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256)")
+    parser.add_argument("--steps", type=int, default=36, help="training steps per run (default 36)")
+    parser.add_argument("--every", type=int, default=6, help="steps between saves (default 6)")
+    parser.add_argument("--hidden", type=int, default=512, help="matrix size of the compute (default 512)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved; the fastest counts (default 3)")
+    parser.add_argument("--dir", default=None, help="folder of the checkpoints (default a temp dir)")
+    parser.add_argument("--dir-kind", default="local folder", help="what --dir is, for the report")
+    parser.add_argument("--skip-e2e", action="store_true", help="only the digests and the I/O table")
+    parser.add_argument("--fuse", action="store_true",
+                        help="run in a strict-mode Cloud Storage FUSE volume of the emulator mounted under --dir")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "save_cost.json"))
+    parser.add_argument("--child", choices=("train", "restart"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--digest", default="default", help=argparse.SUPPRESS)
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.size_mib <= 0 or args.steps <= 0 or args.every <= 0:
+        parser.error("--size-mib, --steps and --every must be > 0")
+    if args.child:
+        result = child_train(args) if args.child == "train" else child_restart(args)
+        print(json.dumps(result))
+        return 0
+    import common
+
+    temp = None
+    if args.dir is None:
+        temp = tempfile.TemporaryDirectory(prefix="bench-save-cost-", dir=str(REPO / ".bench") if (REPO / ".bench").is_dir() else None)
+        args.dir = temp.name
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    from gpu_resilience_worker.fastio import default_digest
+
+    result: dict[str, Any] = {"machine": common.machine_info(), "size_mib": args.size_mib, "steps": args.steps,
+                              "every": args.every, "repeats": args.repeats, "dir": args.dir, "dir_kind": args.dir_kind,
+                              "nice": os.nice(0), "default_digest": default_digest()}
+    result["digests"] = bench_digests(min(args.size_mib, 256) * MIB)
+    raw_file = Path(args.dir) / "raw-bandwidth.bin"
+    raw_file.unlink(missing_ok=True)
+    probe = args.size_mib * MIB
+    result["raw_write_bytes_per_s"] = probe / raw_write(raw_file, probe)
+    raw_file.unlink()
+    runs: dict[str, Any] = {}
+    if not args.skip_e2e:
+        samples: dict[str, list[dict[str, Any]]] = {}
+        for repeat in range(args.repeats):  # interleaved, so that a change of load hits every mode
+            for mode, digest in (("none", "default"), ("sync", "default"), ("async", "default"),
+                                 ("sync", "sha256"), ("async", "sha256")):
+                name = mode if digest == "default" else f"{mode} (sha256, old)"
+                run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
+                samples.setdefault(name, []).append(run)
+                print(f"{repeat}: {name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
+        for name, got in samples.items():
+            walls = sorted(r["wall_s"] for r in got)
+            runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
+                          "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
+    result["runs"] = runs
+    if args.fuse:
+        from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
+
+        base = Path(args.dir)
+        with GcsFuseMount(base / "bucket", base / "mnt", base / "state", strict=True) as mount:
+            args.dir = str(mount.mountpoint)
+            result["dir"], result["dir_kind"] = args.dir, "emulator's Cloud Storage FUSE volume, strict mode"
+            result["io"] = bench_io(args, mount)
+    else:
+        result["io"] = bench_io(args)
+    result["machine"]["load_at_end"] = common.load()
+    if temp is not None:
+        temp.cleanup()
+    if not runs:
+        result["runs"] = {"none": {"wall_s": 0.0, "bytes_written": 0, "peak_rss_bytes": 0}}
+    print(render(result))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
