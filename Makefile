@@ -11,7 +11,7 @@ PY2 := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
 # the bundled worker's torch and the benchmarks' plots.
-EXTRAS := emulator,examples,dev
+EXTRAS := emulator,examples,dev,deployment
 # The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra.
 WORKER_EXTRAS := trainer
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
@@ -19,7 +19,7 @@ WORKER_EXTRAS := trainer
 # two end-to-end runs through `airflow dags test`).
 AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 
-.PHONY: venv venv-airflow2 demo test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
+.PHONY: venv venv-airflow2 demo stack test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ $(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
+# emulators) on loopback until Ctrl-C; it prints the UI's address and login.
+stack: $(STAMP)
+	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
