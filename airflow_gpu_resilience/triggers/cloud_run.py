@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -102,6 +103,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         self.carry = carry
         self.cancel_on_kill = cancel_on_kill
         self._cancel_sent = False
+        self._cancelling: asyncio.Future | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """The trigger's dotted class path and exactly its constructor arguments."""
@@ -146,9 +148,17 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
             async for event in self._poll():
                 yield event
         except asyncio.CancelledError:
-            if self.cancel_on_kill and not self._cancel_sent and await self._killed_by_user():
-                await self._cancel("the task instance is no longer deferred")
+            if self.cancel_on_kill and not self._cancel_sent:
+                # Shielded: the triggerer repeats the cancellation while the trigger runs, which
+                # must not stop the state check or the cancel request half-way.
+                self._cancelling = asyncio.ensure_future(self._cancel_if_killed_by_user())
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self._cancelling)
             raise
+
+    async def _cancel_if_killed_by_user(self) -> None:
+        if await self._killed_by_user():
+            await self._cancel("the task instance is no longer deferred")
 
     async def _poll(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
@@ -176,6 +186,9 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """Cancel the execution when a user kills the deferred task (if ``cancel_on_kill``)."""
+        if self._cancelling is not None:  # run() saw the cancellation first: let it finish
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._cancelling)
         if self.cancel_on_kill and not self._cancel_sent:
             await self._cancel("task killed by a user")
 

@@ -143,12 +143,14 @@ def test_run_keeps_polling_through_errors_that_outlast_the_hooks_retries(hook, j
 
 def _cancel_run_while_polling(execution: str, state: str, monkeypatch) -> None:
     """Run the trigger, then cancel its task with no message (as a triggerer does when the
-    message gets lost, and as Airflow before 3.3 always does), the task instance in ``state``."""
+    message gets lost, and as Airflow before 3.3 always does), twice (the triggerer repeats it
+    while the trigger has not ended), the task instance in ``state``."""
     from types import SimpleNamespace
 
     import airflow_gpu_resilience.triggers.cloud_run as module
 
     async def fake_state(ti):
+        await asyncio.sleep(0.5)  # a slow answer: the triggerer repeats the cancel meanwhile
         return state
 
     monkeypatch.setattr(module, "_task_instance_state", fake_state)
@@ -159,8 +161,11 @@ def _cancel_run_while_polling(execution: str, state: str, monkeypatch) -> None:
         polling = asyncio.ensure_future(anext(trigger.run()))
         await asyncio.sleep(1.0)
         polling.cancel()
+        await asyncio.sleep(0.2)
+        polling.cancel()  # the triggerer cancels again at each loop until the trigger has ended
         with pytest.raises(asyncio.CancelledError):
             await polling
+        await asyncio.sleep(3.0)  # the triggerer's loop keeps running; so does the shielded cancel
 
     asyncio.run(cancel_while_polling())
 
