@@ -13,7 +13,7 @@ What it starts, in order, each in its own process group, each waited for until h
    only). Run as root, PostgreSQL runs as the unprivileged ``postgres`` OS user (it refuses
    root).
 2. The Cloud Run emulator with its embedded GCS emulator (``python -m
-   airflow_gpu_resilience.emulator serve``; the worker image maps to ``python -m worker``
+   airflow_gpu_resilience.emulator serve``; the worker image maps to ``python -m gpu_resilience_worker``
    through ``worker/emulator-image.json``).
 3. ``airflow db migrate`` on that database, then ``airflow api-server``, ``scheduler`` (with
    ``LocalExecutor``), ``dag-processor`` and ``triggerer`` as four processes, with ``dags/`` as
@@ -95,7 +95,7 @@ def find_pg_bin() -> Path:
     if on_path:
         return Path(on_path).parent
     raise StackError("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb, no initdb on PATH): "
-                     "`apt-get install -y postgresql` (.ci/run does this when it runs as root), or set PG_BIN")
+                     "`apt-get install -y postgresql` (scripts/system_packages.sh does this as root), or set PG_BIN")
 
 
 class _Proc:
