@@ -440,9 +440,12 @@ def test_browser_logs_in_and_finds_both_extra_links_on_the_execute_task(campaign
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         wait.until(lambda b: "/auth/login" not in b.current_url and "login" not in b.current_url.lower())
         browser.get(f"{stack.api_url}/dags/{DAG_ID}/runs/{r['run_id']}/tasks/execute_job")
+        # The task instance page; its Details tab lists the extra links (as links).
+        wait.until(ec.element_to_be_clickable(
+            (By.XPATH, "//a[normalize-space()='Details' and contains(@href, '/tasks/execute_job/details')]"))).click()
+        wait.until(ec.presence_of_element_located((By.XPATH, "//*[normalize-space()='Extra Links']")))
         for name in ("Cloud Run execution", "Cloud Run execution logs"):
-            wait.until(ec.presence_of_element_located((By.XPATH, f"//a[normalize-space()='{name}'] | "
-                                                                 f"//*[self::a or self::button][.//text()[normalize-space()='{name}']]")))
+            wait.until(ec.presence_of_element_located((By.XPATH, f"//a[normalize-space()='{name}']")))
         time.sleep(1.0)  # let the page settle for the screenshot
         browser.save_screenshot(str(output_dir / "execute_job-task-instance.png"))
         (output_dir / "execute_job-task-instance.html").write_text(browser.page_source)
@@ -451,10 +454,9 @@ def test_browser_logs_in_and_finds_both_extra_links_on_the_execute_task(campaign
         page = browser.find_element(By.TAG_NAME, "body").text
     finally:
         browser.quit()
-    assert "execute_job" in page
+    assert "execute_job" in page and "Extra Links" in page and "success" in page.lower()
     links = campaign.tis.get_extra_links(DAG_ID, r["run_id"], "execute_job").extra_links
+    assert set(links) == {"Cloud Run execution", "Cloud Run execution logs"}
     for name, url in links.items():
-        assert name in page, f"extra link {name!r} is not on the task instance page"
-        if name in anchors:
-            assert anchors[name] == url, (name, anchors[name], url)
+        assert anchors.get(name) == url, f"the page's {name!r} link is {anchors.get(name)!r}, the REST API's {url!r}"
     record_timing("browser: login, task page, screenshot", seconds=round(time.monotonic() - begin, 1))
