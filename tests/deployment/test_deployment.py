@@ -23,8 +23,10 @@ Run job and bucket (the ``campaign`` fixture), and the tests then assert on what
   its execute task's process SIGKILLed while it polls; Airflow's retry (``default_task_retries
   = 1``) attaches to the running execution.
 
-Cost: about 5 to 7 minutes on 2 idle cores (stack start-up 30 to 90 s, phase 1 about 3 min,
-phase 2 about 1.5 min, the browser 15 s).
+Cost: measured 23 min on 2 cores under a load average of 15 to 20 (other jobs; stack start-up
+90 s, phase 1 15 min, phase 2 4 min, the browser 35 s); with the cores to itself, the training
+(3600 steps at 0.05 s, about 3 min) and the task start-ups dominate, an estimated 6 to 8 minutes,
+not measured yet.
 """
 
 from __future__ import annotations
