@@ -23,10 +23,10 @@ Run job and bucket (the ``campaign`` fixture), and the tests then assert on what
   its execute task's process SIGKILLed while it polls; Airflow's retry (``default_task_retries
   = 1``) attaches to the running execution.
 
-Cost: measured 23 min on 2 cores under a load average of 15 to 20 (other jobs; stack start-up
-90 s, phase 1 15 min, phase 2 4 min, the browser 35 s); with the cores to itself, the training
-(3600 steps at 0.05 s, about 3 min) and the task start-ups dominate, an estimated 6 to 8 minutes,
-not measured yet.
+Cost: measured 12 min on 2 cores at a load average of 6 to 8 from other jobs (phase 1 8.5 min,
+phase 2 2 min, the browser 15 s), 23 min at a load of 15 to 20; with idle cores an estimated
+6 to 8 minutes (the training, 3600 steps at 0.05 s, and the task start-ups dominate), not
+measured.
 """
 
 from __future__ import annotations
