@@ -11,16 +11,19 @@ PY2 := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
 # the bundled worker's torch and the benchmarks' plots.
-EXTRAS := emulator,examples,dev
+EXTRAS := emulator,examples,dev,deployment
+# Airflow 2.11 runs no deployment tests (they need Airflow 3's API server): no deployment extra there.
+EXTRAS_AIRFLOW2 := emulator,examples,dev
 # The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra
-# and the framework integrations' extras (their tests run in CI).
+# and the framework integrations' extras (their tests run in CI, on Airflow 3's environment only).
 WORKER_EXTRAS := trainer,transformers,lightning
+WORKER_EXTRAS_AIRFLOW2 := trainer
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
 # two end-to-end runs through `airflow dags test`).
 AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 
-.PHONY: venv venv-airflow2 demo test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
+.PHONY: venv venv-airflow2 demo stack test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
@@ -36,11 +39,16 @@ venv-airflow2: $(STAMP2)
 $(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/airflow2.txt
 	test -x $(PY2) || $(PYTHON) -m venv $(VENV2)
 	$(PY2) -m pip install --quiet --upgrade pip
-	$(PY2) -m pip install --quiet -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]'
+	$(PY2) -m pip install --quiet -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS_AIRFLOW2)]' -e './worker[$(WORKER_EXTRAS_AIRFLOW2)]'
 	touch $(STAMP2)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
+# emulators) on loopback until Ctrl-C; it prints the UI's address and login.
+stack: $(STAMP)
+	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

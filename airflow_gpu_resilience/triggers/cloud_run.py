@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 from google.api_core import exceptions as gexc
 
-from airflow_gpu_resilience.compat import BaseTrigger, TriggerEvent
+from airflow_gpu_resilience.compat import AIRFLOW_V_3_0_PLUS, BaseTrigger, TriggerEvent
 
 from airflow_gpu_resilience.hooks.cloud_run import (
     TRANSIENT_ERRORS,
@@ -70,8 +71,15 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     :param poll_interval: seconds between polls (default 10).
     :param timeout: seconds to wait in total before a ``timeout`` event; ``None`` waits forever.
     :param carry: JSON-able dict echoed back in the event (default ``None``).
-    :param cancel_on_kill: cancel the execution when a user kills the deferred task
-        (:meth:`on_kill`; default ``True``). Not on triggerer restarts or timeouts.
+    :param cancel_on_kill: cancel the execution when a user kills the deferred task (marks it
+        failed or success, or clears it; default ``True``). Not on triggerer restarts, shutdowns
+        or timeouts. Airflow 3.3+ calls :meth:`on_kill` for such a user action, but only when the
+        cancellation's message survives every ``await`` under ``run`` (one inside the Google
+        client or a thread hand-off can drop it), and older Airflow never calls it; so ``run``
+        also catches the cancellation and, when the task instance is no longer deferred (its
+        state read back as the Google provider's triggers do: from the triggerer's supervisor on
+        Airflow 3, from the database on Airflow 2), cancels the execution itself. The execution
+        is cancelled once either way.
     """
 
     def __init__(
@@ -94,6 +102,8 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         self.timeout = timeout
         self.carry = carry
         self.cancel_on_kill = cancel_on_kill
+        self._cancel_sent = False
+        self._cancelling: asyncio.Future | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """The trigger's dotted class path and exactly its constructor arguments."""
@@ -134,6 +144,23 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll with ``asyncio.sleep`` until the execution finishes or ``timeout`` passes."""
+        try:
+            async for event in self._poll():
+                yield event
+        except asyncio.CancelledError:
+            if self.cancel_on_kill and not self._cancel_sent:
+                # Shielded: the triggerer repeats the cancellation while the trigger runs, which
+                # must not stop the state check or the cancel request half-way.
+                self._cancelling = asyncio.ensure_future(self._cancel_if_killed_by_user())
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self._cancelling)
+            raise
+
+    async def _cancel_if_killed_by_user(self) -> None:
+        if await self._killed_by_user():
+            await self._cancel("the task instance is no longer deferred")
+
+    async def _poll(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
         watch = ExecutionWatch(self.poll_interval, self.timeout, time.monotonic())
         while True:
@@ -159,10 +186,56 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """Cancel the execution when a user kills the deferred task (if ``cancel_on_kill``)."""
-        if not self.cancel_on_kill:
-            return
-        self.log.info("Task killed by a user: cancelling execution %s", self.execution)
+        if self._cancelling is not None:  # run() saw the cancellation first: let it finish
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._cancelling)
+        if self.cancel_on_kill and not self._cancel_sent:
+            await self._cancel("task killed by a user")
+
+    async def _cancel(self, why: str) -> None:
+        self._cancel_sent = True
+        self.log.info("Cancelling execution %s: %s", self.execution, why)
         try:
             await self._hook().cancel_execution(self.execution)
         except gexc.NotFound:
             self.log.info("Execution %s no longer exists", self.execution)
+        except gexc.FailedPrecondition as exc:  # already finished or cancelled
+            self.log.info("Execution %s not cancelled: %s", self.execution, exc)
+
+    async def _killed_by_user(self) -> bool:
+        """Whether the task instance has left ``deferred`` for a state only a user (or the task's
+        end) gives it: not ``scheduled`` (an Airflow defer timeout), ``queued`` or ``running``;
+        ``False`` when the state cannot be read (a triggerer going down must never cancel)."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return False
+        try:
+            state = await _task_instance_state(ti)
+        except Exception as exc:  # the triggerer may be shutting down: keep the execution
+            self.log.warning("Could not read the state of %s (%s): execution %s left running", ti, exc,
+                             self.execution)
+            return False
+        self.log.info("Trigger cancelled; task instance state: %s", state)
+        return state not in ("deferred", "scheduled", "queued", "running", "up_for_reschedule")
+
+
+async def _task_instance_state(ti) -> str | None:
+    """The current state of ``ti`` (the trigger's task instance), as a string or ``None``."""
+    if AIRFLOW_V_3_0_PLUS:
+        from asgiref.sync import sync_to_async
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+            dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id], map_index=ti.map_index)
+        state = states.get(ti.run_id, {}).get(ti.task_id)
+    else:
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+
+        def read():
+            with create_session() as session:
+                return session.query(TaskInstance.state).filter_by(
+                    dag_id=ti.dag_id, task_id=ti.task_id, run_id=ti.run_id, map_index=ti.map_index).scalar()
+
+        state = await asyncio.to_thread(read)
+    return None if state is None else str(getattr(state, "value", state))

@@ -139,3 +139,48 @@ def test_run_keeps_polling_through_errors_that_outlast_the_hooks_retries(hook, j
     monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, deadline=0.2))
     faults(failNext=8, codes=[503, 429])
     assert run_trigger(execution)["status"] == "succeeded"
+
+
+def _cancel_run_while_polling(execution: str, state: str, monkeypatch) -> None:
+    """Run the trigger, then cancel its task with no message (as a triggerer does when the
+    message gets lost, and as Airflow before 3.3 always does), twice (the triggerer repeats it
+    while the trigger has not ended), the task instance in ``state``."""
+    from types import SimpleNamespace
+
+    import airflow_gpu_resilience.triggers.cloud_run as module
+
+    async def fake_state(ti):
+        await asyncio.sleep(0.5)  # a slow answer: the triggerer repeats the cancel meanwhile
+        return state
+
+    monkeypatch.setattr(module, "_task_instance_state", fake_state)
+    trigger = CloudRunGpuExecutionTrigger(execution=execution, poll_interval=0.1)
+    trigger.task_instance = SimpleNamespace(dag_id="d", task_id="t", run_id="r", map_index=-1)
+
+    async def cancel_while_polling():
+        polling = asyncio.ensure_future(anext(trigger.run()))
+        await asyncio.sleep(1.0)
+        polling.cancel()
+        await asyncio.sleep(0.2)
+        polling.cancel()  # the triggerer cancels again at each loop until the trigger has ended
+        with pytest.raises(asyncio.CancelledError):
+            await polling
+        await asyncio.sleep(3.0)  # the triggerer's loop keeps running; so does the shielded cancel
+
+    asyncio.run(cancel_while_polling())
+
+
+def test_run_cancelled_after_the_user_marked_the_task_failed_cancels_the_execution(hook, job_name, monkeypatch):
+    execution = start(hook, job_name, ["sleep", "60"])
+    _cancel_run_while_polling(execution, "failed", monkeypatch)
+    assert run_trigger(execution)["status"] == "cancelled"
+
+
+def test_run_cancelled_while_still_deferred_leaves_the_execution_running(hook, job_name, monkeypatch):
+    """A triggerer shutdown or restart cancels the trigger with the task still deferred."""
+    execution = start(hook, job_name, ["sleep", "60"])
+    try:
+        _cancel_run_while_polling(execution, "deferred", monkeypatch)
+        assert run_trigger(execution, timeout=0.3)["status"] == "timeout"
+    finally:
+        hook.cancel_execution(execution=execution, wait=True)
