@@ -38,6 +38,7 @@ EXTRAS = {
     "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy"},
     "examples": {"numpy", "scikit-learn"},
     "dev": {"pytest", "torch", "matplotlib", "build"},
+    "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
 }
 #: Never part of a production install: the emulator's servers.
 SERVER_ONLY = {"fastapi", "uvicorn", "gcp-storage-emulator", "mfusepy"}
