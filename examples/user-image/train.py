@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gpu_resilience_worker import ResilientLoop, exit_now, state_digest
+from gpu_resilience_worker.loop import PREEMPTION_SAVES
 
 FEATURES, CLASSES, TRAIN, TEST = 32, 8, 2048, 512
 
@@ -36,6 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the batches")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--preemption-save", choices=PREEMPTION_SAVES, default="deadline",
+                        help="save at a stop: when it fits the grace period (deadline), always, or never")
     return parser.parse_args(argv)
 
 
@@ -59,7 +62,7 @@ def main(argv: list[str]) -> int:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     loop = ResilientLoop(
         {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler},
-        total_steps=args.steps, checkpoint_every=args.checkpoint_every,
+        total_steps=args.steps, checkpoint_every=args.checkpoint_every, preemption_save=args.preemption_save,
         settings={"hidden": args.hidden, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr},
     )
 
