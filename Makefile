@@ -82,4 +82,4 @@ bench-emulator: $(STAMP)
 	$(PY) benchmarks/bench_emulator.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV2) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(VENV2) .pytest_cache build dist *.egg-info worker/*.egg-info worker/build
