@@ -105,9 +105,11 @@ class _TI:
 
     def __init__(self):
         self.xcom = {}
+        self.pushed: list[tuple[str, object]] = []  # every push, in order (a re-run pushes again)
 
     def xcom_push(self, key, value):
         self.xcom[key] = value
+        self.pushed.append((key, value))
 
 
 def test_a_chain_of_task_timeouts_finishes_through_a_restart(worker_emulator, job_name):
@@ -142,7 +144,9 @@ def test_a_chain_of_task_timeouts_finishes_through_a_restart(worker_emulator, jo
     summary = op.execute({"ti": ti})
 
     found = executions(job_name)
-    assert ti.xcom["execution_name"] == found[1].name  # try 2 attached to try 1's re-run
+    pushed = [value for key, value in ti.pushed if key == "execution_name"]
+    assert pushed[0] == found[1].name  # try 2 attached to try 1's re-run (then started the next ones)
+    assert pushed[-1] == found[-1].name
     chain = summary["chain"]
     assert [c["name"] for c in chain] == [e.name for e in found]  # no duplicate, no orphan
     assert len({execution_env(e)[START_ID_ENV] for e in found}) == len(found)
