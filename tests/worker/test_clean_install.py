@@ -51,7 +51,8 @@ def test_pip_install_worker_in_a_clean_venv_pulls_no_airflow_or_google_and_runs_
     listing = subprocess.run([python, "-c", (
         "import importlib.metadata as m, json\n"
         "print(json.dumps(sorted(d.metadata['Name'] for d in m.distributions())))")],
-        env=env, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # `-c` puts the cwd on sys.path:
+    # from the checkout, its editable build's *.egg-info folders would be listed as installed
     names = json.loads(listing.stdout)
     assert "airflow-gpu-resilience-worker" in names and "torch" in names, names
     lowered = [n.lower() + " " for n in names]
