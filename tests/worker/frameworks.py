@@ -255,11 +255,45 @@ def _install_pause_hooks() -> None:
         TorchCheckpointIO.save_checkpoint = paused_save  # type: ignore[method-assign]
 
 
+def _install_step_delay() -> None:
+    """``WORKER_TEST_STEP_DELAY_SECONDS``: a sleep at every step end (before the integration's own
+    step-end check), so that a chain of interruptions outlasts the training on a fast, idle machine
+    as on a loaded one; a sleep changes no number the model computes."""
+    delay = float(os.environ.get("WORKER_TEST_STEP_DELAY_SECONDS", "0") or 0)
+    if not delay:
+        return
+    if "transformers" in sys.modules:
+        from gpu_resilience_worker.integrations.transformers import CommitCallback
+
+        on_step_end = CommitCallback.on_step_end
+
+        def slow_step_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay)
+            return on_step_end(self, *args, **kwargs)
+
+        CommitCallback.on_step_end = slow_step_end  # type: ignore[method-assign]
+    if "lightning" in sys.modules:
+        from gpu_resilience_worker.integrations.lightning import CommitCheckpoint
+
+        on_batch_end = CommitCheckpoint.on_train_batch_end
+
+        def slow_batch_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay)
+            return on_batch_end(self, *args, **kwargs)
+
+        CommitCheckpoint.on_train_batch_end = slow_batch_end  # type: ignore[method-assign]
+
+
 if os.environ.get("WORKER_TEST_PAUSE_MID_SAVE_SECONDS") or os.environ.get("WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS"):
     _install_pause_hooks()
+_install_step_delay()
 
 
 GRACE_SECONDS = 10.0
+#: Seconds slept at each step end of the chained attempts (not the baseline): at most about
+#: ``max_delay / STEP_DELAY`` steps pass between an attempt's start and a random interruption,
+#: so 2 n interruptions fit in the training whatever the machine's speed.
+STEP_DELAY = os.environ.get("FRAMEWORK_STEP_DELAY", "0.03")
 
 
 def _plan(n: int, rng: Any) -> list[tuple[signal.Signals, str]]:
@@ -305,7 +339,7 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
         for index, (sig, where) in enumerate(plan):
             intact, torn = intact_steps(chain / folder, prefix, suffix)
             log = tmp_path / f"attempt-{index:02d}.log"
-            env = {"PREEMPTION_GRACE_SECONDS": str(GRACE_SECONDS)}
+            env = {"PREEMPTION_GRACE_SECONDS": str(GRACE_SECONDS), "WORKER_TEST_STEP_DELAY_SECONDS": STEP_DELAY}
             if where == "mid-save":
                 env["WORKER_TEST_PAUSE_MID_SAVE_SECONDS"] = "1.0"
             elif where == "before-commit":
