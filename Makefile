@@ -23,7 +23,7 @@ WORKER_EXTRAS_AIRFLOW2 := trainer
 # two end-to-end runs through `airflow dags test`).
 AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py
 
-.PHONY: venv venv-airflow2 demo stack test test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
+.PHONY: venv venv-airflow2 demo stack test test-deployment test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,12 @@ demo: $(STAMP)
 
 # A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
 # emulators) on loopback until Ctrl-C; it prints the UI's address and login.
+# The real Airflow deployment's tests (PostgreSQL, scheduler, DAG processor, triggerer, API server,
+# headless Chromium; about 9 minutes on 2 cores); not part of `make test` yet (see tests/deployment).
+test-deployment: $(STAMP)
+	bash scripts/system_packages.sh deployment
+	DEPLOYMENT_TESTS=1 $(PY) -m pytest tests/deployment $(PYTEST_ARGS)
+
 stack: $(STAMP)
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 

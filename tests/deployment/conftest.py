@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import time
@@ -20,6 +21,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The deployment tests run with ``DEPLOYMENT_TESTS=1`` (``make test-deployment``) only.
+
+    They are out of ``make test`` for now: on an idle machine the marked-failed scenario races
+    the DAG's own teardown (``cleanup`` deletes the job, and the execution with it, before the
+    campaign reads the cancelled execution), and the module costs about 9 minutes of CI.
+    """
+    if os.environ.get("DEPLOYMENT_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="deployment tests: set DEPLOYMENT_TESTS=1 (make test-deployment)")
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if Path(str(item.fspath)).resolve().is_relative_to(here):
+            item.add_marker(skip)
 
 
 def _load_stack_module():

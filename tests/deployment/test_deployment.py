@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 from google.api_core.client_options import ClientOptions
-from google.api_core.exceptions import NotFound
+from google.api_core.exceptions import NotFound, ServiceUnavailable
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
@@ -187,7 +187,13 @@ class Preempter(threading.Thread):
                 while self.campaign.progress_step(self.scenario) < self.total * k // 3:
                     if self.stop.wait(0.2):
                         return
-                execution = self.campaign.latest_execution(self.scenario)
+                while True:  # the campaign's own 60 s outage of the Cloud Run API hits this lookup too
+                    try:
+                        execution = self.campaign.latest_execution(self.scenario)
+                        break
+                    except ServiceUnavailable:
+                        if self.stop.wait(1.0):
+                            return
                 self.answers.append(self.campaign.stack.emulator.preempt(execution, task_index=0))
         except Exception as exc:  # the test reports it
             self.error = f"{type(exc).__name__}: {exc}"
