@@ -10,7 +10,7 @@ VENV2 := .venv-airflow2
 PY2 := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
-# the bundled worker's torch and the benchmarks' plots.
+# the bundled worker's torch, the benchmarks' plots and the local Airflow deployment (make stack).
 EXTRAS := emulator,examples,dev,deployment
 # Airflow 2.11 runs no deployment tests (they need Airflow 3's API server): no deployment extra there.
 EXTRAS_AIRFLOW2 := emulator,examples,dev
