@@ -262,26 +262,24 @@ def _install_step_delay() -> None:
     delay = float(os.environ.get("WORKER_TEST_STEP_DELAY_SECONDS", "0") or 0)
     if not delay:
         return
+
+    def slow(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+
+        def delayed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay)
+            return original(self, *args, **kwargs)
+
+        setattr(cls, name, delayed)
+
     if "transformers" in sys.modules:
         from gpu_resilience_worker.integrations.transformers import CommitCallback
 
-        on_step_end = CommitCallback.on_step_end
-
-        def slow_step_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-            time.sleep(delay)
-            return on_step_end(self, *args, **kwargs)
-
-        CommitCallback.on_step_end = slow_step_end  # type: ignore[method-assign]
+        slow(CommitCallback, "on_step_end")
     if "lightning" in sys.modules:
         from gpu_resilience_worker.integrations.lightning import CommitCheckpoint
 
-        on_batch_end = CommitCheckpoint.on_train_batch_end
-
-        def slow_batch_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-            time.sleep(delay)
-            return on_batch_end(self, *args, **kwargs)
-
-        CommitCheckpoint.on_train_batch_end = slow_batch_end  # type: ignore[method-assign]
+        slow(CommitCheckpoint, "on_train_batch_end")
 
 
 if os.environ.get("WORKER_TEST_PAUSE_MID_SAVE_SECONDS") or os.environ.get("WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS"):

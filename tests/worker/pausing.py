@@ -54,6 +54,7 @@ class PausingStorage(LocalStorage):
 
 
 if __name__ == "__main__":
-    from gpu_resilience_worker.__main__ import _exit_now, main
+    from gpu_resilience_worker.__main__ import main
+    from gpu_resilience_worker.preemption import exit_now
 
-    _exit_now(main(storage=PausingStorage.from_env(os.environ)))
+    exit_now(main(storage=PausingStorage.from_env(os.environ)))

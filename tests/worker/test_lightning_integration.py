@@ -27,8 +27,8 @@ def test_fit_survives_sigterm_and_sigkill_with_bit_identical_weights(tmp_path: P
                  # what Lightning's first save imports when installed (this venv has gcsfs: 4.7 s)
                  "?gcsfs", "?s3fs", "?adlfs"])
     assert any(r["skipped_torn"] for r in rows), "no attempt found a torn checkpoint to skip"
-    expected = torch.load(baseline / "final.pt")
-    got = torch.load(chain / "final.pt")
+    expected = torch.load(baseline / "final.pt", weights_only=True)
+    got = torch.load(chain / "final.pt", weights_only=True)
     assert expected.keys() == got.keys()
     different = [k for k in expected if not expected[k].equal(got[k])]
     assert not different, f"weights differ from the uninterrupted run: {different}"

@@ -42,9 +42,9 @@ _EXPORTS = {
     "files": ("ATTEMPTS", "FATAL", "METRICS", "PROGRESS", "ProgressReporter", "read_json", "record_attempt",
               "write_json"),
     "logs": ("StructuredLogger",),
-    "loop": ("ResilientLoop", "exit_now", "run_training", "set_task_deadline", "task_namespace"),
+    "loop": ("ResilientLoop", "run_training", "task_namespace"),
     "policies": ("AsyncMode", "CheckpointConfig"),
-    "preemption": ("PreemptionWatcher", "ignore_termination_signals"),
+    "preemption": ("PreemptionWatcher", "exit_now", "ignore_termination_signals", "set_task_deadline"),
     "state": ("TrainState", "state_digest"),
     "storage": ("LocalStorage", "Storage"),
     # The goodput events file (written by the goodput module) joins this table when it lands.

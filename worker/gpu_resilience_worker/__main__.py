@@ -18,7 +18,7 @@ from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, Wor
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal  # noqa: F401
 from gpu_resilience_worker.files import METRICS, read_json
 from gpu_resilience_worker.logs import StructuredLogger
-from gpu_resilience_worker.preemption import PreemptionWatcher
+from gpu_resilience_worker.preemption import PreemptionWatcher, exit_now, set_task_deadline
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 
@@ -58,10 +58,7 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
     from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
 
     watcher.grace_seconds = config.grace_seconds
-    if config.task_timeout_seconds is not None:
-        margin = min(config.grace_seconds, config.task_timeout_seconds / 2)
-        watcher.timeout_at = watcher.started_at + config.task_timeout_seconds
-        watcher.deadline = watcher.timeout_at - margin
+    set_task_deadline(watcher, config.task_timeout_seconds)
     return Trainer(config, logger, watcher, storage).run()
 
 
@@ -100,20 +97,5 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             return EXIT_FAILURE
 
 
-def _exit_now(code: int) -> None:
-    """Flush the log streams and exit without interpreter teardown.
-
-    Everything the worker keeps is fsynced before :func:`main` returns (an abandoned background
-    save has no commit record, so it is ignored anyway). Tearing down a process with torch
-    loaded takes seconds, which a preempted task would spend out of its grace period.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())

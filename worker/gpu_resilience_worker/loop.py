@@ -42,7 +42,7 @@ from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invoc
 from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
-from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher
+from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher, exit_now, set_task_deadline
 from gpu_resilience_worker.state import TrainState
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -72,48 +72,6 @@ def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = N
     root = root or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
     run_id = run_id or env.get("CHECKPOINT_RUN_ID") or None
     return identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
-
-
-def set_task_deadline(watcher: PreemptionWatcher, task_timeout_seconds: float | None,
-                      grace_seconds: float | None = None) -> None:
-    """Make ``watcher`` stop the attempt before Cloud Run's task timeout kills it.
-
-    The timeout counts from ``watcher.started_at``; the stop comes ``min(grace, timeout / 2)``
-    seconds before it, and the time left after that stop is counted to the timeout (so a final
-    save is made only when it fits before the kill).
-
-    :param watcher: the watcher to configure.
-    :param task_timeout_seconds: the attempt's timeout (``TASK_TIMEOUT_SECONDS``), in seconds,
-        > 0; ``None`` for no deadline.
-    :param grace_seconds: the margin's upper bound; default ``watcher.grace_seconds``.
-    :raises ValueError: a timeout that is not a finite number > 0.
-    """
-    if task_timeout_seconds is None:
-        watcher.deadline = watcher.timeout_at = None
-        return
-    if not (isinstance(task_timeout_seconds, (int, float)) and math.isfinite(task_timeout_seconds)
-            and task_timeout_seconds > 0):
-        raise ValueError(f"task_timeout_seconds must be a finite number > 0, got {task_timeout_seconds!r}")
-    grace = watcher.grace_seconds if grace_seconds is None else grace_seconds
-    margin = min(grace, task_timeout_seconds / 2)
-    watcher.timeout_at = watcher.started_at + task_timeout_seconds
-    watcher.deadline = watcher.timeout_at - margin
-
-
-def exit_now(code: int) -> None:
-    """Flush stdout and stderr and end the process with ``code`` at once (``os._exit``).
-
-    Everything the loop keeps is fsynced before :meth:`ResilientLoop.run` returns; skipping the
-    interpreter's teardown (seconds with torch loaded) keeps them inside the grace period.
-
-    :param code: the exit status, e.g. what :meth:`ResilientLoop.run` returned.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
