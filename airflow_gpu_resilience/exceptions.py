@@ -131,3 +131,32 @@ class CheckpointBucketNotOursError(AirflowFailException):
 
     def __reduce__(self):
         return type(self), (self.bucket, self.reason)
+
+
+class CloudRunJobNotOursError(AirflowFailException):
+    """A Cloud Run job of the name exists and was not deployed by this provider; it was not changed.
+
+    The deploy operator updates only a job that carries the label
+    ``managed-by=airflow-gpu-resilience`` (it puts the label on every job it creates), so that a
+    job name that collides with someone else's job never overwrites that job's image, command or
+    service account. Not retryable: another try finds the same job. The message says what to do:
+    choose another ``job_name``, or adopt the job deliberately (``adopt_existing_job=True`` on the
+    deploy operator, or the label added by hand).
+
+    :param job: the job's full resource name (``projects/P/locations/L/jobs/J``).
+    :param labels: the job's labels as found.
+    """
+
+    def __init__(self, job: str, labels: dict[str, str]) -> None:
+        name = job.rsplit("/", 1)[-1]
+        super().__init__(
+            f"Cloud Run job {job!r} already exists and was not deployed by airflow-gpu-resilience: it has no label "
+            f"managed-by=airflow-gpu-resilience (its labels: {labels}). It was not changed. Choose another "
+            f"`job_name`, or, to take the job over deliberately, pass adopt_existing_job=True to the deploy "
+            f"operator or label it: gcloud run jobs update {name} --update-labels=managed-by=airflow-gpu-resilience"
+        )
+        self.job = job
+        self.labels = labels
+
+    def __reduce__(self):
+        return type(self), (self.job, self.labels)

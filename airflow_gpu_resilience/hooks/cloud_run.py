@@ -31,7 +31,9 @@ from airflow.providers.google.common.hooks.base_google import (
     GoogleBaseHook,
 )
 
+from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
 from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
+from airflow_gpu_resilience.labels import is_managed, with_managed_label
 from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
 
 if TYPE_CHECKING:
@@ -399,20 +401,34 @@ class CloudRunGpuHook(GoogleBaseHook):
 
     @GoogleBaseHook.fallback_to_default_project_id
     def create_or_update_job(
-        self, job_name: str, job: run_v2.Job | GpuJobSpec | dict, region: str, project_id: str = PROVIDE_PROJECT_ID
+        self,
+        job_name: str,
+        job: run_v2.Job | GpuJobSpec | dict,
+        region: str,
+        project_id: str = PROVIDE_PROJECT_ID,
+        adopt_existing_job: bool = False,
     ) -> tuple[run_v2.Job, Literal["created", "updated", "unchanged"]]:
-        """Make the deployed job match ``job``; idempotent.
+        """Make the deployed job match ``job``; idempotent, and never overwrites a job that is not ours.
 
         Creates the job if missing; updates it only when its template or labels differ
         (:func:`~airflow_gpu_resilience.job_spec.template_matches`); otherwise changes nothing.
+        The job is created and updated with the label ``managed-by=airflow-gpu-resilience``
+        (:mod:`airflow_gpu_resilience.labels`) added to ``job``'s labels. An existing job without
+        that label (someone else's job of the same name) is not changed, unless
+        ``adopt_existing_job``.
 
         :param job_name: job id.
         :param job: the desired configuration.
         :param region: Cloud Run region.
         :param project_id: Google Cloud project; default from the connection.
+        :param adopt_existing_job: update (and label) an existing job that lacks the label
+            (default ``False``).
         :return: ``(job, action)`` where action is ``"created"``, ``"updated"`` or ``"unchanged"``.
+        :raises CloudRunJobNotOursError: the job exists without the label and
+            ``adopt_existing_job`` is false; nothing was changed.
         """
         desired = _as_job(job)
+        desired.labels.update(with_managed_label({}))
         try:
             existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
         except gexc.NotFound:
@@ -420,9 +436,14 @@ class CloudRunGpuHook(GoogleBaseHook):
                 return self.create_job(job_name=job_name, job=desired, region=region, project_id=project_id), "created"
             except gexc.Conflict:  # 409 ALREADY_EXISTS: created concurrently, or a retried create went through
                 existing = self.get_job(job_name=job_name, region=region, project_id=project_id)
+        if not is_managed(existing.labels) and not adopt_existing_job:
+            raise CloudRunJobNotOursError(existing.name, dict(existing.labels))
         if template_matches(existing, desired):
             self.log.info("Job %s (generation %s) already matches; not updating", job_name, existing.generation)
             return existing, "unchanged"
+        if not is_managed(existing.labels):
+            self.log.warning("Job %s has no label managed-by=airflow-gpu-resilience; adopting it "
+                             "(adopt_existing_job=True)", job_name)
         return self.update_job(job_name=job_name, job=desired, region=region, project_id=project_id), "updated"
 
     @GoogleBaseHook.fallback_to_default_project_id

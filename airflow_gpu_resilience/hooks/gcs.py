@@ -35,10 +35,8 @@ from google.api_core import exceptions as gexc
 from google.cloud import storage
 
 from airflow_gpu_resilience.exceptions import CheckpointBucketNotOursError
+from airflow_gpu_resilience.labels import MANAGED_BY_LABEL, MANAGED_BY_VALUE
 
-#: Label key and value that mark a bucket this provider created (or that its owner adopted).
-MANAGED_BY_LABEL = "managed-by"
-MANAGED_BY_VALUE = "airflow-gpu-resilience"
 #: Label key holding the project id the bucket was created for.
 PROJECT_LABEL = "gcp-project"
 #: Objects deleted per batch request (the JSON API accepts at most 100 calls in one batch).

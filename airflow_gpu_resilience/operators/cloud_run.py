@@ -443,7 +443,10 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
     Idempotent: a job that already has the desired template is left unchanged. The spec is
     validated when the DAG is parsed if no argument is templated, else at execute, before any
     API call. Returns ``{"job", "job_name", "generation", "action"}`` and pushes the XComs
-    ``job_name`` and ``generation``.
+    ``job_name`` and ``generation``. The job carries the label ``managed-by=airflow-gpu-resilience``
+    (added to ``labels``); an existing job of the same name without it is someone else's and is
+    not changed (:class:`~airflow_gpu_resilience.exceptions.CloudRunJobNotOursError`) unless
+    ``adopt_existing_job``.
 
     :param job_name: job id (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
@@ -451,11 +454,15 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``; templated).
     :param impersonation_chain: service account (or chain) to impersonate (templated).
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
+    :param adopt_existing_job: take over an existing job of ``job_name`` that lacks the label:
+        update it and label it (default ``False``: fail without changing it).
     :param kwargs: every other :class:`GpuJobSpec` field by name, with its default and meaning
         there (``image`` is required; ``command``, ``args``, ``env``, ``cpu``, ``memory``,
         ``gpu_type``, ``task_timeout`` in seconds, ``max_retries``, ``task_count``,
         ``checkpoint_bucket``, ...), all templated; then the ``BaseOperator`` arguments.
     :raises ValueError: at construction (or execute, when templated) for an invalid spec.
+    :raises CloudRunJobNotOursError: at execute, the job exists without the label and
+        ``adopt_existing_job`` is false (not retried).
     """
 
     template_fields: Sequence[str] = ("job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain",
@@ -470,12 +477,16 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
         gcp_conn_id: str = "google_cloud_default",
         impersonation_chain: str | Sequence[str] | None = None,
         transport: Literal["rest", "grpc"] | None = None,
+        adopt_existing_job: bool = False,
         **kwargs: Any,
     ) -> None:
         spec_values = {f.name: kwargs.pop(f.name, _spec_default(f)) for f in _SPEC_FIELDS}
         super().__init__(**kwargs)
+        if not isinstance(adopt_existing_job, bool):
+            raise ValueError(f"adopt_existing_job={adopt_existing_job!r} must be True or False")
         self.job_name, self.region, self.project_id = job_name, region, project_id
         self.gcp_conn_id, self.impersonation_chain, self.transport = gcp_conn_id, impersonation_chain, transport
+        self.adopt_existing_job = adopt_existing_job
         for spec_field in _SPEC_FIELDS:
             value = spec_values[spec_field.name]
             if value is inspect.Parameter.empty:
@@ -508,7 +519,8 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
         spec = self.build_spec()
         project_id = self.project_id or self.hook.project_id
         job, action = self.hook.create_or_update_job(
-            job_name=spec.name, job=spec, region=self.region, project_id=project_id
+            job_name=spec.name, job=spec, region=self.region, project_id=project_id,
+            adopt_existing_job=self.adopt_existing_job,
         )
         self.log.info("Job %s %s (generation %s)", job.name, action, job.generation)
         context["ti"].xcom_push(key="job_name", value=spec.name)

@@ -18,6 +18,7 @@ from airflow_gpu_resilience.hooks.cloud_run import (
     location_of,
     with_env_overrides,
 )
+from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import (
     ExecutionState,
@@ -27,6 +28,9 @@ from airflow_gpu_resilience.outcome import (
     observe_attempts,
 )
 from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
+
+
+JOB_LABEL = {"managed-by": "airflow-gpu-resilience"}
 
 
 def spec(job_name: str, **kw) -> GpuJobSpec:
@@ -98,6 +102,34 @@ def test_create_or_update_is_idempotent(hook, job_name):
     changed, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name, max_retries=1), region=REGION)
     assert action == "updated" and changed.generation > job.generation
     assert changed.template.template.max_retries == 1
+
+
+def test_create_or_update_labels_the_job_it_creates(hook, job_name):
+    job, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name, labels={"team": "ml"}), region=REGION)
+    assert action == "created"
+    assert dict(hook.get_job(job_name=job_name, region=REGION).labels) == {"team": "ml", **JOB_LABEL}
+
+
+@pytest.mark.parametrize("labels", [{}, {"managed-by": "someone-else"}], ids=["no-labels", "other-manager"])
+def test_create_or_update_refuses_a_job_that_is_not_ours_and_changes_nothing(hook, job_name, labels):
+    theirs = hook.create_job(job_name=job_name, job=spec(job_name, labels=labels, args=["theirs"]), region=REGION)
+    for desired in (spec(job_name, args=["ours"]), spec(job_name, labels=labels, args=["theirs"])):
+        with pytest.raises(CloudRunJobNotOursError, match="not deployed by airflow-gpu-resilience") as err:
+            hook.create_or_update_job(job_name=job_name, job=desired, region=REGION)
+        assert err.value.job == theirs.name and "adopt_existing_job=True" in str(err.value)
+    after = hook.get_job(job_name=job_name, region=REGION)
+    assert after.generation == theirs.generation and dict(after.labels) == labels
+    assert list(after.template.template.containers[0].args) == ["theirs"]
+
+
+def test_create_or_update_adopts_a_job_that_is_not_ours_only_when_asked(hook, job_name):
+    theirs = hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)
+    adopted, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name), region=REGION,
+                                                adopt_existing_job=True)
+    assert action == "updated" and adopted.generation > theirs.generation
+    assert dict(adopted.labels) == JOB_LABEL
+    again, action = hook.create_or_update_job(job_name=job_name, job=spec(job_name), region=REGION)
+    assert (action, again.generation) == ("unchanged", adopted.generation)
 
 
 def test_run_poll_and_list(hook, job_name):

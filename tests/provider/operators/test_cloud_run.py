@@ -522,10 +522,11 @@ def test_a_templated_poll_interval_is_checked_once_rendered():
         ({"memory": "8Gi"}, r"memory='8Gi' is below the nvidia-l4 minimum of 16 GiB"),
         ({"image": ""}, r"image must be a non-empty container image URI"),
         ({"checkpoint_bucket": "Bad_Bucket"}, r"checkpoint_bucket='Bad_Bucket' is not a valid Cloud Storage bucket name"),
+        ({"adopt_existing_job": "yes"}, r"adopt_existing_job='yes' must be True or False"),
     ],
 )
 def test_deploy_operator_rejects_bad_parameters_when_the_dag_is_parsed(kwargs, match):
-    """The issue's six bad parameters: no operator (and so no API call) is ever built."""
+    """Bad parameters: no operator (and so no API call) is ever built."""
     base = {"task_id": "d", "job_name": "train", "image": "img", "checkpoint_bucket": BUCKET}
     with pytest.raises(ValueError, match=match):
         CloudRunGpuDeployJobOperator(**{**base, **kwargs})
