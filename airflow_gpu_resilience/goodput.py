@@ -38,6 +38,7 @@ add up to the span. ``gpu_seconds`` is what Cloud Run bills: every attempt's who
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -108,10 +109,20 @@ class AttemptInput:
 
 
 def _num(events: Mapping[str, Any], key: str) -> float | None:
+    """A finite number from the events, else ``None`` (a missing, mistyped, NaN or infinite value)."""
     value = events.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _events(item: AttemptInput) -> Mapping[str, Any]:
+    """The attempt's events, ``{}`` when missing or not a mapping (a torn or foreign file)."""
+    return item.events if isinstance(item.events, Mapping) else {}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _clamp(value: float, low: float, high: float) -> float:
@@ -119,8 +130,8 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def _times(item: AttemptInput) -> tuple[float | None, float | None, str]:
-    events = item.events or {}
-    start, end, source = item.start, item.end, "platform"
+    events = _events(item)
+    start, end, source = _finite(item.start), _finite(item.end), "platform"
     if start is None:
         start, source = _num(events, "process_start"), "worker"
     if end is None:
@@ -133,7 +144,7 @@ def _times(item: AttemptInput) -> tuple[float | None, float | None, str]:
 
 def _attempt(item: AttemptInput, start: float, end: float, source: str) -> AttemptAccount:
     """Split ``[start, end]`` of one attempt into its five in-attempt buckets (they sum to the wall)."""
-    events = item.events or {}
+    events = _events(item)
     wall = max(0.0, end - start)
     first = _num(events, "first_step_at")
     reached = first is not None and first < end
@@ -145,8 +156,8 @@ def _attempt(item: AttemptInput, start: float, end: float, source: str) -> Attem
     after = wall - before
     save = _clamp(_num(events, "save_blocking_seconds") or 0.0, 0.0, after)
     step_seconds = _num(events, "step_seconds")
-    recomputed = int(_num(events, "steps_recomputed") or 0)
-    steps = int(_num(events, "steps") or 0)
+    recomputed = max(0, int(_num(events, "steps_recomputed") or 0))
+    steps = max(0, int(_num(events, "steps") or 0))
     wasted = 0.0
     if reached and step_seconds is not None and step_seconds > 0:
         wasted = _clamp(min(recomputed, steps) * step_seconds, 0.0, after - save)
@@ -225,3 +236,29 @@ def format_table(accounts: Sequence[GoodputAccount]) -> str:
         share = "-" if a["goodput"] is None else f"{100 * a['goodput']:.1f}%"
         lines.append(f"{name:>5} {cells} {span:9.1f} {a['gpu_seconds']:9.1f} {share:>8}")
     return "\n".join(lines)
+
+
+def describe(accounts: Sequence[GoodputAccount]) -> str:
+    """One sentence for an error message or a log line: what the tasks' attempts cost and where it went.
+
+    For a failed task, the figure its users look for: the GPU-seconds billed and how many of
+    the span's seconds trained anything.
+
+    :param accounts: per-task accounts (:func:`account_task`), possibly empty.
+    :return: e.g. ``"Goodput account: 41.0 GPU-s billed over 3 attempt(s) of 1 task(s); productive
+        0.0 s of a 45.2 s span (goodput 0.0 %); startup 38.0 s, restore 0.0 s, save_stall 0.0 s,
+        wasted 0.0 s (0 steps recomputed), recovery_gap 4.2 s."``; an account with no timed
+        attempt says so.
+    """
+    whole = total(accounts)
+    attempts = sum(len(a["attempts"]) for a in accounts)
+    unknown = f", {whole['unknown_attempts']} more without known times" if whole["unknown_attempts"] else ""
+    if attempts == 0:
+        without = f" ({whole['unknown_attempts']} attempt(s) without times)" if whole["unknown_attempts"] else ""
+        return f"Goodput account: no attempt with known times in {len(accounts)} task(s){without}."
+    share = "-" if whole["goodput"] is None else f"{100 * whole['goodput']:.1f} %"
+    rest = ", ".join(f"{b} {whole[b]:.1f} s" + (f" ({whole['steps_recomputed']} steps recomputed)" if b == "wasted" else "")  # type: ignore[literal-required]
+                     for b in BUCKETS[1:])
+    return (f"Goodput account: {whole['gpu_seconds']:.1f} GPU-s billed over {attempts} attempt(s) of "
+            f"{len(accounts)} task(s){unknown}; productive {whole['productive']:.1f} s of a "
+            f"{whole['span_seconds']:.1f} s span (goodput {share}); {rest}.")

@@ -13,16 +13,18 @@ from typing import Any, TypedDict
 
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, format_table, total
+from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, describe, format_table, total
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 
 
 class GoodputReport(TypedDict):
-    """The summary's ``goodput``: per-task accounts, their total and the logged table."""
+    """The summary's ``goodput``: per-task accounts, their total, the logged table and its one-line
+    ``headline`` (:func:`~airflow_gpu_resilience.goodput.describe`, also in a failure's message)."""
 
     tasks: list[GoodputAccount]
     total: GoodputAccount
     table: str
+    headline: str
 
 
 def _epoch(value: Any) -> float | None:
@@ -72,7 +74,8 @@ def build_report(
 ) -> GoodputReport:
     """The goodput report of a run.
 
-    :param executions: ``(full execution name, its tasks)`` in run order (finished executions).
+    :param executions: ``(full execution name, its tasks)`` in run order (finished executions, or
+        one still stopping: a task without a completion time ends at the worker's last write).
     :param files: the worker's files (``None``: no bucket, platform times only: all start-up).
     :param max_tasks: most task indexes whose files are read.
     :return: the report (accounts in task-index order).
@@ -82,4 +85,5 @@ def build_report(
     gpus = max((gpus_per_task(t) for _, tasks in executions for t in tasks), default=0)
     accounts = [account_task(i, attempts, gpus_per_task=gpus)
                 for i, attempts in sorted(attempt_inputs(executions, events).items())]
-    return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts))
+    return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts),
+                         headline=describe(accounts))

@@ -185,11 +185,14 @@ def test_a_chain_of_task_timeouts_finishes_through_a_restart(worker_emulator, jo
     (["commit-then-stall", "60"], "stuck at step 40 (task 0)", 2, ["", "0=40", "0=40"]),
 ], ids=["never-commits", "stuck-after-one-checkpoint"])
 def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
-    gcp_conn, gcs_emulator_host, job_name, run_execute, args, stuck, streak, starts
+    gcp_conn, gcs_emulator_host, job_name, run_execute, capfd, args, stuck, streak, starts
 ):
     """Must-show 2: a task timeout (2 s) shorter than the checkpoint interval. Exactly
     ``max_reruns_without_progress`` (2) re-runs, none committing a newer checkpoint: after a
-    first execution that committed nothing, or one that committed step 40 and then nothing more."""
+    first execution that committed nothing, or one that committed step 40 and then nothing more.
+    The failed task's goodput account (issue 16, item b) is logged before the error is raised,
+    ends its message and travels on it: every attempt's time, as Cloud Run recorded it, is
+    start-up (the stub never reaches a training step)."""
     deploy(job_name, STUB_IMAGE, args, max_retries=0, task_timeout=2)
     ti = run_execute(retries=2, checkpoint_bucket=BUCKET, max_reruns_without_progress=2, max_preemption_reruns=10)
     assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
@@ -203,6 +206,21 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     assert "time between preemptions" in message
     found = executions(job_name)  # the first execution and exactly 2 re-runs
     assert [execution_env(e)[START_STEPS_ENV] for e in found] == starts
+    report = error.goodput
+    assert report is not None, message
+    [account] = report["tasks"]
+    tasks = [t for e in found for t in CloudRunGpuHook().list_tasks(execution=e.name)]
+    platform = sum(t.completion_time.timestamp() - t.start_time.timestamp() for t in tasks)
+    assert len(account["attempts"]) == len(found) == 3 and account["unknown_attempts"] == 0
+    assert account["attempt_seconds"] == pytest.approx(platform, rel=1e-6) and platform > 0
+    assert not any(a["reached_first_step"] for a in account["attempts"])
+    assert account["startup"] == pytest.approx(account["attempt_seconds"]) and account["productive"] == 0
+    assert account["gpu_seconds"] == pytest.approx(platform)  # one GPU per task, every attempt billed
+    assert message.index(report["headline"]) < message.index(" Logs: ")
+    assert "GPU-s billed over 3 attempt(s) of 1 task(s); productive 0.0 s" in report["headline"]
+    out = capfd.readouterr()
+    assert "Goodput account (seconds and share of each task's span)" in out.out + out.err
+    assert report["table"].splitlines()[-1] in out.out + out.err
 
 
 def test_the_task_timeout_reaches_the_container_also_when_overridden(gcp_conn, job_name, emulator, run_execute):
