@@ -20,7 +20,10 @@ attempt's start to its last attempt's end, and puts each second in exactly one b
     save, or a whole synchronous one, and the wait for a save in flight at a stop).
 ``wasted``
     steps computed again after a resume: ``steps_recomputed`` (steps the previous attempt had
-    done past the checkpoint it resumed from) times the attempt's measured ``step_seconds``.
+    done past the checkpoint it resumed from) times the attempt's measured ``step_seconds``;
+    and, for a task that ended without finishing (a failed task: ``durable_step`` given), the
+    steps of its last training attempt past the newest committed checkpoint
+    (``steps_uncommitted``): nothing will resume them in this account.
 ``recovery_gap``
     between one attempt's end and the next attempt's start (retry delay, a re-run execution
     being started, scheduling); also the time of an attempt whose times are unknown.
@@ -60,6 +63,9 @@ class AttemptAccount(TypedDict):
     save_stall: float
     wasted: float
     steps_recomputed: int
+    steps_uncommitted: int
+    """Steps past the newest committed checkpoint, counted as wasted (the last training attempt of
+    a task accounted with ``durable_step``; 0 otherwise)."""
     step_seconds: float | None
     reached_first_step: bool
     times_from: str
@@ -86,6 +92,7 @@ class GoodputAccount(TypedDict):
     goodput: float | None
     """``productive / span_seconds``; ``None`` for an empty span."""
     steps_recomputed: int
+    steps_uncommitted: int
     attempts: list[AttemptAccount]
     unknown_attempts: int
 
@@ -164,22 +171,44 @@ def _attempt(item: AttemptInput, start: float, end: float, source: str) -> Attem
     return AttemptAccount(
         execution=item.execution, attempt=item.attempt, start=start, end=end, wall_seconds=wall,
         productive=after - save - wasted, startup=before - restore, restore=restore, save_stall=save,
-        wasted=wasted, steps_recomputed=recomputed if reached else 0, step_seconds=step_seconds,
-        reached_first_step=reached, times_from=source,
+        wasted=wasted, steps_recomputed=recomputed if reached else 0, steps_uncommitted=0,
+        step_seconds=step_seconds, reached_first_step=reached, times_from=source,
     )
 
 
-def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_task: int = 1) -> GoodputAccount:
+def _lose_uncommitted(row: AttemptAccount, events: Mapping[str, Any], durable_step: int) -> None:
+    """Move the steps of ``row`` past ``durable_step`` (not already wasted) from productive to wasted."""
+    step_seconds, resumed = row["step_seconds"], _num(events, "resumed_from_step")
+    steps = max(0, int(_num(events, "steps") or 0))
+    if not row["reached_first_step"] or not step_seconds or step_seconds <= 0 or resumed is None:
+        return
+    fresh = steps - min(row["steps_recomputed"], steps)  # the steps not already counted as wasted
+    lost = min(max(0, int(resumed) + steps - durable_step), fresh)
+    seconds = min(lost * step_seconds, row["productive"])
+    row["productive"] -= seconds
+    row["wasted"] += seconds
+    row["steps_uncommitted"] = lost
+
+
+def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_task: int = 1,
+                 durable_step: int | None = None) -> GoodputAccount:
     """The account of one Cloud Run task index over all its attempts.
 
     :param task_index: the task index (for the result).
     :param attempts: its attempts, in any order.
     :param gpus_per_task: GPUs per task instance (billing), default 1.
+    :param durable_step: for a task that ended without finishing (the Airflow task failed): the
+        step of its newest committed checkpoint (0: none). The last training attempt's steps past
+        it are wasted (``steps_uncommitted``). ``None`` (default): the task finished, or it is
+        not known; nothing is moved.
     :return: the account; empty (all zero, ``goodput`` ``None``) with no timed attempt.
-    :raises ValueError: ``gpus_per_task`` below 0.
+    :raises ValueError: ``gpus_per_task`` below 0, or ``durable_step`` not an integer >= 0.
     """
     if isinstance(gpus_per_task, bool) or not isinstance(gpus_per_task, int) or gpus_per_task < 0:
         raise ValueError(f"gpus_per_task={gpus_per_task!r} must be an integer >= 0")
+    if durable_step is not None and (isinstance(durable_step, bool) or not isinstance(durable_step, int)
+                                     or durable_step < 0):
+        raise ValueError(f"durable_step={durable_step!r} must be an integer >= 0 or None")
     timed, unknown, billed = [], 0, 0.0
     for item in attempts:
         start, end, source = _times(item)
@@ -198,13 +227,17 @@ def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_tas
             end = max(end, start)
         rows.append(_attempt(item, start, end, source))
         previous_end = end if previous_end is None else max(previous_end, end)
+    trained = [i for i, row in enumerate(rows) if row["reached_first_step"]]
+    if durable_step is not None and trained:
+        _lose_uncommitted(rows[trained[-1]], _events(timed[trained[-1]][3]), durable_step)
     totals = {b: sum(r[b] for r in rows) for b in BUCKETS if b != "recovery_gap"}  # type: ignore[literal-required]
     span = (previous_end - timed[0][0]) if timed else 0.0
     return GoodputAccount(
         task_index=task_index, **totals, recovery_gap=gap, span_seconds=span,  # type: ignore[typeddict-item]
         attempt_seconds=sum(r["wall_seconds"] for r in rows), gpu_seconds=billed * gpus_per_task,
         goodput=(totals["productive"] / span) if span > 0 else None,
-        steps_recomputed=sum(r["steps_recomputed"] for r in rows), attempts=rows, unknown_attempts=unknown,
+        steps_recomputed=sum(r["steps_recomputed"] for r in rows),
+        steps_uncommitted=sum(r["steps_uncommitted"] for r in rows), attempts=rows, unknown_attempts=unknown,
     )
 
 
@@ -215,7 +248,8 @@ def total(accounts: Sequence[GoodputAccount]) -> GoodputAccount:
     return GoodputAccount(
         task_index=-1, **sums,  # type: ignore[typeddict-item]
         goodput=(sums["productive"] / sums["span_seconds"]) if sums["span_seconds"] > 0 else None,
-        steps_recomputed=sum(a["steps_recomputed"] for a in accounts), attempts=[],
+        steps_recomputed=sum(a["steps_recomputed"] for a in accounts),
+        steps_uncommitted=sum(a.get("steps_uncommitted", 0) for a in accounts), attempts=[],
         unknown_attempts=sum(a["unknown_attempts"] for a in accounts),
     )
 
@@ -257,7 +291,9 @@ def describe(accounts: Sequence[GoodputAccount]) -> str:
         without = f" ({whole['unknown_attempts']} attempt(s) without times)" if whole["unknown_attempts"] else ""
         return f"Goodput account: no attempt with known times in {len(accounts)} task(s){without}."
     share = "-" if whole["goodput"] is None else f"{100 * whole['goodput']:.1f} %"
-    rest = ", ".join(f"{b} {whole[b]:.1f} s" + (f" ({whole['steps_recomputed']} steps recomputed)" if b == "wasted" else "")  # type: ignore[literal-required]
+    lost = f", {whole['steps_uncommitted']} uncommitted" if whole["steps_uncommitted"] else ""
+    rest = ", ".join(f"{b} {whole[b]:.1f} s"  # type: ignore[literal-required]
+                     + (f" ({whole['steps_recomputed']} steps recomputed{lost})" if b == "wasted" else "")
                      for b in BUCKETS[1:])
     return (f"Goodput account: {whole['gpu_seconds']:.1f} GPU-s billed over {attempts} attempt(s) of "
             f"{len(accounts)} task(s){unknown}; productive {whole['productive']:.1f} s of a "

@@ -900,7 +900,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             self.hook.cancel_execution(execution=execution)
         except gexc.NotFound as exc:  # deleted meanwhile; a finished one is returned unchanged
             self.log.info("Cancel of %s not needed: %s", execution, exc)
-        report = self._goodput(run, also=execution)
+        report = self._goodput(run, failed=True, also=execution)
         raise CloudRunGpuTimeoutError(
             f"The task's overall timeout passed: execution {execution} {message} and was cancelled "
             f"({len(run.executions)} earlier execution(s) in this try)."
@@ -936,7 +936,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             summary["goodput"] = self._goodput(run)
             return RunStep.done(summary)
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
-        report = self._goodput(run, context=context)  # what the failed try cost, before raising
+        report = self._goodput(run, failed=True, context=context)  # what the failed try cost, before raising
         raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished, report)
 
     def _log_attempt(self, entry: AttemptEntry) -> None:
@@ -1031,18 +1031,22 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         for line in lines:
             self.log.info("Container log: %s", line.describe())
 
-    def _goodput(self, run: RunState, also: str | None = None, context: Context | None = None) -> GoodputReport | None:
+    def _goodput(self, run: RunState, failed: bool = False, also: str | None = None,
+                 context: Context | None = None) -> GoodputReport | None:
         """Build and log the goodput account of this try's executions (best effort: ``None`` on error).
 
+        :param failed: the try is failing: the steps past each task's newest committed checkpoint
+            are counted as wasted, not productive.
         :param also: an execution not in ``run.executions`` to include (the one being cancelled).
-        :param context: on a failure: the account is also pushed as the ``goodput`` XCom (the
+        :param context: the account is also pushed as the ``goodput`` XCom (on a failure: the
             summary, which carries it on success, is never returned then).
         """
         try:
             names = [e["name"] for e in run.executions] + ([also] if also and also not in
                                                             {e["name"] for e in run.executions} else [])
             executions = [(name, self.hook.list_tasks(execution=name)) for name in names]
-            report = build_report(executions, self._files(), MAX_PROGRESS_TASKS)
+            report = build_report(executions, self._files(), MAX_PROGRESS_TASKS,
+                                  unfinished=failed)
         except Exception as exc:  # the account never changes the task's outcome or its error
             self.log.warning("Goodput account not built: %s", exc)
             return None

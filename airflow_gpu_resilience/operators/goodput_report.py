@@ -71,6 +71,7 @@ def attempt_inputs(
 
 def build_report(
     executions: Sequence[tuple[str, Sequence[run_v2.Task]]], files: CheckpointFilesHook | None, max_tasks: int,
+    unfinished: bool = False,
 ) -> GoodputReport:
     """The goodput report of a run.
 
@@ -78,12 +79,17 @@ def build_report(
         one still stopping: a task without a completion time ends at the worker's last write).
     :param files: the worker's files (``None``: no bucket, platform times only: all start-up).
     :param max_tasks: most task indexes whose files are read.
+    :param unfinished: the Airflow task failed: each task's steps past its newest committed
+        checkpoint (read from the bucket) are wasted (see ``durable_step`` of
+        :func:`~airflow_gpu_resilience.goodput.account_task`); not when the bucket is unreadable.
     :return: the report (accounts in task-index order).
     """
     indexes = sorted({t.index for _, tasks in executions for t in tasks})
     events = {i: files.goodput_events(i) for i in indexes[:max_tasks]} if files is not None else {}
+    durable = files.committed_steps() if unfinished and files is not None else None
     gpus = max((gpus_per_task(t) for _, tasks in executions for t in tasks), default=0)
-    accounts = [account_task(i, attempts, gpus_per_task=gpus)
+    accounts = [account_task(i, attempts, gpus_per_task=gpus,
+                             durable_step=None if durable is None else durable.get(i, 0))
                 for i, attempts in sorted(attempt_inputs(executions, events).items())]
     return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts),
                          headline=describe(accounts))

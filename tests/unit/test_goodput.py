@@ -135,3 +135,47 @@ def test_headline_of_several_tasks_and_of_none():
                                        "1 more without known times; productive 85.0 s of a 100.0 s span")
     assert describe([b]) == "Goodput account: no attempt with known times in 1 task(s) (1 attempt(s) without times)."
     assert describe([]) == "Goodput account: no attempt with known times in 0 task(s)."
+
+
+P = {"step_seconds": 0.5, "save_blocking_seconds": 0.0}
+UNFINISHED = {
+    "the last attempt's steps past the newest commit are wasted, once": (
+        [AttemptInput(E, 0, 0.0, 50.0, {**P, "first_step_at": 5.0, "resumed_from_step": 0, "steps": 90}),
+         AttemptInput(E, 1, 60.0, 100.0, {**P, "first_step_at": 70.0, "resumed_from_step": 80, "steps": 20,
+                                           "steps_recomputed": 10})],
+        90, dict(productive=45.0 + 20.0, wasted=5.0 + 5.0, steps_recomputed=10, steps_uncommitted=10),
+    ),
+    "the last attempt never trained: the one before lost its uncommitted steps": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40}),
+         AttemptInput(E, 1, 40.0, 50.0, {"process_start": 40.0})],
+        30, dict(productive=28.0 - 5.0, wasted=5.0, startup=2.0 + 10.0, steps_uncommitted=10),
+    ),
+    "no checkpoint ever committed: every step of the last attempt": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
+        0, dict(productive=8.0, wasted=20.0, steps_uncommitted=40),
+    ),
+    "everything committed: nothing moves": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
+        40, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
+    ),
+    "no resumed step recorded: nothing can be said": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "steps": 40})],
+        0, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
+    ),
+}
+
+
+@pytest.mark.parametrize("attempts, durable, expected", UNFINISHED.values(), ids=UNFINISHED.keys())
+def test_account_of_a_task_that_did_not_finish(attempts, durable, expected):
+    """``durable_step`` (a failed task): work past the newest commit is wasted, not productive."""
+    account = account_task(0, attempts, durable_step=durable)
+    for key, value in expected.items():
+        assert account[key] == pytest.approx(value), key
+    assert sum(account[b] for b in BUCKETS) == pytest.approx(account["span_seconds"])
+    assert account_task(0, attempts)["steps_uncommitted"] == 0  # a finished task: nothing moved
+
+
+@pytest.mark.parametrize("durable", [-1, 1.5, True, "3"])
+def test_durable_step_must_be_a_step(durable):
+    with pytest.raises(ValueError, match=r"^durable_step=.* must be an integer >= 0 or None$"):
+        account_task(0, [], durable_step=durable)

@@ -7,6 +7,8 @@
   bucket show. About 100 s (the bundled worker, startup included).
 - A job that never commits a newer checkpoint ends after exactly ``max_reruns_without_progress``
   re-runs, with an error naming the step, the classes and what to check. About 20 s each.
+- A failed task's goodput account, with the real worker: the steps it never committed are
+  wasted. About 25 s.
 - The deployed job carries ``TASK_TIMEOUT_SECONDS`` = its task timeout; a per-execution
   ``timeout`` override sets it for that execution, and the task sees it. About 2 s.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import pytest
 from airflow.utils.state import TaskInstanceState
 
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
+from airflow_gpu_resilience.goodput import BUCKETS
 from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRunGpuExecuteJobOperator
@@ -221,6 +225,36 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     out = capfd.readouterr()
     assert "Goodput account (seconds and share of each task's span)" in out.out + out.err
     assert report["table"].splitlines()[-1] in out.out + out.err
+
+
+def test_a_failed_tasks_account_counts_its_uncommitted_steps_as_wasted(worker_emulator, job_name, capfd):
+    """Issue 16 item b with the real worker: one attempt trains without checkpointing until its
+    deadline stop (task timeout ``CHAIN_TASK_TIMEOUT``, 20 s), so the execution makes no progress and, with
+    ``max_reruns_without_progress`` 0, the task fails at once. Its account, built before the error
+    is raised, counts the steps the worker says it stopped at (its own log line) as wasted: none
+    of them was committed. About 25 s (one emulator, one attempt)."""
+    deploy(job_name, WORKER_IMAGE, ["train", "--steps", "5000", "--step-delay", "0.05", "--checkpoint-every", "0"],
+           max_retries=0, task_timeout=CHAIN_TASK_TIMEOUT, env={"PREEMPTION_GRACE_SECONDS": "5"})
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION, deferrable=False,
+                                       poll_interval=0.2, checkpoint_bucket=BUCKET, max_reruns_without_progress=0)
+    with pytest.raises(CloudRunGpuFatalError) as raised:
+        op.execute({"ti": _TI()})
+    error = raised.value
+    assert error.outcome == "TIMED_OUT" and "max_reruns_without_progress=0" in str(error)
+    [execution] = executions(job_name)
+    [log] = (worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1]).glob("task0-attempt*.log")
+    text = log.read_text()
+    assert "no checkpoint at the stop" in text
+    stopped = int(re.search(r'"message": "(?:DEADLINE|SIGTERM) received; stopping at step (\d+)"', text).group(1))
+    [account] = error.goodput["tasks"]
+    [row] = account["attempts"]
+    assert stopped > 0 and row["reached_first_step"] and row["times_from"] == "platform"
+    assert (row["steps_uncommitted"], account["steps_uncommitted"], account["steps_recomputed"]) == (stopped,) * 2 + (0,)
+    assert account["wasted"] == pytest.approx(stopped * row["step_seconds"]) and row["step_seconds"] >= 0.05
+    assert sum(account[b] for b in BUCKETS) == pytest.approx(account["span_seconds"])
+    assert f"(0 steps recomputed, {stopped} uncommitted)" in str(error)
+    out = capfd.readouterr()
+    assert error.goodput["table"] in out.out + out.err  # logged, before the error was raised
 
 
 def test_the_task_timeout_reaches_the_container_also_when_overridden(gcp_conn, job_name, emulator, run_execute):
