@@ -22,6 +22,8 @@ class _ExecutionErrorDetails:
     :param outcome: outcome class name (see :class:`~airflow_gpu_resilience.outcome.OutcomeClass`).
     :param exit_code: exit code of the blamed task's last attempt, or ``None``.
     :param log_uri: Cloud Logging URI of the execution or task, or ``None``.
+    :param goodput: the try's goodput report (the summary's ``goodput``: per-task accounts, their
+        total, the table and its one-line ``headline``), or ``None`` when it could not be built.
     """
 
     def __init__(
@@ -32,29 +34,36 @@ class _ExecutionErrorDetails:
         outcome: str | None = None,
         exit_code: int | None = None,
         log_uri: str | None = None,
+        goodput: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.execution = execution
         self.outcome = outcome
         self.exit_code = exit_code
         self.log_uri = log_uri
+        self.goodput = goodput
 
     @classmethod
-    def for_decision(cls, head: str, decision: Decision, execution: run_v2.Execution) -> Self:
+    def for_decision(cls, head: str, decision: Decision, execution: run_v2.Execution,
+                     goodput: dict | None = None) -> Self:
         """The error for a finished execution that ``decision`` fails, blaming its task.
 
         :param head: the message's start, e.g. ``"Execution NAME FAILED"``; ``": {reason}.
-            Logs: {log URI}"`` is appended.
+            Logs: {log URI}"`` is appended, with the goodput report's ``headline`` before
+            ``Logs:`` when there is one.
         :param decision: the failing decision (:func:`~airflow_gpu_resilience.outcome.decide`).
         :param execution: the finished execution.
+        :param goodput: the try's goodput report, or ``None`` (default).
         :return: the error, with the blamed task's exit code and its log URI (else the
             execution's).
         """
         blamed = decision.blamed
         log_uri = (blamed.log_uri if blamed else "") or execution.log_uri
+        note = f" {goodput['headline']}" if goodput and goodput.get("headline") else ""
         return cls(
-            f"{head}: {decision.reason}. Logs: {log_uri}", execution=execution.name, outcome=decision.outcome.value,
-            exit_code=blamed.exit_code if blamed else None, log_uri=log_uri,
+            f"{head}: {decision.reason}.{note} Logs: {log_uri}", execution=execution.name,
+            outcome=decision.outcome.value, exit_code=blamed.exit_code if blamed else None, log_uri=log_uri,
+            goodput=goodput,
         )
 
 
@@ -66,6 +75,7 @@ class CloudRunGpuExecutionError(_ExecutionErrorDetails, AirflowException):
     :param outcome: outcome class name (see :class:`~airflow_gpu_resilience.outcome.OutcomeClass`).
     :param exit_code: exit code of the blamed task's last attempt, or ``None``.
     :param log_uri: Cloud Logging URI of the execution or task, or ``None``.
+    :param goodput: the try's goodput report, or ``None``.
     """
 
 
@@ -79,6 +89,7 @@ class CloudRunGpuFatalError(_ExecutionErrorDetails, AirflowFailException):
     :param outcome: outcome class name, or ``None``.
     :param exit_code: exit code of the blamed task's last attempt, or ``None``.
     :param log_uri: Cloud Logging URI of the execution or task, or ``None``.
+    :param goodput: the try's goodput report, or ``None``.
     """
 
 
@@ -102,11 +113,13 @@ class CloudRunGpuTimeoutError(AirflowException):
 
     :param message: human-readable explanation.
     :param execution: full resource name of the cancelled execution.
+    :param goodput: the try's goodput report (the cancelled execution's attempts included), or ``None``.
     """
 
-    def __init__(self, message: str, *, execution: str | None = None) -> None:
+    def __init__(self, message: str, *, execution: str | None = None, goodput: dict | None = None) -> None:
         super().__init__(message)
         self.execution = execution
+        self.goodput = goodput
 
 
 class CheckpointBucketNotOursError(AirflowFailException):

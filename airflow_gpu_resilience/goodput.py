@@ -20,7 +20,10 @@ attempt's start to its last attempt's end, and puts each second in exactly one b
     save, or a whole synchronous one, and the wait for a save in flight at a stop).
 ``wasted``
     steps computed again after a resume: ``steps_recomputed`` (steps the previous attempt had
-    done past the checkpoint it resumed from) times the attempt's measured ``step_seconds``.
+    done past the checkpoint it resumed from) times the attempt's measured ``step_seconds``;
+    and, for a task that ended without finishing (a failed task: ``durable_step`` given), the
+    steps of its last training attempt past the newest committed checkpoint
+    (``steps_uncommitted``): nothing will resume them in this account.
 ``recovery_gap``
     between one attempt's end and the next attempt's start (retry delay, a re-run execution
     being started, scheduling); also the time of an attempt whose times are unknown.
@@ -38,6 +41,7 @@ add up to the span. ``gpu_seconds`` is what Cloud Run bills: every attempt's who
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -59,6 +63,9 @@ class AttemptAccount(TypedDict):
     save_stall: float
     wasted: float
     steps_recomputed: int
+    steps_uncommitted: int
+    """Steps past the newest committed checkpoint, counted as wasted (the last training attempt of
+    a task accounted with ``durable_step``; 0 otherwise)."""
     step_seconds: float | None
     reached_first_step: bool
     times_from: str
@@ -85,6 +92,7 @@ class GoodputAccount(TypedDict):
     goodput: float | None
     """``productive / span_seconds``; ``None`` for an empty span."""
     steps_recomputed: int
+    steps_uncommitted: int
     attempts: list[AttemptAccount]
     unknown_attempts: int
 
@@ -108,10 +116,20 @@ class AttemptInput:
 
 
 def _num(events: Mapping[str, Any], key: str) -> float | None:
+    """A finite number from the events, else ``None`` (a missing, mistyped, NaN or infinite value)."""
     value = events.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _events(item: AttemptInput) -> Mapping[str, Any]:
+    """The attempt's events, ``{}`` when missing or not a mapping (a torn or foreign file)."""
+    return item.events if isinstance(item.events, Mapping) else {}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _clamp(value: float, low: float, high: float) -> float:
@@ -119,8 +137,8 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def _times(item: AttemptInput) -> tuple[float | None, float | None, str]:
-    events = item.events or {}
-    start, end, source = item.start, item.end, "platform"
+    events = _events(item)
+    start, end, source = _finite(item.start), _finite(item.end), "platform"
     if start is None:
         start, source = _num(events, "process_start"), "worker"
     if end is None:
@@ -133,7 +151,7 @@ def _times(item: AttemptInput) -> tuple[float | None, float | None, str]:
 
 def _attempt(item: AttemptInput, start: float, end: float, source: str) -> AttemptAccount:
     """Split ``[start, end]`` of one attempt into its five in-attempt buckets (they sum to the wall)."""
-    events = item.events or {}
+    events = _events(item)
     wall = max(0.0, end - start)
     first = _num(events, "first_step_at")
     reached = first is not None and first < end
@@ -145,30 +163,52 @@ def _attempt(item: AttemptInput, start: float, end: float, source: str) -> Attem
     after = wall - before
     save = _clamp(_num(events, "save_blocking_seconds") or 0.0, 0.0, after)
     step_seconds = _num(events, "step_seconds")
-    recomputed = int(_num(events, "steps_recomputed") or 0)
-    steps = int(_num(events, "steps") or 0)
+    recomputed = max(0, int(_num(events, "steps_recomputed") or 0))
+    steps = max(0, int(_num(events, "steps") or 0))
     wasted = 0.0
     if reached and step_seconds is not None and step_seconds > 0:
         wasted = _clamp(min(recomputed, steps) * step_seconds, 0.0, after - save)
     return AttemptAccount(
         execution=item.execution, attempt=item.attempt, start=start, end=end, wall_seconds=wall,
         productive=after - save - wasted, startup=before - restore, restore=restore, save_stall=save,
-        wasted=wasted, steps_recomputed=recomputed if reached else 0, step_seconds=step_seconds,
-        reached_first_step=reached, times_from=source,
+        wasted=wasted, steps_recomputed=recomputed if reached else 0, steps_uncommitted=0,
+        step_seconds=step_seconds, reached_first_step=reached, times_from=source,
     )
 
 
-def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_task: int = 1) -> GoodputAccount:
+def _lose_uncommitted(row: AttemptAccount, events: Mapping[str, Any], durable_step: int) -> None:
+    """Move the steps of ``row`` past ``durable_step`` (not already wasted) from productive to wasted."""
+    step_seconds, resumed = row["step_seconds"], _num(events, "resumed_from_step")
+    steps = max(0, int(_num(events, "steps") or 0))
+    if not row["reached_first_step"] or not step_seconds or step_seconds <= 0 or resumed is None:
+        return
+    fresh = steps - min(row["steps_recomputed"], steps)  # the steps not already counted as wasted
+    lost = min(max(0, int(resumed) + steps - durable_step), fresh)
+    seconds = min(lost * step_seconds, row["productive"])
+    row["productive"] -= seconds
+    row["wasted"] += seconds
+    row["steps_uncommitted"] = lost
+
+
+def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_task: int = 1,
+                 durable_step: int | None = None) -> GoodputAccount:
     """The account of one Cloud Run task index over all its attempts.
 
     :param task_index: the task index (for the result).
     :param attempts: its attempts, in any order.
     :param gpus_per_task: GPUs per task instance (billing), default 1.
+    :param durable_step: for a task that ended without finishing (the Airflow task failed): the
+        step of its newest committed checkpoint (0: none). The last training attempt's steps past
+        it are wasted (``steps_uncommitted``). ``None`` (default): the task finished, or it is
+        not known; nothing is moved.
     :return: the account; empty (all zero, ``goodput`` ``None``) with no timed attempt.
-    :raises ValueError: ``gpus_per_task`` below 0.
+    :raises ValueError: ``gpus_per_task`` below 0, or ``durable_step`` not an integer >= 0.
     """
     if isinstance(gpus_per_task, bool) or not isinstance(gpus_per_task, int) or gpus_per_task < 0:
         raise ValueError(f"gpus_per_task={gpus_per_task!r} must be an integer >= 0")
+    if durable_step is not None and (isinstance(durable_step, bool) or not isinstance(durable_step, int)
+                                     or durable_step < 0):
+        raise ValueError(f"durable_step={durable_step!r} must be an integer >= 0 or None")
     timed, unknown, billed = [], 0, 0.0
     for item in attempts:
         start, end, source = _times(item)
@@ -187,13 +227,17 @@ def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_tas
             end = max(end, start)
         rows.append(_attempt(item, start, end, source))
         previous_end = end if previous_end is None else max(previous_end, end)
+    trained = [i for i, row in enumerate(rows) if row["reached_first_step"]]
+    if durable_step is not None and trained:
+        _lose_uncommitted(rows[trained[-1]], _events(timed[trained[-1]][3]), durable_step)
     totals = {b: sum(r[b] for r in rows) for b in BUCKETS if b != "recovery_gap"}  # type: ignore[literal-required]
     span = (previous_end - timed[0][0]) if timed else 0.0
     return GoodputAccount(
         task_index=task_index, **totals, recovery_gap=gap, span_seconds=span,  # type: ignore[typeddict-item]
         attempt_seconds=sum(r["wall_seconds"] for r in rows), gpu_seconds=billed * gpus_per_task,
         goodput=(totals["productive"] / span) if span > 0 else None,
-        steps_recomputed=sum(r["steps_recomputed"] for r in rows), attempts=rows, unknown_attempts=unknown,
+        steps_recomputed=sum(r["steps_recomputed"] for r in rows),
+        steps_uncommitted=sum(r["steps_uncommitted"] for r in rows), attempts=rows, unknown_attempts=unknown,
     )
 
 
@@ -204,7 +248,8 @@ def total(accounts: Sequence[GoodputAccount]) -> GoodputAccount:
     return GoodputAccount(
         task_index=-1, **sums,  # type: ignore[typeddict-item]
         goodput=(sums["productive"] / sums["span_seconds"]) if sums["span_seconds"] > 0 else None,
-        steps_recomputed=sum(a["steps_recomputed"] for a in accounts), attempts=[],
+        steps_recomputed=sum(a["steps_recomputed"] for a in accounts),
+        steps_uncommitted=sum(a.get("steps_uncommitted", 0) for a in accounts), attempts=[],
         unknown_attempts=sum(a["unknown_attempts"] for a in accounts),
     )
 
@@ -225,3 +270,31 @@ def format_table(accounts: Sequence[GoodputAccount]) -> str:
         share = "-" if a["goodput"] is None else f"{100 * a['goodput']:.1f}%"
         lines.append(f"{name:>5} {cells} {span:9.1f} {a['gpu_seconds']:9.1f} {share:>8}")
     return "\n".join(lines)
+
+
+def describe(accounts: Sequence[GoodputAccount]) -> str:
+    """One sentence for an error message or a log line: what the tasks' attempts cost and where it went.
+
+    For a failed task, the figure its users look for: the GPU-seconds billed and how many of
+    the span's seconds trained anything.
+
+    :param accounts: per-task accounts (:func:`account_task`), possibly empty.
+    :return: e.g. ``"Goodput account: 41.0 GPU-s billed over 3 attempt(s) of 1 task(s); productive
+        0.0 s of a 45.2 s span (goodput 0.0 %); startup 38.0 s, restore 0.0 s, save_stall 0.0 s,
+        wasted 0.0 s (0 steps recomputed), recovery_gap 4.2 s."``; an account with no timed
+        attempt says so.
+    """
+    whole = total(accounts)
+    attempts = sum(len(a["attempts"]) for a in accounts)
+    unknown = f", {whole['unknown_attempts']} more without known times" if whole["unknown_attempts"] else ""
+    if attempts == 0:
+        without = f" ({whole['unknown_attempts']} attempt(s) without times)" if whole["unknown_attempts"] else ""
+        return f"Goodput account: no attempt with known times in {len(accounts)} task(s){without}."
+    share = "-" if whole["goodput"] is None else f"{100 * whole['goodput']:.1f} %"
+    lost = f", {whole['steps_uncommitted']} uncommitted" if whole["steps_uncommitted"] else ""
+    rest = ", ".join(f"{b} {whole[b]:.1f} s"  # type: ignore[literal-required]
+                     + (f" ({whole['steps_recomputed']} steps recomputed{lost})" if b == "wasted" else "")
+                     for b in BUCKETS[1:])
+    return (f"Goodput account: {whole['gpu_seconds']:.1f} GPU-s billed over {attempts} attempt(s) of "
+            f"{len(accounts)} task(s){unknown}; productive {whole['productive']:.1f} s of a "
+            f"{whole['span_seconds']:.1f} s span (goodput {share}); {rest}.")

@@ -34,6 +34,10 @@ Definitions (all from the worker's own JSON logs, the emulator's API and its sch
   task times and the worker's ``goodput-*.json`` files: seconds of productive training,
   start-up, restore, save stall, wasted (steps recomputed) and recovery gap; its goodput is
   productive over the span from the first attempt's start to the last one's end.
+- the downtime's parts (third table, from the worker's ``goodput-*.json`` files): per
+  preemption, ``stop`` (preemption to the preempted attempt's exit), ``restart`` (that exit to
+  the next attempt's process start), ``startup`` (process start to checkpoint load) and
+  ``restore`` (the load); see :func:`downtime_parts`.
 
 Run::
 
@@ -235,6 +239,67 @@ def downtime(resumes: list, preemptions: list, ended: float) -> float:
     return total
 
 
+#: The parts of one preemption's downtime, in order (see :func:`downtime_parts`).
+DOWNTIME_PARTS = ("stop", "restart", "startup", "restore")
+
+
+def goodput_events(lab: Lab, job_id: str) -> dict:
+    """:return: ``(execution short id, attempt)`` -> the worker's goodput events file of that attempt."""
+    import json
+
+    events = {}
+    for path in sorted(lab.namespace(job_id).glob("goodput-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        events[(data.get("execution"), data.get("attempt"))] = data
+    return events
+
+
+def downtime_parts(events: dict, executions: list, counts: list, preempted: list) -> dict:
+    """What one preemption's downtime is made of, from the worker's goodput events (mean seconds).
+
+    For each preemption of an attempt A followed by an attempt B (the next one of the same
+    execution, else the first of the next execution):
+
+    - ``stop``: the preemption to A's exit (``ended_at``: the SIGTERM flush, the save in flight);
+    - ``restart``: A's exit to B's process start (the platform seeing the exit, the retry, the
+      container start);
+    - ``startup``: B's process start to its checkpoint load (interpreter, ``import torch``, model
+      and data set-up);
+    - ``restore``: the checkpoint load itself.
+
+    A pair where a time is missing (A killed without writing its end, B killed before it wrote
+    its events file or its restore) is left out; ``n`` counts the pairs used, ``missing`` the
+    preemptions left out.
+
+    :param events: :func:`goodput_events`.
+    :param executions: the run's execution names, in order.
+    :param counts: attempts of each execution.
+    :param preempted: ``(epoch, (execution index, attempt))`` of each preemption.
+    :return: ``{"n", "missing", "stop", "restart", "startup", "restore"}`` (``None`` values when ``n`` is 0).
+    """
+    shorts = [name.rsplit("/", 1)[-1] for name in executions]
+    sums, n = dict.fromkeys(DOWNTIME_PARTS, 0.0), 0
+    for at, (index, attempt) in preempted:
+        if not 0 <= index < len(shorts):
+            continue
+        nxt = (index, attempt + 1) if attempt + 1 < counts[index] else (index + 1, 0)
+        if nxt[0] >= len(shorts):
+            continue
+        a, b = events.get((shorts[index], attempt)), events.get((shorts[nxt[0]], nxt[1]))
+        if a is None or b is None:
+            continue
+        times = [at, a.get("ended_at"), b.get("process_start"), b.get("restore_start"), b.get("restore_end")]
+        if any(not isinstance(t, (int, float)) for t in times) or not times[0] <= times[1]:
+            continue
+        for part, (t0, t1) in zip(DOWNTIME_PARTS, zip(times, times[1:])):
+            sums[part] += t1 - t0
+        n += 1
+    return {"n": n, "missing": len(preempted) - n, **{part: (round(sums[part] / n, 3) if n else None) for part in DOWNTIME_PARTS}}
+
+
 def durable_step(namespace: Path) -> int:
     """:return: the step of the newest commit record in ``namespace`` (0 when none)."""
     try:
@@ -268,6 +333,7 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
         "interval_s": _r(walk["interval_s"]), "blocking_save_cost_s": _r(walk["save_cost_s"]),
     }
     result["account"] = goodput_account(lab, job_id, run["executions"])
+    result["downtime_parts"] = downtime_parts(goodput_events(lab, job_id), run["executions"], counts, preempted)
     if t_step:
         result.update(useful_s=round(durable * t_step, 2), goodput=round(durable * t_step / wall, 4),
                       lost_s=round(lost_steps * t_step, 2),
@@ -279,19 +345,11 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
 
 def goodput_account(lab: Lab, job_id: str, executions: list) -> dict:
     """The provider's goodput account of task 0 over ``executions`` (seconds per bucket)."""
-    import json
-
     from airflow_gpu_resilience.goodput import account_task
     from airflow_gpu_resilience.operators.goodput_report import attempt_inputs
 
     tasks = [(name, list(lab.clients["tasks"].list_tasks(parent=name))) for name in executions]
-    events = {}
-    for path in sorted(lab.namespace(job_id).glob("goodput-*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        events[(data.get("execution"), data.get("attempt"))] = data
+    events = goodput_events(lab, job_id)
     account = account_task(0, attempt_inputs(tasks, {0: events}).get(0, []), gpus_per_task=1)
     return {key: (round(value, 3) if isinstance(value, float) else value)
             for key, value in account.items() if key != "attempts"}
@@ -444,7 +502,8 @@ def table_rows(rows: list) -> list:
 
 
 ACCOUNT_HEADERS = ["M s", "seed", "strategy", "goodput (bench)", "goodput (account)", "productive s", "startup s",
-                   "restore s", "save stall s", "wasted s", "recovery gap s", "span s", "GPU-s", "steps redone"]
+                   "restore s", "save stall s", "wasted s", "recovery gap s", "span s", "GPU-s", "steps redone",
+                   "untimed"]
 
 
 def account_rows(rows: list) -> list:
@@ -456,7 +515,27 @@ def account_rows(rows: list) -> list:
         out.append(["inf" if r["mtbi_s"] is None else f"{r['mtbi_s']:.1f}", r["seed"] if r["seed"] is not None else "-",
                     r["strategy"], f"{100 * r['goodput']:.1f}%", "-" if share is None else f"{100 * share:.1f}%",
                     *(a.get(k, "-") for k in ("productive", "startup", "restore", "save_stall", "wasted", "recovery_gap",
-                                              "span_seconds", "gpu_seconds", "steps_recomputed"))])
+                                              "span_seconds", "gpu_seconds", "steps_recomputed",
+                                              "unknown_attempts"))])
+    return out
+
+
+DOWNTIME_HEADERS = ["M s", "seed", "strategy", "down s/preempt", "pairs", "left out", "stop s", "restart s", "startup s",
+                    "restore s", "sum s"]
+
+
+def downtime_rows(rows: list) -> list:
+    """:return: the downtime breakdown's cells of each preempted run (:func:`downtime_parts`)."""
+    out = []
+    for r in rows:
+        parts = r.get("downtime_parts") or {}
+        if not r["preemptions"]:
+            continue
+        known = [parts.get(p) for p in DOWNTIME_PARTS]
+        out.append([f"{r['mtbi_s']:.1f}", r["seed"], r["strategy"], r["downtime_s_per_preemption"], parts.get("n", 0),
+                    parts.get("missing", "-"),
+                    *("-" if v is None else v for v in known),
+                    "-" if None in known else round(sum(known), 3)])
     return out
 
 
@@ -546,6 +625,8 @@ def report_lines(report: dict) -> list:
         "", common.table(HEADERS, table_rows(report["calibration"] + report["runs"])), "",
         "goodput account (seconds; the provider's buckets from Cloud Run's task times and the worker's events):",
         common.table(ACCOUNT_HEADERS, account_rows(report["calibration"] + report["runs"])), "",
+        "downtime per preemption, its parts (mean seconds over the preemptions whose times the worker recorded):",
+        common.table(DOWNTIME_HEADERS, downtime_rows(report["runs"])), "",
         f"target: this worker's lost work per preemption <= one checkpoint interval: {verdict[lost['met']]} "
         f"(max lost {lost['max_lost_s']} s; intervals {lost['intervals_s']} s)",
         f"target: this worker's goodput >= 95% at M = 20 C: {verdict[good['met']]} (M/C {good['M_over_C']}: "

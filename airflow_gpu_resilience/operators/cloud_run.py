@@ -546,6 +546,13 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
       :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (an
       ``AirflowFailException``: no Airflow retry).
 
+    Either way the try's goodput account (every second of its attempts, and the GPU-seconds
+    billed; see :mod:`~airflow_gpu_resilience.goodput`) is logged as a table when the task ends:
+    on success it is the summary's ``goodput``; on a failure (and an overall ``timeout``) it is
+    also built before raising, its one-line headline ends the error's message, the error
+    carries it as ``goodput`` and it is pushed as the ``goodput`` XCom. Building it never
+    raises: a failed read leaves it ``None`` and the original error stands.
+
     **The re-run budget follows checkpoint progress** when ``checkpoint_bucket`` is set. A task
     made progress in an execution when its newest committed checkpoint step (the worker's commit
     records in the bucket) at the execution's end is greater than at its start. A re-run after an
@@ -905,10 +912,12 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             self.hook.cancel_execution(execution=execution)
         except gexc.NotFound as exc:  # deleted meanwhile; a finished one is returned unchanged
             self.log.info("Cancel of %s not needed: %s", execution, exc)
+        report = self._goodput(run, failed=True, also=execution)
         raise CloudRunGpuTimeoutError(
             f"The task's overall timeout passed: execution {execution} {message} and was cancelled "
-            f"({len(run.executions)} earlier execution(s) in this try)",
-            execution=execution,
+            f"({len(run.executions)} earlier execution(s) in this try)."
+            + (f" {report['headline']}" if report else ""),
+            execution=execution, goodput=report,
         )
 
     # --- acting on a finished execution ----------------------------------------------------
@@ -939,7 +948,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
             summary["goodput"] = self._goodput(run)
             return RunStep.done(summary)
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
-        raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished)
+        report = self._goodput(run, failed=True, context=context)  # what the failed try cost, before raising
+        raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished, report)
 
     def _log_attempt(self, entry: AttemptEntry) -> None:
         signal, took = entry["term_signal"], entry["duration_seconds"]
@@ -1033,15 +1043,32 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         for line in lines:
             self.log.info("Container log: %s", line.describe())
 
-    def _goodput(self, run: RunState) -> GoodputReport | None:
-        """Build and log the goodput account of this try's executions (best effort: ``None`` on error)."""
+    def _goodput(self, run: RunState, failed: bool = False, also: str | None = None,
+                 context: Context | None = None) -> GoodputReport | None:
+        """Build and log the goodput account of this try's executions (best effort: ``None`` on error).
+
+        :param failed: the try is failing: the steps past each task's newest committed checkpoint
+            are counted as wasted, not productive.
+        :param also: an execution not in ``run.executions`` to include (the one being cancelled).
+        :param context: the account is also pushed as the ``goodput`` XCom (on a failure: the
+            summary, which carries it on success, is never returned then).
+        """
         try:
-            executions = [(e["name"], self.hook.list_tasks(execution=e["name"])) for e in run.executions]
-            report = build_report(executions, self._files(), MAX_PROGRESS_TASKS)
-        except Exception as exc:  # the account must never fail a run that succeeded
+            names = [e["name"] for e in run.executions] + ([also] if also and also not in
+                                                            {e["name"] for e in run.executions} else [])
+            executions = [(name, self.hook.list_tasks(execution=name)) for name in names]
+            report = build_report(executions, self._files(), MAX_PROGRESS_TASKS,
+                                  unfinished=failed)
+        except Exception as exc:  # the account never changes the task's outcome or its error
             self.log.warning("Goodput account not built: %s", exc)
             return None
-        self.log.info("Goodput account (seconds and share of each task's span):\n%s", report["table"])
+        self.log.info("Goodput account (seconds and share of each task's span):\n%s\n%s", report["table"],
+                      report["headline"])
+        if context is not None:
+            try:
+                context["ti"].xcom_push(key="goodput", value=report)
+            except Exception as exc:
+                self.log.warning("Goodput account not pushed to XCom: %s", exc)
         return report
 
 

@@ -13,16 +13,18 @@ from typing import Any, TypedDict
 
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, format_table, total
+from airflow_gpu_resilience.goodput import AttemptInput, GoodputAccount, account_task, describe, format_table, total
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 
 
 class GoodputReport(TypedDict):
-    """The summary's ``goodput``: per-task accounts, their total and the logged table."""
+    """The summary's ``goodput``: per-task accounts, their total, the logged table and its one-line
+    ``headline`` (:func:`~airflow_gpu_resilience.goodput.describe`, also in a failure's message)."""
 
     tasks: list[GoodputAccount]
     total: GoodputAccount
     table: str
+    headline: str
 
 
 def _epoch(value: Any) -> float | None:
@@ -69,17 +71,25 @@ def attempt_inputs(
 
 def build_report(
     executions: Sequence[tuple[str, Sequence[run_v2.Task]]], files: CheckpointFilesHook | None, max_tasks: int,
+    unfinished: bool = False,
 ) -> GoodputReport:
     """The goodput report of a run.
 
-    :param executions: ``(full execution name, its tasks)`` in run order (finished executions).
+    :param executions: ``(full execution name, its tasks)`` in run order (finished executions, or
+        one still stopping: a task without a completion time ends at the worker's last write).
     :param files: the worker's files (``None``: no bucket, platform times only: all start-up).
     :param max_tasks: most task indexes whose files are read.
+    :param unfinished: the Airflow task failed: each task's steps past its newest committed
+        checkpoint (read from the bucket) are wasted (see ``durable_step`` of
+        :func:`~airflow_gpu_resilience.goodput.account_task`); not when the bucket is unreadable.
     :return: the report (accounts in task-index order).
     """
     indexes = sorted({t.index for _, tasks in executions for t in tasks})
     events = {i: files.goodput_events(i) for i in indexes[:max_tasks]} if files is not None else {}
+    durable = files.committed_steps() if unfinished and files is not None else None
     gpus = max((gpus_per_task(t) for _, tasks in executions for t in tasks), default=0)
-    accounts = [account_task(i, attempts, gpus_per_task=gpus)
+    accounts = [account_task(i, attempts, gpus_per_task=gpus,
+                             durable_step=None if durable is None else durable.get(i, 0))
                 for i, attempts in sorted(attempt_inputs(executions, events).items())]
-    return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts))
+    return GoodputReport(tasks=accounts, total=total(accounts), table=format_table(accounts),
+                         headline=describe(accounts))

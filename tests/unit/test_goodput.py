@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_gpu_resilience.goodput import BUCKETS, AttemptInput, account_task, format_table, total
+from airflow_gpu_resilience.goodput import BUCKETS, AttemptInput, account_task, describe, format_table, total
 
 E = "job-abc"
 CLEAN = {"process_start": 1.0, "restore_start": 2.0, "restore_end": 3.0, "first_step_at": 10.0,
@@ -55,6 +55,23 @@ CASES = {
         dict(restore=2.0, startup=3.0, save_stall=5.0, wasted=0.0, productive=0.0, span_seconds=10.0),
     ),
     "nothing at all": ([], dict(span_seconds=0.0, goodput=None, productive=0.0)),
+    # a failed task's history is often partial: it must still be accounted, never raise
+    "failed task: every attempt stopped before its first step, the last one still stopping": (
+        [AttemptInput(E, 0, 0.0, 8.0, {"process_start": 0.5, "status": "failed", "ended_at": 7.9}),
+         AttemptInput("job-def", 0, 12.0, 20.0, {"restore_start": 14.0, "restore_end": 15.0}),
+         AttemptInput("job-ghi", 0, 25.0, None, {"process_start": 25.2, "updated_at": 31.0})],
+        dict(productive=0.0, startup=8.0 + 7.0 + 6.0, restore=1.0, recovery_gap=4.0 + 5.0, span_seconds=31.0,
+             gpu_seconds=8.0 + 8.0 + 6.0, goodput=0.0, unknown_attempts=0),
+    ),
+    "garbage in the events file: wrong types, NaN, negatives, not a mapping": (
+        [AttemptInput(E, 0, 0.0, 10.0, {"first_step_at": "2", "restore_start": float("nan"), "restore_end": 3.0,
+                                         "save_blocking_seconds": float("inf"), "steps_recomputed": -4,
+                                         "steps": -1, "step_seconds": True}),
+         AttemptInput(E, 1, 20.0, 30.0, ["not", "a", "mapping"]),  # type: ignore[arg-type]
+         AttemptInput(E, 2, float("nan"), None, {"first_step_at": 41.0, "ended_at": 45.0})],
+        dict(startup=10.0 + 10.0, productive=0.0, save_stall=0.0, wasted=0.0, steps_recomputed=0, recovery_gap=10.0,
+             span_seconds=30.0, unknown_attempts=1, gpu_seconds=20.0),
+    ),
 }
 
 
@@ -80,3 +97,85 @@ def test_total_table_and_bad_input():
     assert table.splitlines()[0].split()[:7] == ["task", *BUCKETS] and table.splitlines()[-1].startswith("  all")
     with pytest.raises(ValueError, match="gpus_per_task"):
         account_task(0, [], gpus_per_task=-1)
+
+
+HEADLINES = {
+    "the failed task of the table": (
+        "failed task: every attempt stopped before its first step, the last one still stopping",
+        "Goodput account: 22.0 GPU-s billed over 3 attempt(s) of 1 task(s); productive 0.0 s of a 31.0 s span "
+        "(goodput 0.0 %); startup 21.0 s, restore 1.0 s, save_stall 0.0 s, wasted 0.0 s (0 steps recomputed), "
+        "recovery_gap 9.0 s.",
+    ),
+    "a preempted and resumed task": (
+        "preempted, then resumed with 10 steps recomputed",
+        "Goodput account: 110.0 GPU-s billed over 2 attempt(s) of 1 task(s); productive 87.0 s of a 120.0 s span "
+        "(goodput 72.5 %); startup 13.0 s, restore 2.0 s, save_stall 3.0 s, wasted 5.0 s (10 steps recomputed), "
+        "recovery_gap 10.0 s.",
+    ),
+    "unknown times are counted": (
+        "an attempt with no times is left out, its time is gap",
+        "Goodput account: 20.0 GPU-s billed over 2 attempt(s) of 1 task(s), 1 more without known times; "
+        "productive 0.0 s of a 40.0 s span (goodput 0.0 %); startup 20.0 s, restore 0.0 s, save_stall 0.0 s, "
+        "wasted 0.0 s (0 steps recomputed), recovery_gap 20.0 s.",
+    ),
+    "nothing timed": ("nothing at all", "Goodput account: no attempt with known times in 1 task(s)."),
+}
+
+
+@pytest.mark.parametrize("case, expected", HEADLINES.values(), ids=HEADLINES.keys())
+def test_headline(case, expected):
+    """The one line a failure's message ends with (:func:`describe`)."""
+    assert describe([account_task(0, CASES[case][0])]) == expected
+
+
+def test_headline_of_several_tasks_and_of_none():
+    a = account_task(0, CASES["one clean attempt"][0])
+    b = account_task(1, [AttemptInput(E, 0, None, None, None)])
+    assert describe([a, b]).startswith("Goodput account: 100.0 GPU-s billed over 1 attempt(s) of 2 task(s), "
+                                       "1 more without known times; productive 85.0 s of a 100.0 s span")
+    assert describe([b]) == "Goodput account: no attempt with known times in 1 task(s) (1 attempt(s) without times)."
+    assert describe([]) == "Goodput account: no attempt with known times in 0 task(s)."
+
+
+P = {"step_seconds": 0.5, "save_blocking_seconds": 0.0}
+UNFINISHED = {
+    "the last attempt's steps past the newest commit are wasted, once": (
+        [AttemptInput(E, 0, 0.0, 50.0, {**P, "first_step_at": 5.0, "resumed_from_step": 0, "steps": 90}),
+         AttemptInput(E, 1, 60.0, 100.0, {**P, "first_step_at": 70.0, "resumed_from_step": 80, "steps": 20,
+                                           "steps_recomputed": 10})],
+        90, dict(productive=45.0 + 20.0, wasted=5.0 + 5.0, steps_recomputed=10, steps_uncommitted=10),
+    ),
+    "the last attempt never trained: the one before lost its uncommitted steps": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40}),
+         AttemptInput(E, 1, 40.0, 50.0, {"process_start": 40.0})],
+        30, dict(productive=28.0 - 5.0, wasted=5.0, startup=2.0 + 10.0, steps_uncommitted=10),
+    ),
+    "no checkpoint ever committed: every step of the last attempt": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
+        0, dict(productive=8.0, wasted=20.0, steps_uncommitted=40),
+    ),
+    "everything committed: nothing moves": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
+        40, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
+    ),
+    "no resumed step recorded: nothing can be said": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "steps": 40})],
+        0, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
+    ),
+}
+
+
+@pytest.mark.parametrize("attempts, durable, expected", UNFINISHED.values(), ids=UNFINISHED.keys())
+def test_account_of_a_task_that_did_not_finish(attempts, durable, expected):
+    """``durable_step`` (a failed task): work past the newest commit is wasted, not productive."""
+    account = account_task(0, attempts, durable_step=durable)
+    for key, value in expected.items():
+        assert account[key] == pytest.approx(value), key
+    assert sum(account[b] for b in BUCKETS) == pytest.approx(account["span_seconds"])
+    assert account_task(0, attempts)["steps_uncommitted"] == 0  # a finished task: nothing moved
+
+
+@pytest.mark.parametrize("durable", [-1, 1.5, True, "3"])
+def test_durable_step_must_be_a_step(durable):
+    with pytest.raises(ValueError, match=r"^durable_step=.* must be an integer >= 0 or None$"):
+        account_task(0, [], durable_step=durable)

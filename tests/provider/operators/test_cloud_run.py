@@ -115,6 +115,10 @@ def test_exit_1_fails_after_airflow_retries_with_exit_code_in_message(gcp_conn, 
     assert error.exit_code == 1 and error.outcome == "FAILED"
     assert "exit code 1" in str(error) and "attempt 2" in str(error) and "Logs: http" in str(error)
     assert len(executions(job_name)) == 2  # one per Airflow try
+    # the failed try's goodput account: its one execution, both attempts (the first without times)
+    [account] = error.goodput["tasks"]
+    assert (len(account["attempts"]), account["unknown_attempts"], account["productive"]) == (1, 1, 0.0)
+    assert error.goodput["headline"] in str(error)
 
 
 def test_sysexits_code_fails_without_retry(gcp_conn, job_name, run_execute):
@@ -137,6 +141,10 @@ def test_always_preempted_exhausts_the_budget(gcp_conn, job_name, run_execute, d
     assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "PREEMPTED"
     assert "preemption budget exhausted (2 re-runs used)" in str(error)
     assert len(executions(job_name)) == 3
+    # what the exhausted budget cost: the three executions' attempts, also when deferred
+    [account] = error.goodput["tasks"]
+    assert len(account["attempts"]) == 3 and account["gpu_seconds"] == pytest.approx(account["attempt_seconds"])
+    assert "over 3 attempt(s)" in str(error)
 
 
 def test_preempted_once_then_resumes_in_a_second_execution(gcp_conn, job_name, emulator, run_execute):
@@ -373,6 +381,11 @@ def test_overall_timeout_spans_reruns_and_cancels_the_execution(gcp_conn, job_na
     assert "1 earlier execution(s)" in str(error)
     rerun, first = executions(job_name)
     assert error.execution == rerun.name
+    # the account includes the execution being cancelled (its attempt still running: the stub
+    # writes no events, so it has no end yet and is counted as unknown)
+    [account] = error.goodput["tasks"]
+    assert len(account["attempts"]) + account["unknown_attempts"] == 2
+    assert error.goodput["headline"] in str(error)
     final = CloudRunGpuHook().wait_for_execution(rerun.name, poll_interval=0.1, timeout=20)
     assert execution_state(final) is ExecutionState.CANCELLED
     assert execution_state(first) is ExecutionState.FAILED

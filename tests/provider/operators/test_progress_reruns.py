@@ -7,6 +7,8 @@
   bucket show. About 100 s (the bundled worker, startup included).
 - A job that never commits a newer checkpoint ends after exactly ``max_reruns_without_progress``
   re-runs, with an error naming the step, the classes and what to check. About 20 s each.
+- A failed task's goodput account, with the real worker: the steps it never committed are
+  wasted. About 25 s.
 - The deployed job carries ``TASK_TIMEOUT_SECONDS`` = its task timeout; a per-execution
   ``timeout`` override sets it for that execution, and the task sees it. About 2 s.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import pytest
 from airflow.utils.state import TaskInstanceState
 
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
+from airflow_gpu_resilience.goodput import BUCKETS
 from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRunGpuExecuteJobOperator
@@ -185,11 +189,14 @@ def test_a_chain_of_task_timeouts_finishes_through_a_restart(worker_emulator, jo
     (["commit-then-stall", "60"], "stuck at step 40 (task 0)", 2, ["", "0=40", "0=40"]),
 ], ids=["never-commits", "stuck-after-one-checkpoint"])
 def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
-    gcp_conn, gcs_emulator_host, job_name, run_execute, args, stuck, streak, starts
+    gcp_conn, gcs_emulator_host, job_name, run_execute, capfd, args, stuck, streak, starts
 ):
     """Must-show 2: a task timeout (2 s) shorter than the checkpoint interval. Exactly
     ``max_reruns_without_progress`` (2) re-runs, none committing a newer checkpoint: after a
-    first execution that committed nothing, or one that committed step 40 and then nothing more."""
+    first execution that committed nothing, or one that committed step 40 and then nothing more.
+    The failed task's goodput account (issue 16, item b) is logged before the error is raised,
+    ends its message and travels on it: every attempt's time, as Cloud Run recorded it, is
+    start-up (the stub never reaches a training step)."""
     deploy(job_name, STUB_IMAGE, args, max_retries=0, task_timeout=2)
     ti = run_execute(retries=2, checkpoint_bucket=BUCKET, max_reruns_without_progress=2, max_preemption_reruns=10)
     assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
@@ -203,6 +210,51 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     assert "time between preemptions" in message
     found = executions(job_name)  # the first execution and exactly 2 re-runs
     assert [execution_env(e)[START_STEPS_ENV] for e in found] == starts
+    report = error.goodput
+    assert report is not None, message
+    [account] = report["tasks"]
+    tasks = [t for e in found for t in CloudRunGpuHook().list_tasks(execution=e.name)]
+    platform = sum(t.completion_time.timestamp() - t.start_time.timestamp() for t in tasks)
+    assert len(account["attempts"]) == len(found) == 3 and account["unknown_attempts"] == 0
+    assert account["attempt_seconds"] == pytest.approx(platform, rel=1e-6) and platform > 0
+    assert not any(a["reached_first_step"] for a in account["attempts"])
+    assert account["startup"] == pytest.approx(account["attempt_seconds"]) and account["productive"] == 0
+    assert account["gpu_seconds"] == pytest.approx(platform)  # one GPU per task, every attempt billed
+    assert message.index(report["headline"]) < message.index(" Logs: ")
+    assert "GPU-s billed over 3 attempt(s) of 1 task(s); productive 0.0 s" in report["headline"]
+    out = capfd.readouterr()
+    assert "Goodput account (seconds and share of each task's span)" in out.out + out.err
+    assert report["table"].splitlines()[-1] in out.out + out.err
+
+
+def test_a_failed_tasks_account_counts_its_uncommitted_steps_as_wasted(worker_emulator, job_name, capfd):
+    """Issue 16 item b with the real worker: one attempt trains without checkpointing until its
+    deadline stop (task timeout ``CHAIN_TASK_TIMEOUT``, 20 s), so the execution makes no progress and, with
+    ``max_reruns_without_progress`` 0, the task fails at once. Its account, built before the error
+    is raised, counts the steps the worker says it stopped at (its own log line) as wasted: none
+    of them was committed. About 25 s (one emulator, one attempt)."""
+    deploy(job_name, WORKER_IMAGE, ["train", "--steps", "5000", "--step-delay", "0.05", "--checkpoint-every", "0"],
+           max_retries=0, task_timeout=CHAIN_TASK_TIMEOUT, env={"PREEMPTION_GRACE_SECONDS": "5"})
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION, deferrable=False,
+                                       poll_interval=0.2, checkpoint_bucket=BUCKET, max_reruns_without_progress=0)
+    with pytest.raises(CloudRunGpuFatalError) as raised:
+        op.execute({"ti": _TI()})
+    error = raised.value
+    assert error.outcome == "TIMED_OUT" and "max_reruns_without_progress=0" in str(error)
+    [execution] = executions(job_name)
+    [log] = (worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1]).glob("task0-attempt*.log")
+    text = log.read_text()
+    assert "no checkpoint at the stop" in text
+    stopped = int(re.search(r'"message": "(?:DEADLINE|SIGTERM) received; stopping at step (\d+)"', text).group(1))
+    [account] = error.goodput["tasks"]
+    [row] = account["attempts"]
+    assert stopped > 0 and row["reached_first_step"] and row["times_from"] == "platform"
+    assert (row["steps_uncommitted"], account["steps_uncommitted"], account["steps_recomputed"]) == (stopped,) * 2 + (0,)
+    assert account["wasted"] == pytest.approx(stopped * row["step_seconds"]) and row["step_seconds"] >= 0.05
+    assert sum(account[b] for b in BUCKETS) == pytest.approx(account["span_seconds"])
+    assert f"(0 steps recomputed, {stopped} uncommitted)" in str(error)
+    out = capfd.readouterr()
+    assert error.goodput["table"] in out.out + out.err  # logged, before the error was raised
 
 
 def test_the_task_timeout_reaches_the_container_also_when_overridden(gcp_conn, job_name, emulator, run_execute):
