@@ -47,11 +47,12 @@ demo: $(STAMP)
 
 # A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
 # emulators) on loopback until Ctrl-C; it prints the UI's address and login.
-# The real Airflow deployment's tests (PostgreSQL, scheduler, DAG processor, triggerer, API server,
-# headless Chromium; about 9 minutes on 2 cores); not part of `make test` yet (see tests/deployment).
+# Only the real Airflow deployment's tests (PostgreSQL, scheduler, DAG processor, triggerer, API
+# server, headless Chromium; about 9 minutes on 2 cores). `make test` runs them too
+# (DEPLOYMENT_TESTS=0 skips them there).
 test-deployment: $(STAMP)
 	bash scripts/system_packages.sh deployment
-	DEPLOYMENT_TESTS=1 $(PY) -m pytest tests/deployment $(PYTEST_ARGS)
+	$(PY) -m pytest tests/deployment $(PYTEST_ARGS)
 
 stack: $(STAMP)
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)

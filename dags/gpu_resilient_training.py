@@ -18,9 +18,10 @@ check_job_is_ours -> create_bucket -> grant_bucket_access -> upload_dataset -> d
   DAG run has its own checkpoint namespace (``CHECKPOINT_RUN_ID``, from the run id): clearing a
   task resumes that run's checkpoints; a new run, with other params or not, trains afresh;
 - ``report``: held-out accuracy, steps, attempts and lost work from each task's ``metrics.json``;
-- ``cleanup``: deletes the job if it is ours (its labels); deletes the bucket too, if it is ours,
-  when the ``delete_bucket`` param says so: its objects in batches, then the bucket, and
-  reports the objects and bytes deleted.
+- ``cleanup``: deletes the job if it is ours (its labels) and no execution of it runs (it waits
+  ``cleanup_wait_seconds`` for one to end, then keeps the job; ``keep_job`` always keeps it);
+  deletes the bucket too, if it is ours, when the ``delete_bucket`` param says so: its objects
+  in batches, then the bucket, and reports the objects and bytes deleted.
 
 Everything a user changes is a DAG param or the ``google_cloud_platform`` connection named by
 ``gcp_conn_id``. With a connection whose extra holds ``api_endpoint`` (the local Cloud Run
@@ -33,7 +34,6 @@ from __future__ import annotations
 import logging
 
 import pendulum
-from google.api_core.exceptions import NotFound
 
 from airflow_gpu_resilience.compat import DAG, Param, task
 from gpu_training_common import (
@@ -43,7 +43,6 @@ from gpu_training_common import (
     deploy_operator,
     execute_operator,
     grant_bucket_access,
-    job_is_ours,
     namespace_for,
     report,
     upload_dataset,
@@ -57,38 +56,34 @@ log = logging.getLogger(__name__)
 
 @task
 def cleanup(params: dict | None = None) -> dict:
-    """Delete the Cloud Run job if it is ours; delete the bucket too when ``delete_bucket`` says so.
+    """Delete the Cloud Run job if it is ours and idle; delete the bucket too when ``delete_bucket`` says so.
 
-    The job is deleted only when it carries ``JOB_LABELS`` (the deploy task sets them): a job of
-    the same name that this DAG did not deploy is left as it is, with a warning. The bucket is
-    deleted only when it is ours (see ``create_bucket``); its objects go in batches first, so a
-    bucket with thousands of checkpoints is deleted too.
+    The job is deleted only when it carries ``JOB_LABELS`` (the deploy task sets them) and none of
+    its executions is still running: a cancelled execution (the execute task marked failed) is
+    waited for up to ``cleanup_wait_seconds``; one still running after that keeps the job, with a
+    warning (deleting a job deletes its executions' records). ``keep_job`` keeps it in any case.
+    A job of the same name that this DAG did not deploy is left as it is, with a warning. The
+    bucket is deleted only when it is ours (see ``create_bucket``); its objects go in batches
+    first, so a bucket with thousands of checkpoints is deleted too.
 
-    :return: ``{"job": "deleted" | "absent" | "not ours, kept", "bucket": None or
-        {"bucket", "deleted", "objects_deleted", "bytes_deleted"}}``.
+    :return: ``{"job": "deleted" | "absent" | "not ours, kept" | "kept (keep_job)" | "kept: an
+        execution is still running", "job_cleanup": {...}, "bucket": None or {"bucket", "deleted",
+        "objects_deleted", "bytes_deleted"}}``.
     :raises CheckpointBucketNotOursError: ``delete_bucket`` is set and the bucket is not ours.
     """
     run = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"])
-    where = {"job_name": params["job_name"], "project_id": params["project_id"], "region": params["region"]}
-    try:
-        job = run.get_job(**where)
-    except NotFound:
-        job_result = "absent"
-    else:
-        if job_is_ours(job):
-            run.delete_job(**where)
-            job_result = "deleted"
-        else:
-            log.warning("Job %s has no label managed-by=airflow-gpu-resilience: not deployed by this DAG, left "
-                        "as it is", params["job_name"])
-            job_result = "not ours, kept"
+    result = run.delete_job_when_idle(
+        job_name=params["job_name"], project_id=params["project_id"], region=params["region"],
+        keep_job=params["keep_job"], wait_seconds=params["cleanup_wait_seconds"],
+        poll_interval=min(5.0, params["poll_interval_seconds"]))
+    log.info("Cleanup: job %s: %s", params["job_name"], result.action.value)
     deleted = None
     if params["delete_bucket"]:
         deleted = CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).delete_bucket_and_contents(
             bucket_name=params["bucket"], project_id=params["project_id"])
         log.info("Cleanup: bucket %s: %s objects, %s bytes deleted", deleted["bucket"], deleted["objects_deleted"],
                  deleted["bytes_deleted"])
-    return {"job": job_result, "bucket": deleted}
+    return {"job": result.action.value, "job_cleanup": result.to_dict(), "bucket": deleted}
 
 
 with DAG(
@@ -100,6 +95,10 @@ with DAG(
     params={
         **common_params("gpu-resilient-training"),
         "delete_bucket": Param(False, type="boolean", description="Delete the bucket in cleanup"),
+        "keep_job": Param(False, type="boolean", description="Keep the Cloud Run job in cleanup"),
+        "cleanup_wait_seconds": Param(120, type="integer", minimum=0, maximum=3600,
+                                      description="Seconds cleanup waits for a running execution to end "
+                                                  "before keeping the job"),
     },
     user_defined_macros={"namespace_for": namespace_for},
     render_template_as_native_obj=True,

@@ -32,6 +32,7 @@ from airflow.providers.google.common.hooks.base_google import (
 )
 
 from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
+from airflow_gpu_resilience.job_cleanup import JobCleanupAction, JobCleanupResult, decide_job_cleanup
 from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
 from airflow_gpu_resilience.labels import is_managed, with_managed_label
 from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
@@ -398,6 +399,81 @@ class CloudRunGpuHook(GoogleBaseHook):
             self.log.info("Job %s does not exist; nothing to delete", job_name)
             return None
         return operation.result(timeout=self.operation_timeout)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def delete_job_when_idle(
+        self,
+        job_name: str,
+        region: str,
+        project_id: str = PROVIDE_PROJECT_ID,
+        keep_job: bool = False,
+        wait_seconds: float = 120.0,
+        poll_interval: float = 5.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> JobCleanupResult:
+        """A teardown's delete: the job goes only if it is ours and none of its executions runs.
+
+        Follows :func:`~airflow_gpu_resilience.job_cleanup.decide_job_cleanup`: a job without the
+        label ``managed-by=airflow-gpu-resilience`` is kept; one with an unended execution (a
+        cancelled one still stopping, say) is polled every ``poll_interval`` s for up to
+        ``wait_seconds``, then kept with a warning naming the execution. Deleting a job deletes
+        its executions' records, so it never races a running one.
+
+        :param job_name: job id.
+        :param region: Cloud Run region.
+        :param project_id: Google Cloud project; default from the connection.
+        :param keep_job: keep the job whatever its state (default ``False``).
+        :param wait_seconds: most seconds to wait for unended executions (default 120, >= 0).
+        :param poll_interval: seconds between looks at the executions (default 5, > 0).
+        :param sleep: how to wait (tests pass a fake); default :func:`time.sleep`.
+        :param clock: a monotonic clock in seconds; default :func:`time.monotonic`.
+        :return: what was done, as a :class:`~airflow_gpu_resilience.job_cleanup.JobCleanupResult`.
+        :raises ValueError: ``wait_seconds`` < 0 or ``poll_interval`` <= 0, before any request.
+        """
+        if wait_seconds < 0:
+            raise ValueError(f"wait_seconds must be >= 0, got {wait_seconds}")
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
+        start = clock()
+        while True:
+            try:
+                job = self.get_job(job_name=job_name, region=region, project_id=project_id)
+            except gexc.NotFound:
+                job = None
+            unended: list[str] = []
+            if job is not None and is_managed(job.labels) and not keep_job:
+                executions = self.list_executions(job_name=job_name, region=region, project_id=project_id)
+                unended = [e.name for e in executions if not e.completion_time]
+            waited = clock() - start
+            action = decide_job_cleanup(
+                exists=job is not None, ours=job is not None and is_managed(job.labels), keep_job=keep_job,
+                unended_executions=unended, waited_seconds=waited, wait_seconds=wait_seconds,
+            )
+            if action is JobCleanupAction.WAIT:
+                self.log.info("Job %s: waiting for %s to end before deleting it (%.0f of %.0f s)",
+                              job_name, ", ".join(unended), waited, wait_seconds)
+                sleep(poll_interval)
+                continue
+            if action is JobCleanupAction.DELETE:
+                try:
+                    self.delete_job(job_name=job_name, region=region, project_id=project_id)
+                except (gexc.BadRequest, gexc.FailedPrecondition) as exc:
+                    # An execution started between the list and the delete: look again.
+                    if error_status(exc) != "FAILED_PRECONDITION":
+                        raise
+                    self.log.info("Job %s: an execution started before the delete; looking again", job_name)
+                    sleep(poll_interval)
+                    continue
+            elif action is JobCleanupAction.KEEP_RUNNING:
+                self.log.warning("Job %s kept: execution %s has not ended after %.0f s; delete the job once it "
+                                 "ends", job_name, ", ".join(unended), waited)
+            elif action is JobCleanupAction.KEEP_NOT_OURS:
+                self.log.warning("Job %s has no label managed-by=airflow-gpu-resilience: not deployed by this "
+                                 "provider, left as it is", job_name)
+            return JobCleanupResult(job_name=job_name, action=action,
+                                    unended_executions=tuple(unended) if action is JobCleanupAction.KEEP_RUNNING
+                                    else (), waited_seconds=waited)
 
     @GoogleBaseHook.fallback_to_default_project_id
     def create_or_update_job(

@@ -201,7 +201,9 @@ class Preempter(threading.Thread):
 
 def _phase1(c: Campaign) -> None:
     for scenario in PHASE1:
-        c.trigger(scenario, PHASE1_CONF)
+        # The marked-failed run keeps its job: its cleanup teardown would otherwise delete the job
+        # (with the cancelled execution's record) once the execution ends, before this reads it.
+        c.trigger(scenario, {**PHASE1_CONF, "keep_job": True} if scenario == "mark_failed" else PHASE1_CONF)
     preempter = Preempter(c, "preemptions", PHASE1_CONF["steps"])
     preempter.start()
     wait_for(lambda: all(c.deferred_and_training(s) for s in PHASE1), 900,

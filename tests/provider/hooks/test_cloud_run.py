@@ -278,3 +278,41 @@ def test_wait_for_execution_polls_through_persistent_errors(hook, job_name, faul
     faults(failNext=6, codes=[503])
     final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
     assert execution_state(final) is ExecutionState.SUCCEEDED
+
+
+def test_delete_job_when_idle_never_deletes_under_a_running_execution(hook, job_name):
+    """The teardown's delete (issue 14): with an execution running and no wait, the job is kept and
+    the result names the execution; ``keep_job`` keeps it; after a cancel the delete waits for the
+    execution to end, then deletes; a second call finds the job absent."""
+    from tests.provider.conftest import wait_until_running
+
+    from airflow_gpu_resilience.job_cleanup import JobCleanupAction
+
+    hook.create_or_update_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"], max_retries=0),
+                              region=REGION)
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    wait_until_running(hook, execution)
+    kept = hook.delete_job_when_idle(job_name=job_name, region=REGION, wait_seconds=0, poll_interval=0.2)
+    assert (kept.action, kept.unended_executions) == (JobCleanupAction.KEEP_RUNNING, (execution,))
+    assert hook.get_job(job_name=job_name, region=REGION).name.endswith(job_name)
+    requested = hook.delete_job_when_idle(job_name=job_name, region=REGION, keep_job=True)
+    assert requested.action is JobCleanupAction.KEEP_REQUESTED
+
+    hook.cancel_execution(execution=execution)  # not waited for: the delete must wait itself
+    deleted = hook.delete_job_when_idle(job_name=job_name, region=REGION, wait_seconds=60, poll_interval=0.2)
+    assert deleted.action is JobCleanupAction.DELETE and deleted.unended_executions == ()
+    with pytest.raises(gexc.NotFound):
+        hook.get_job(job_name=job_name, region=REGION)
+    assert hook.delete_job_when_idle(job_name=job_name, region=REGION).action is JobCleanupAction.ABSENT
+
+
+def test_delete_job_when_idle_keeps_a_job_that_is_not_ours_and_checks_its_arguments_first(hook, job_name):
+    from airflow_gpu_resilience.job_cleanup import JobCleanupAction
+
+    hook.create_job(job_name=job_name, job=spec(job_name), region=REGION)  # create_job adds no label
+    assert hook.delete_job_when_idle(job_name=job_name, region=REGION).action is JobCleanupAction.KEEP_NOT_OURS
+    assert hook.get_job(job_name=job_name, region=REGION).name.endswith(job_name)
+    with pytest.raises(ValueError, match="wait_seconds must be >= 0"):
+        hook.delete_job_when_idle(job_name=job_name, region=REGION, wait_seconds=-1)
+    with pytest.raises(ValueError, match="poll_interval must be > 0"):
+        hook.delete_job_when_idle(job_name=job_name, region=REGION, poll_interval=0)
