@@ -8,8 +8,13 @@ script with :func:`runpy.run_path`, as ``python script.py`` would, with stdout a
 log file; ``import tests.worker.frameworks`` first installs the pause hooks of the
 ``WORKER_TEST_PAUSE_*`` variables.
 
-Bit-exactness is asserted under ``OMP_NUM_THREADS=1`` (set before torch is imported), in the
-server and every child alike.
+Bit-exactness is asserted at torch's default thread count (the machine's cores: 2 here), the
+count a user's script gets; ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are removed from the
+environment, and every attempt that ends reports its thread count, which must be that default.
+The environment carries what the example user image sets (``MKL_CBWR=AUTO,STRICT``: oneMKL's
+reproducibility mode, in which matrix products give the same bits for any thread count) and
+``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of spinning; it changes no result,
+only keeps a test's processes from taking both cores from the ones it runs beside).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ for name in sys.argv[1:]:
     except ImportError:
         if not name.startswith("?"):  # "?name": imported when installed
             raise
-print(json.dumps({"ready": True}), flush=True)
+threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+print(json.dumps({"ready": True, "threads": threads}), flush=True)
 while True:
     line = sys.stdin.readline()
     if not line:
@@ -62,6 +68,8 @@ while True:
         except BaseException:
             traceback.print_exc()
         finally:
+            if "torch" in sys.modules:
+                print(json.dumps({"message": "torch threads", "threads": sys.modules["torch"].get_num_threads()}))
             sys.stdout.flush()
             os._exit(code)
     print(json.dumps({"pid": pid, "started": time.monotonic()}), flush=True)
@@ -87,13 +95,17 @@ class ForkServer:
     """
 
     def __init__(self, modules: list[str]) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_TEST_", "CLOUD_RUN_"))}
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_TEST_", "CLOUD_RUN_"))
+               and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
+        env.update(MKL_CBWR="AUTO,STRICT", OMP_WAIT_POLICY="PASSIVE", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "worker"), str(REPO_ROOT)]))
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *modules], cwd=REPO_ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert json.loads(self.proc.stdout.readline()).get("ready"), "the fork server did not start"
+        ready = json.loads(self.proc.stdout.readline())
+        assert ready.get("ready"), "the fork server did not start"
+        #: torch's default thread count in the server (and so in every child), or None without torch.
+        self.threads: int | None = ready.get("threads")
         self.child: int | None = None
         self._reply: dict[str, Any] | None = None
 
@@ -305,6 +317,19 @@ def _plan(n: int, rng: Any) -> list[tuple[signal.Signals, str]]:
     return plan
 
 
+def torch_default_threads() -> int:
+    """:return: the thread count torch picks in a fresh process with no ``OMP_NUM_THREADS``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                         capture_output=True, text=True, check=True, timeout=120)
+    return int(out.stdout.strip())
+
+
+def _threads(log: Path) -> list[int]:
+    """:return: the thread counts an attempt's log reports (one per attempt that ended)."""
+    return [r["threads"] for r in log_records(log) if r.get("message") == "torch threads"]
+
+
 def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, prefix: str, suffix: str,
               max_delay: float, n: int = FAULTS_N, seed: int = 0) -> tuple[Path, Path, list[dict[str, Any]]]:
     """Run the README ``block`` once uninterrupted (``baseline/``) and once through ``2 n``
@@ -329,8 +354,11 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
         baseline.mkdir()
         _, began = server.start(script, baseline, tmp_path / "baseline.log")
         status, ended = server.wait()
-        print(f"\nbaseline: {ended - began:.2f} s")
+        print(f"\nbaseline: {ended - began:.2f} s, {server.threads} torch threads")
         assert status == 0, (tmp_path / "baseline.log").read_text()[-3000:]
+        default_threads = torch_default_threads()
+        assert server.threads == default_threads, (server.threads, default_threads)
+        assert _threads(tmp_path / "baseline.log") == [default_threads]
         chain = tmp_path / "chain"
         chain.mkdir()
         plan = _plan(n, rng) + [(None, "to the end")]
@@ -366,6 +394,8 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
                    "exit_s": round(ended - sent, 3) if sent else None,
                    "newest_after": after_intact[0] if after_intact else None, "wall_s": round(ended - began, 2)}
             rows.append(row)
+            if sig != signal.SIGKILL:  # an attempt that ends reports its thread count: the default one
+                assert _threads(log) == [default_threads], f"attempt {index}: threads {_threads(log)}\n{text}"
             if sig is None:
                 assert status == 0, f"attempt {index}: the last attempt failed\n{text}"
             elif sig == signal.SIGTERM:

@@ -4,7 +4,7 @@ the commit record too), ends with the same weights, bit for bit, as an uninterru
 never resumes from a torn checkpoint and exits 143 within the grace period on SIGTERM.
 
 Cost: about 40 s on 2 cores (one fork server importing lightning once; 22 attempts).
-Bit-exact under ``OMP_NUM_THREADS=1`` (:mod:`tests.worker.frameworks`).
+Bit-exact at torch's default thread count (:mod:`tests.worker.frameworks`).
 """
 
 from __future__ import annotations
