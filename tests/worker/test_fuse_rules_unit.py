@@ -247,3 +247,34 @@ def test_a_restore_under_a_file_size_limit_reads_into_memory(tmp_path: Path) -> 
         resource.setrlimit(resource.RLIMIT_FSIZE, previous)
         signal.signal(signal.SIGXFSZ, handler)
     assert torch.equal(restored.tensor, box.tensor) and storage.data_bytes() == size
+
+
+def test_crc32c_hashes_a_read_only_mapping_in_place(tmp_path: Path) -> None:
+    """A restore hashes a read-only mapping of the checkpoint's bytes: the digest is google-crc32c's,
+    split or whole, and hashing 32 MiB allocates no copy of it (tracemalloc's peak stays small)."""
+    import mmap
+    import tracemalloc
+
+    if not crc32c_available():
+        pytest.skip("google-crc32c not importable")
+    import google_crc32c
+
+    from gpu_resilience_worker.fastio import new_hasher
+
+    payload = os.urandom(32 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(payload)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        assert view.readonly
+        tracemalloc.start()
+        whole = new_hasher("crc32c")
+        whole.update(view)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        split = new_hasher("crc32c")
+        split.update(view[:12345])
+        split.update(view[12345:])
+        view.release()
+    assert whole.hexdigest() == split.hexdigest() == f"{google_crc32c.value(payload):08x}"
+    assert peak < 1 << 20, f"hashing allocated {peak} bytes"

@@ -93,10 +93,28 @@ def _crc32c_extend() -> Any:
     return _CRC32C_EXTEND
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (stable since Python 3.3), to reach a read-only buffer's memory."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_GET_BUFFER = ctypes.pythonapi.PyObject_GetBuffer
+_GET_BUFFER.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_GET_BUFFER.restype = ctypes.c_int
+_RELEASE_BUFFER = ctypes.pythonapi.PyBuffer_Release
+_RELEASE_BUFFER.argtypes = [ctypes.POINTER(_PyBuffer)]
+_RELEASE_BUFFER.restype = None
+
+
 class _Crc32c:
     """CRC-32C behind the ``update``/``hexdigest`` interface of :mod:`hashlib`: ``google-crc32c``'s
-    C library called on the buffer in place where it is writable, its extension module (which
-    takes ``bytes`` only, so a copy) otherwise."""
+    C library called on the buffer in place, writable or read-only (a restore hashes a read-only
+    mapping of the checkpoint's bytes), through the buffer protocol; without that library, its
+    extension module (which takes ``bytes`` only, so a copy)."""
 
     def __init__(self) -> None:
         import google_crc32c
@@ -106,12 +124,19 @@ class _Crc32c:
         self._value = 0
 
     def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        if self._extend is not None and not view.readonly and view.nbytes:
-            pointer = ctypes.addressof(ctypes.c_char.from_buffer(view))
-            self._value = self._extend(self._value, pointer, view.nbytes)
-        else:
+        view = memoryview(data).cast("B")  # C-contiguous bytes, or TypeError
+        if not view.nbytes:
+            return
+        if self._extend is None:
             self._value = self._module.extend(self._value, bytes(view))
+            return
+        buffer = _PyBuffer()
+        if _GET_BUFFER(view, ctypes.byref(buffer), 0) != 0:  # PyBUF_SIMPLE; raises on failure
+            raise BufferError("no buffer")
+        try:
+            self._value = self._extend(self._value, buffer.buf, buffer.len)
+        finally:
+            _RELEASE_BUFFER(ctypes.byref(buffer))
 
     def hexdigest(self) -> str:
         return f"{self._value:08x}"
