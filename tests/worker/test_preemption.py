@@ -205,3 +205,32 @@ def test_resuming_with_other_settings_exits_78(baseline, task: Task) -> None:
     process = task.run("--lr", "0.01")
     assert process.proc.returncode == 78, process.output
     assert "other settings" in (task.namespace / "FATAL").read_text()
+
+
+def test_sigterm_during_start_up_exits_143_before_the_restore(capsys, monkeypatch, tmp_path: Path, digits_npz: Path) -> None:
+    """A SIGTERM while the model is built (after the watcher is installed, before the first step)
+    ends the attempt with 143 at once: no checkpoint is read, nothing is written but the goodput
+    file. The real signal goes to this process; the CLI's watcher catches it."""
+    import json
+    import os
+    import signal
+
+    from gpu_resilience_worker import __main__ as cli
+    from gpu_resilience_worker import train
+
+    original = train.build_components
+
+    def build_then_sigterm(*args, **kwargs):
+        parts = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return parts
+
+    monkeypatch.setattr(train, "build_components", build_then_sigterm)
+    restored = []
+    monkeypatch.setattr(train.Trainer, "_resume", lambda self, *a: restored.append(a))
+    argv = ["train", "--checkpoint-dir", str(tmp_path), "--data", str(digits_npz), "--steps", "50"]
+    code = cli.main(argv, {"CLOUD_RUN_JOB": "job", "CLOUD_RUN_TASK_INDEX": "0", "CLOUD_RUN_TASK_COUNT": "1"})
+    messages = [json.loads(line)["message"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert code == 143, messages
+    assert "SIGTERM received during start-up; exiting before the restore" in messages
+    assert restored == [] and not list((tmp_path / "job" / "task-0").glob("ckpt-*")), "nothing restored or saved"

@@ -153,6 +153,8 @@ class Trainer:
         data = Dataset(*(t.to(device) for t in dataclasses.astuple(data)))
         parts = build_components(self.config, data, device)
         self._log_setup(device)
+        if self._watcher.requested:  # stopped while torch loaded or the model was built: nothing to save
+            return self._stopped_during_startup()
         with ckpt.CheckpointManager(self.config.checkpoint, parts.stateful(), storage=self._storage,
                                     logger=self._log) as manager:
             self._resume(manager, parts)
@@ -165,6 +167,16 @@ class Trainer:
                 return code
             self._finish(manager, parts, data, progress)
         return EXIT_OK
+
+    def _stopped_during_startup(self) -> int:
+        """A SIGTERM (or the task deadline) came before the first step: no state past the last
+        checkpoint exists, so exit 143 at once instead of restoring a checkpoint first."""
+        watcher = self._watcher
+        self._log.warning(f"{watcher.signal_name} received during start-up; exiting before the restore",
+                          signal=watcher.signal_name, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None,
+                          last_checkpoint_step=None)
+        return EXIT_PREEMPTED
 
     def _log_setup(self, device: torch.device) -> None:
         config, train = self.config, self.config.train
