@@ -1,9 +1,9 @@
-"""One real Airflow deployment per test session (``scripts/airflow_stack.py``), shared by the
-deployment scenarios, and the session's timing table.
+"""One real Airflow deployment for the deployment tests (``scripts/airflow_stack.py``), shared by
+the deployment scenarios, and the session's timing table.
 
 The stack is started once (PostgreSQL, the emulators, ``db migrate``, API server, scheduler, DAG
-processor, triggerer: 30 to 90 s on 2 cores) and stopped at the end of the session, also when a
-test fails or the run is interrupted. Its state and logs, the timings (``timings.json``) and the
+processor, triggerer: 30 to 90 s on 2 cores) and stopped once the last deployment test has run,
+also when a test fails or the run is interrupted. Its state and logs, the timings (``timings.json``) and the
 browser's screenshot go to ``test-output/deployment/<time>/`` in the repository (kept, so a
 failure can be read; ``rm -rf test-output`` clears them).
 """
@@ -75,9 +75,11 @@ def output_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(output_dir: Path):
-    """The running deployment (an :class:`AirflowStack`), started once per session."""
+    """The running deployment (an :class:`AirflowStack`), started once for the deployment tests
+    and stopped when the last of them has run (not at the end of the whole session: its five
+    Airflow processes and PostgreSQL would otherwise take CPU from every later test)."""
     if shutil.which("initdb") is None and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
         pytest.fail("PostgreSQL is not installed: `apt-get install -y postgresql` (scripts/system_packages.sh does it as root)")
     begin = time.monotonic()
