@@ -111,6 +111,16 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
+#: The end-to-end runs, by name: (save mode, chunk digest); ``default`` is the writer's own digest.
+E2E_MODES: dict[str, tuple[str, str]] = {
+    "none": ("none", "default"),
+    "sync": ("sync", "default"),
+    "async": ("async", "default"),
+    "sync (sha256, old)": ("sync", "sha256"),
+    "async (sha256, old)": ("async", "sha256"),
+}
+
+
 def raw_write(path: Path, size: int) -> float:
     """:return: seconds of a sequential write + fsync of ``size`` bytes to the new file ``path``."""
     buffer = memoryview(os.urandom(CHUNK))
@@ -358,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="folder of the checkpoints (default a temp dir)")
     parser.add_argument("--dir-kind", default="local folder", help="what --dir is, for the report")
     parser.add_argument("--skip-e2e", action="store_true", help="only the digests and the I/O table")
+    parser.add_argument("--modes", nargs="+", default=list(E2E_MODES), choices=list(E2E_MODES), metavar="MODE",
+                        help="end-to-end runs to make (default all: " + ", ".join(E2E_MODES) + "); 'none' is always run")
     parser.add_argument("--fuse", action="store_true",
                         help="run in a strict-mode Cloud Storage FUSE volume of the emulator mounted under --dir")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "save_cost.json"))
@@ -368,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.size_mib <= 0 or args.steps <= 0 or args.every <= 0:
         parser.error("--size-mib, --steps and --every must be > 0")
+    if "none" not in args.modes:  # every overhead is measured against it
+        args.modes = ["none", *args.modes]
     if args.child:
         result = child_train(args) if args.child == "train" else child_restart(args)
         print(json.dumps(result))
@@ -393,10 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     if not args.skip_e2e:
         samples: dict[str, list[dict[str, Any]]] = {}
-        for repeat in range(args.repeats):  # interleaved, so that a change of load hits every mode
-            for mode, digest in (("none", "default"), ("sync", "default"), ("async", "default"),
-                                 ("sync", "sha256"), ("async", "sha256")):
-                name = mode if digest == "default" else f"{mode} (sha256, old)"
+        for repeat in range(args.repeats):
+            # interleaved, and rotated by one each repeat, so that a change of load hits every mode
+            # and no mode always runs first or last
+            shift = repeat % len(args.modes)
+            for name in args.modes[shift:] + args.modes[:shift]:
+                mode, digest = E2E_MODES[name]
                 run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
                 samples.setdefault(name, []).append(run)
                 print(f"{repeat}: {name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
