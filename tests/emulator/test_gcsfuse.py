@@ -29,7 +29,8 @@ from airflow_gpu_resilience.emulator.process import EmulatorProcess
 from .conftest import PARENT, make_job
 from .test_api import _read, create, poll_execution
 
-pytestmark = pytest.mark.skipif(not gcsfuse.fuse_available()[0], reason=f"FUSE: {gcsfuse.fuse_available()[1]}")
+# Skipped where FUSE is unavailable; a failure instead under TESTS_REQUIRE_FULL_ENV=1 (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fuse")
 
 
 @pytest.fixture(scope="module")

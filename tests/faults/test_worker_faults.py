@@ -9,7 +9,8 @@ Where FUSE works, the checkpoint folder of every run here (the uninterrupted bas
 the emulator's Cloud Storage FUSE volume in strict mode (a write that would fall back to a staged
 write fails with EIO and is recorded), and each test ends by checking the volume's records: no
 staged write at all, and no throttled rewrite in an uninterrupted run. Elsewhere the folder is a
-plain temporary directory. The mount costs about 1 s for the module.
+plain temporary directory (under ``TESTS_REQUIRE_FULL_ENV=1`` a missing FUSE fails instead).
+The mount costs about 1 s for the module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_fuse
 from tests.faults.conftest import faults_n
 from tests.worker.conftest import REPO_ROOT, SIGKILL, SIGTERM, Task, WorkerProcess
 
@@ -66,11 +68,12 @@ def run_to_end(task: Task, flags, attempts: int = 3) -> WorkerProcess:
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory):
-    """The emulator's Cloud Storage FUSE mount in strict mode (``None`` where FUSE is unavailable).
+    """The emulator's Cloud Storage FUSE mount in strict mode (``None`` where FUSE is unavailable;
+    a failure instead under ``TESTS_REQUIRE_FULL_ENV=1``, see ``tests/conftest.py``).
     ``rename-dir-limit`` lets the vanishing-directory test rename a task folder."""
-    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, fuse_available
+    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
 
-    if not fuse_available()[0]:
+    if not require_fuse(fallback=True):
         yield None
         return
     base = tmp_path_factory.mktemp("fuse")
