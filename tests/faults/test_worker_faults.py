@@ -333,9 +333,21 @@ def test_pickled_payload_with_a_matching_commit_record_is_refused(task: Task, ba
     assert hashes(task.metrics()) == baselines["short"]
 
 
+def _open_files(pid: int) -> set[str]:
+    """:return: the paths process ``pid`` has open (``/proc/{pid}/fd``)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return found
+
+
 def test_a_killed_writers_short_object_never_becomes_a_valid_checkpoint(task: Task, baselines, volume) -> None:
-    """Cost: about 10 s. SIGKILL halfway through writing a checkpoint's data: the kernel closes the file, and Cloud
-    Storage FUSE finalizes it as a short object (in the bucket, not only on the mount). It is
+    """Cost: about 10 s. SIGKILL halfway through writing a checkpoint's data, the file open: the kernel closes
+    it, and Cloud Storage FUSE finalizes it as a short object (in the bucket, not only on the mount):
+    exactly the half written, less than the whole checkpoint the worker was writing. It is
     never valid, the restart resumes from the checkpoint before it and removes it, and the
     lineage ends bit-identical."""
     first = task.start("--sync-save", flags=SHORT)
@@ -347,17 +359,21 @@ def test_a_killed_writers_short_object_never_becomes_a_valid_checkpoint(task: Ta
     second = task.start("--sync-save", env=paused, flags=SHORT)
     half = second.wait_for(lambda r: r.get("message") == "checkpoint data half written", timeout=120)
     assert half is not None, second.output[-4000:]
-    second.signal(SIGKILL)
-    second.wait()
     short = Path(half["file"])
     if not short.is_absolute():
         short = REPO_ROOT / short
+    # killed with the file still open: the kernel closes it, not the worker
+    assert os.path.realpath(short) in _open_files(second.proc.pid), half
+    second.signal(SIGKILL)
+    second.wait()
     step = int(short.name.split("-")[1].split(".")[0])
     assert step > max(good)
-    if volume is not None:  # finalized as an object of the bucket, short
+    # the kill came with half of the data in the still open file: that much, less than all of it
+    assert 0 < half["bytes"] < half["of"], half
+    if volume is not None:  # the kernel's close finalized it as an object of the bucket, short
         in_bucket = volume.source / os.path.relpath(short, volume.mountpoint)
-        assert in_bucket.exists() and 0 < in_bucket.stat().st_size
-    assert short.exists() and step not in task.valid_steps()
+        assert in_bucket.exists() and in_bucket.stat().st_size == half["bytes"], half
+    assert short.exists() and short.stat().st_size == half["bytes"] and step not in task.valid_steps()
     assert not (task.namespace / f"ckpt-{step:08d}.commit.json").exists()
     after = run_to_end(task, SHORT)
     assert resumed_step(after) == max(good)
