@@ -1,5 +1,10 @@
 # The two commands: `make demo` runs the main job, `make test` runs the tests.
-# Each creates the virtual environment in .venv when it is missing (the newest Airflow 3).
+# Each creates the virtual environment in .venv when it is missing (the newest Airflow 3), after
+# installing libfuse (scripts/system_packages.sh fuse, as root, when missing); `make test` also
+# installs PostgreSQL and Chromium (scripts/system_packages.sh deployment) for the deployment tests,
+# which it runs (DEPLOYMENT_TESTS=0 skips them); `make demo` needs neither.
+# TESTS_REQUIRE_FULL_ENV=1 (.ci/run sets it) makes a missing FUSE or framework extra fail the tests
+# that need it instead of skipping them (tests/conftest.py).
 # `make test-airflow2` creates .venv-airflow2 (Airflow 2.11, pinned by constraints/airflow2.txt)
 # and runs the provider, trigger, sensor and example-DAG tests there.
 PYTHON ?= python3
@@ -57,7 +62,9 @@ test-deployment: $(STAMP)
 stack: $(STAMP)
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
+# Everything under tests/, the deployment tests included: PostgreSQL and Chromium first.
 test: $(STAMP)
+	bash scripts/system_packages.sh deployment
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-airflow2: $(STAMP2)

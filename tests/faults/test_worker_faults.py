@@ -9,7 +9,8 @@ Where FUSE works, the checkpoint folder of every run here (the uninterrupted bas
 the emulator's Cloud Storage FUSE volume in strict mode (a write that would fall back to a staged
 write fails with EIO and is recorded), and each test ends by checking the volume's records: no
 staged write at all, and no throttled rewrite in an uninterrupted run. Elsewhere the folder is a
-plain temporary directory. The mount costs about 1 s for the module.
+plain temporary directory (under ``TESTS_REQUIRE_FULL_ENV=1`` a missing FUSE fails instead).
+The mount costs about 1 s for the module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_fuse
 from tests.faults.conftest import faults_n
 from tests.worker.conftest import REPO_ROOT, SIGKILL, SIGTERM, Task, WorkerProcess
 
@@ -66,11 +68,12 @@ def run_to_end(task: Task, flags, attempts: int = 3) -> WorkerProcess:
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory):
-    """The emulator's Cloud Storage FUSE mount in strict mode (``None`` where FUSE is unavailable).
+    """The emulator's Cloud Storage FUSE mount in strict mode (``None`` where FUSE is unavailable;
+    a failure instead under ``TESTS_REQUIRE_FULL_ENV=1``, see ``tests/conftest.py``).
     ``rename-dir-limit`` lets the vanishing-directory test rename a task folder."""
-    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, fuse_available
+    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
 
-    if not fuse_available()[0]:
+    if not require_fuse(fallback=True):
         yield None
         return
     base = tmp_path_factory.mktemp("fuse")
@@ -330,9 +333,21 @@ def test_pickled_payload_with_a_matching_commit_record_is_refused(task: Task, ba
     assert hashes(task.metrics()) == baselines["short"]
 
 
+def _open_files(pid: int) -> set[str]:
+    """:return: the paths process ``pid`` has open (``/proc/{pid}/fd``)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return found
+
+
 def test_a_killed_writers_short_object_never_becomes_a_valid_checkpoint(task: Task, baselines, volume) -> None:
-    """Cost: about 10 s. SIGKILL halfway through writing a checkpoint's data: the kernel closes the file, and Cloud
-    Storage FUSE finalizes it as a short object (in the bucket, not only on the mount). It is
+    """Cost: about 10 s. SIGKILL halfway through writing a checkpoint's data, the file open: the kernel closes
+    it, and Cloud Storage FUSE finalizes it as a short object (in the bucket, not only on the mount):
+    exactly the half written, less than the whole checkpoint the worker was writing. It is
     never valid, the restart resumes from the checkpoint before it and removes it, and the
     lineage ends bit-identical."""
     first = task.start("--sync-save", flags=SHORT)
@@ -344,17 +359,21 @@ def test_a_killed_writers_short_object_never_becomes_a_valid_checkpoint(task: Ta
     second = task.start("--sync-save", env=paused, flags=SHORT)
     half = second.wait_for(lambda r: r.get("message") == "checkpoint data half written", timeout=120)
     assert half is not None, second.output[-4000:]
-    second.signal(SIGKILL)
-    second.wait()
     short = Path(half["file"])
     if not short.is_absolute():
         short = REPO_ROOT / short
+    # killed with the file still open: the kernel closes it, not the worker
+    assert os.path.realpath(short) in _open_files(second.proc.pid), half
+    second.signal(SIGKILL)
+    second.wait()
     step = int(short.name.split("-")[1].split(".")[0])
     assert step > max(good)
-    if volume is not None:  # finalized as an object of the bucket, short
+    # the kill came with half of the data in the still open file: that much, less than all of it
+    assert 0 < half["bytes"] < half["of"], half
+    if volume is not None:  # the kernel's close finalized it as an object of the bucket, short
         in_bucket = volume.source / os.path.relpath(short, volume.mountpoint)
-        assert in_bucket.exists() and 0 < in_bucket.stat().st_size
-    assert short.exists() and step not in task.valid_steps()
+        assert in_bucket.exists() and in_bucket.stat().st_size == half["bytes"], half
+    assert short.exists() and short.stat().st_size == half["bytes"] and step not in task.valid_steps()
     assert not (task.namespace / f"ckpt-{step:08d}.commit.json").exists()
     after = run_to_end(task, SHORT)
     assert resumed_step(after) == max(good)

@@ -2,7 +2,9 @@
 
 It runs the real thing as a user does: the example DAG through ``airflow dags test`` against the
 Cloud Run and GCS emulators, the bundled worker as the task process, and two injected
-maintenance preemptions (the second aimed at a checkpoint write). It then checks the report and that no process was left behind.
+maintenance preemptions (the second aimed at a checkpoint write). It then checks the report (with
+its checkpoint volume line: FUSE, no staged write, no throttled rewrite) and that no process was
+left behind.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.conftest import require_fuse
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +54,15 @@ def _steps_recomputed_from_logs(logs: Path) -> list[int]:
     return [0] + [max(0, stops[i - 1] - resumes[i]) for i in range(1, len(files))]
 
 
+#: The report's ``events:`` labels of the FUSE volume's counts (``scripts/demo.py``), in its order.
+EVENT_LABELS = (("staged writes", "staged"), ("throttled rewrites", "throttled"),
+                ("non-atomic renames", "nonAtomicRenames"), ("ESTALE", "estale"))
+
+
 def test_demo_survives_two_preemptions_bit_exactly(tmp_path: Path) -> None:
+    # The demo's volume is FUSE where it works (else plain folders; under TESTS_REQUIRE_FULL_ENV=1
+    # a missing FUSE fails here, before the demo runs).
+    on_fuse = require_fuse(fallback=True)
     workdir = tmp_path / "demo"
     report_path = tmp_path / "report.json"
     result = subprocess.run(
@@ -99,4 +111,19 @@ def test_demo_survives_two_preemptions_bit_exactly(tmp_path: Path) -> None:
     # the step time is measured, not assumed: each step includes the demo's --step-delay 0.03
     assert all(r["reached_first_step"] and r["step_seconds"] >= 0.03 for r in rows), rows
     assert report["logging_requests"] == 0
+    # Must-show (issue 15, item 2): the checkpoint volume is FUSE, the worker's writes never fell
+    # back to staging and never rewrote an object within a second, and the report's line names
+    # each event that occurred with its count (the counts of the emulator's /_emulator/volumes)
+    volumes = report["volumes"]
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("checkpoint volume: ")]
+    if on_fuse:
+        counts = volumes["summary"]
+        assert volumes["type"] == "fuse", volumes
+        assert (counts["staged"], counts["throttled"], counts["estale"]) == (0, 0, 0), counts
+        assert sum(counts["bytesRead"].values()) > 0, counts  # two restores read checkpoints through the mount
+        events = ", ".join(f"{label} {counts[key]}" for label, key in EVENT_LABELS if counts[key]) or "none"
+        assert re.match(r"checkpoint volume: FUSE \(Cloud Storage FUSE semantics(, strict)?\): 0 staged-write "
+                        rf"fallbacks, 0 throttled rewrites; events: {re.escape(events)}; [0-9.]+ MB read$", line), line
+    else:
+        assert volumes["type"] == "folder" and line.startswith("checkpoint volume: plain folder ("), line
     assert _leftovers(str(workdir)) == []

@@ -3,7 +3,7 @@
 ``python -m tests.worker.pausing train [flags]`` runs the worker on it, reading the pauses from
 ``WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS`` (sleep before each commit record is written, after
 the data file is) and ``WORKER_TEST_PAUSE_MID_WRITE_SECONDS`` (write half of each data file, log
-``checkpoint data half written``, sleep, then write all of it).
+``checkpoint data half written``, sleep with the file still open, then write the rest).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ class PausingStorage(LocalStorage):
     """:class:`~gpu_resilience_worker.storage.LocalStorage` with pauses in checkpoint writes.
 
     :param before_commit_s: seconds to sleep before writing a ``.commit.json``; default 0.
-    :param mid_write_s: seconds to sleep with half of a ``.pt`` data file written; default 0.
+    :param mid_write_s: seconds to sleep with half of a ``.pt`` data file written (and the file
+        open); default 0.
     :param logger: where ``checkpoint data half written`` goes; default stdout.
     """
 
@@ -47,10 +48,25 @@ class PausingStorage(LocalStorage):
                 buffer = io.BytesIO()
                 data(buffer)  # type: ignore[arg-type]
                 data = buffer.getvalue()
-            super().write(path, data[: len(data) // 2], atomic=atomic)
-            self._log.debug("checkpoint data half written", file=path)
-            time.sleep(self.mid_write_s)
+            data = self._in_two_halves(path, bytes(data))
         super().write(path, data, atomic=atomic)
+
+    def _in_two_halves(self, path: str, data: bytes):
+        """:return: a function writing ``data`` into the open file in two halves, logging
+        ``checkpoint data half written`` (``bytes`` written, ``of`` in all) and sleeping between
+        them with the file still open: a writer killed there is closed by the kernel, not by
+        itself (on Cloud Storage FUSE that close finalizes the short object)."""
+        def write(handle) -> None:
+            half = len(data) // 2
+            for start, end in ((0, half), (half, len(data))):
+                view = memoryview(data)[start:end]
+                while view.nbytes:
+                    view = view[handle.write(view):]
+                if start == 0:
+                    self._log.debug("checkpoint data half written", file=path, bytes=half, of=len(data))
+                    time.sleep(self.mid_write_s)
+
+        return write
 
 
 if __name__ == "__main__":

@@ -25,7 +25,11 @@ from gpu_resilience_worker.checkpoint import (
 from gpu_resilience_worker.fastio import DIGESTS, LocalCopy, chunk_digests, crc32c_available, default_digest
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
+from tests.conftest import missing_from_env
 from tests.worker.test_checkpoint_unit import Box, ListLog
+
+#: A skip without it; a failure under TESTS_REQUIRE_FULL_ENV=1 (tests/conftest.py).
+CRC32C_INSTALL = "make venv (google-cloud-storage, in the emulator extra, brings it)"
 
 
 class _CountingReader:
@@ -181,7 +185,7 @@ def test_a_killed_writers_short_object_is_never_a_valid_checkpoint(tmp_path: Pat
 @pytest.mark.parametrize("digest", DIGESTS)
 def test_every_digest_round_trips_and_old_sha256_records_load(tmp_path: Path, digest: str) -> None:
     if digest == "crc32c" and not crc32c_available():
-        pytest.skip("google-crc32c not importable")
+        missing_from_env("google-crc32c with its C implementation is not importable", CRC32C_INSTALL)
     box = Box()
     box.tensor = torch.randn(1 << 14)
     with _manager(tmp_path, box) as manager:
@@ -256,7 +260,7 @@ def test_crc32c_hashes_a_read_only_mapping_in_place(tmp_path: Path) -> None:
     import tracemalloc
 
     if not crc32c_available():
-        pytest.skip("google-crc32c not importable")
+        missing_from_env("google-crc32c with its C implementation is not importable", CRC32C_INSTALL)
     import google_crc32c
 
     from gpu_resilience_worker.fastio import new_hasher
