@@ -192,6 +192,20 @@ class Campaign:
         self.results[scenario][f"deferred_at_{moment}"] = self.ti_state(scenario) == "deferred"
 
 
+def worker_events(log: str) -> list[dict]:
+    """:return: the worker's structured records (one JSON object a line) in an attempt's log
+    text, in order; other lines are skipped."""
+    records = []
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "message" in record:
+            records.append(record)
+    return records
+
+
 class Preempter(threading.Thread):
     """Two maintenance preemptions of task 0, at 1/3 and 2/3 of the training steps."""
 
@@ -244,6 +258,8 @@ def _phase1(c: Campaign) -> None:
     r["cancel_seconds"] = round(time.monotonic() - mark, 1)
     r["cancelled_count"] = execution.cancelled_count
     r["attempts"] = c.stack.emulator.attempts(r["execution"])
+    logs = c.stack.emulator.data_dir / "logs" / r["execution"].rsplit("/", 1)[-1]
+    r["attempt_logs"] = {a["log"]: (logs / a["log"]).read_text(errors="replace") for a in r["attempts"] if a.get("log")}
     record_timing("mark failed -> execution cancelled", fault_to_recovery_s=r["cancel_seconds"])
 
     # (a) the triggerer SIGKILLed while the execute tasks are deferred, restarted after a pause.
@@ -425,10 +441,14 @@ def test_deferred_task_marked_failed_cancels_the_execution(campaign) -> None:
     assert r["deferred_at_fault"]
     assert r["cancelled_count"] == 1, r
     assert r["cancel_seconds"] <= POLL_INTERVAL + 30, r["cancel_seconds"]
-    stopped = [a for a in r["attempts"] if a.get("stopReason") == "cancelled"]
-    assert stopped, r["attempts"]
-    # The worker got SIGTERM: it saved and exited 143 within the grace (or was killed after it).
-    assert stopped[0].get("exitCode") == 143 or stopped[0].get("termSignal") in (15, 9), stopped
+    [stopped] = [a for a in r["attempts"] if a.get("stopReason") == "cancelled"]
+    # The worker received SIGTERM: its own log line says so (written at the first step after
+    # the signal, before its final save, so it is there even if the emulator's SIGKILL ended
+    # the save); then it exited 143 itself, or was SIGKILLed at the end of the grace.
+    received = [e for e in worker_events(r["attempt_logs"][stopped["log"]])
+                if e["message"].startswith("SIGTERM received") and e.get("signal") == "SIGTERM"]
+    assert received, r["attempt_logs"][stopped["log"]][-3000:]
+    assert stopped.get("exitCode") == 143 or stopped.get("termSignal") == 9, stopped
     assert r["final_state"] == "failed"
     assert r["executions"] == 1
 
