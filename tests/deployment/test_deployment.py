@@ -29,7 +29,9 @@ Run job and bucket (the ``campaign`` fixture), and the tests then assert on what
 Cost: measured 12 min on 2 cores at a load average of 6 to 8 from other jobs (phase 1 8.5 min,
 phase 2 2 min, the browser 15 s), 23 min at a load of 15 to 20; with idle cores an estimated
 6 to 8 minutes (the training, 3600 steps at 0.05 s, and the task start-ups dominate), not
-measured.
+measured. With phase 2 a task-timeout chain: 10 min 12 s at a load of about 7 (phase 1 7.6 min,
+phase 2 1.9 min: three executions, the retry running 5.7 s after the SIGKILL); at a load of 8
+to 10 phase 1's training ran at a quarter of its speed and a run outlasted its 600 s wait.
 """
 
 from __future__ import annotations
