@@ -19,14 +19,19 @@ Run job and bucket (the ``campaign`` fixture), and the tests then assert on what
   the one whose test names it, and the campaign checks that run was still deferred when its
   fault came and went.
 - phase 2, non-deferrable: the scheduler restarted with ``[operators] default_deferrable =
-  False`` (the DAG does not pass ``deferrable``, so the deployment's setting decides), one run,
-  its execute task's process SIGKILLed while it polls; Airflow's retry (``default_task_retries
-  = 1``) attaches to the running execution.
+  False`` (the DAG does not pass ``deferrable``, so the deployment's setting decides), one run
+  that is a task-timeout chain (the DAG's ``task_timeout_seconds`` param at 40 s, ``max_retries``
+  0: every execution ends TIMED_OUT at its deadline until the training is done). Once Cloud Run
+  shows a re-run running, the execute task's process is SIGKILLed while it polls; Airflow's
+  retry (``default_task_retries = 1``) attaches to that re-run and carries the chain on,
+  counting try 1's executions from Cloud Run and the bucket.
 
 Cost: measured 12 min on 2 cores at a load average of 6 to 8 from other jobs (phase 1 8.5 min,
 phase 2 2 min, the browser 15 s), 23 min at a load of 15 to 20; with idle cores an estimated
 6 to 8 minutes (the training, 3600 steps at 0.05 s, and the task start-ups dominate), not
-measured.
+measured. With phase 2 a task-timeout chain: 10 min 12 s at a load of about 7 (phase 1 7.6 min,
+phase 2 1.9 min: three executions, the retry running 5.7 s after the SIGKILL); at a load of 8
+to 10 phase 1's training ran at a quarter of its speed and a run outlasted its 600 s wait.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from google.api_core.exceptions import ServiceUnavailable
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
+from airflow_gpu_resilience.hooks.cloud_run import execution_env
+from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV
+from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from tests.deployment.conftest import record_timing
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +64,17 @@ POLL_INTERVAL = 1.0
 #: Training that outlasts the stack-wide faults (about 180 s of steps, plus the restarts).
 PHASE1_CONF = {"steps": 3600, "checkpoint_every": 100, "step_delay_seconds": 0.05, "hidden_units": 32,
                "poll_interval_seconds": POLL_INTERVAL, "max_retries": 3}
-PHASE2_CONF = {**PHASE1_CONF, "steps": 1000}
+#: A task-timeout chain, through the DAG's params: a 40 s task timeout and ``max_retries`` 0,
+#: so each execution is one attempt that stops itself at its deadline, 30 s in (the worker's
+#: 10 s margin), after at most 28 s of steps past its start-up. At 0.4 s a step (at most 70 steps
+#: an execution) 150 steps take at least three executions; a step's own compute, which grows
+#: with the machine's load, is small beside 0.4 s, so the count changes little with the load
+#: (three, 56 steps each, at a load average of 3.5 on 2 cores). The job is kept, so that its
+#: executions can be read from Cloud Run after the run.
+PHASE2_TASK_TIMEOUT_S = 40
+PHASE2_CONF = {**PHASE1_CONF, "steps": 150, "step_delay_seconds": 0.4, "checkpoint_every": 20, "max_retries": 0,
+               "task_timeout_seconds": PHASE2_TASK_TIMEOUT_S,
+               "keep_job": True}
 PHASE1 = ("preemptions", "mark_failed", "triggerer_kill", "scheduler_restart", "api_outage")
 PAUSE_S = 5.0  # a killed or stopped component stays down this long
 OUTAGE_S = 60.0
@@ -156,6 +174,11 @@ class Campaign:
         logs = self.stack.emulator.data_dir / "logs"
         return sum(1 for p in logs.iterdir() if pattern.fullmatch(p.name)) if logs.is_dir() else 0
 
+    def executions(self, scenario: str) -> list[run_v2.Execution]:
+        """The scenario's job's executions as Cloud Run lists them, oldest first."""
+        job = f"projects/{PROJECT}/locations/{REGION}/jobs/{self.results[scenario]['job']}"
+        return sorted(self.executions_api.list_executions(parent=job), key=lambda e: e.create_time)
+
     def latest_execution(self, scenario: str) -> str:
         job = f"projects/{PROJECT}/locations/{REGION}/jobs/{self.results[scenario]['job']}"
         return self.jobs_api.get_job(name=job).latest_created_execution.name
@@ -169,6 +192,20 @@ class Campaign:
     def note_deferred(self, scenario: str, moment: str) -> None:
         """Record whether the scenario's execute task is deferred at ``moment`` of its fault."""
         self.results[scenario][f"deferred_at_{moment}"] = self.ti_state(scenario) == "deferred"
+
+
+def worker_events(log: str) -> list[dict]:
+    """:return: the worker's structured records (one JSON object a line) in an attempt's log
+    text, in order; other lines are skipped."""
+    records = []
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "message" in record:
+            records.append(record)
+    return records
 
 
 class Preempter(threading.Thread):
@@ -223,6 +260,8 @@ def _phase1(c: Campaign) -> None:
     r["cancel_seconds"] = round(time.monotonic() - mark, 1)
     r["cancelled_count"] = execution.cancelled_count
     r["attempts"] = c.stack.emulator.attempts(r["execution"])
+    logs = c.stack.emulator.data_dir / "logs" / r["execution"].rsplit("/", 1)[-1]
+    r["attempt_logs"] = {a["log"]: (logs / a["log"]).read_text(errors="replace") for a in r["attempts"] if a.get("log")}
     record_timing("mark failed -> execution cancelled", fault_to_recovery_s=r["cancel_seconds"])
 
     # (a) the triggerer SIGKILLed while the execute tasks are deferred, restarted after a pause.
@@ -307,19 +346,30 @@ def _task_process(c: Campaign, scenario: str) -> psutil.Process | None:
 
 
 def _phase2(c: Campaign) -> None:
+    """The non-deferrable task-timeout chain, its task process SIGKILLed once a re-run runs."""
     scenario = "task_kill"
     c.stack.kill_component("scheduler", signal.SIGTERM)
     c.stack.start_component("scheduler", extra_env={"AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "False"})
     c.stack.wait_healthy(("scheduler",), timeout=120)
     c.trigger(scenario, PHASE2_CONF)
     r = c.results[scenario]
-    wait_for(lambda: c.ti_state(scenario) == "running" and c.progress_step(scenario) >= 20, 600,
-             "the non-deferrable execute task to poll a training worker", interval=1.0)
+
+    def rerun_running():
+        """Try 1 polls, and Cloud Run shows a re-run (a second execution) running."""
+        if c.ti_state(scenario) != "running" or c.ti(scenario).try_number != 1:
+            return None
+        found = c.executions(scenario)
+        return len(found) >= 2 and execution_state(found[-1]) is ExecutionState.RUNNING and found
+
+    before = wait_for(rerun_running, 600, "try 1 of the non-deferrable execute task to start a re-run",
+                      interval=0.5)
     process = wait_for(lambda: _task_process(c, scenario), 30, "the execute task's process")
     r["killed_pid"], r["rest_api_pid"] = process.pid, c.ti(scenario).pid
-    r["execution"] = c.latest_execution(scenario)
+    r["before_kill"] = [e.name for e in before]
+    r["execution"] = before[-1].name
     mark = time.monotonic()
     process.send_signal(signal.SIGKILL)
+    r["running_at_kill"] = execution_state(c.executions_api.get_execution(name=r["execution"])) is ExecutionState.RUNNING
     wait_for(lambda: c.ti(scenario).try_number >= 2 and c.ti_state(scenario) == "running", 120,
              "Airflow's retry of the killed task to run")
     r["retry_running_seconds"] = round(time.monotonic() - mark, 1)
@@ -328,8 +378,12 @@ def _phase2(c: Campaign) -> None:
     r["execute_try_number"] = c.ti(scenario).try_number
     r["retry_log"] = json.dumps(c.tis.get_log(DAG_ID, r["run_id"], "execute_job", 2, full_content=True).to_dict(),
                                 default=str)
+    r["summary"] = c.xcoms.get_xcom_entry(DAG_ID, "execute_job", r["run_id"], "return_value").actual_instance.value
+    r["reruns_in_cloud_run"] = [execution_env(e).get(RERUN_ENV) for e in c.executions(scenario)]
     record_timing("task process SIGKILL -> retry running", fault_to_recovery_s=r["retry_running_seconds"])
     record_timing("task process SIGKILL -> DAG run finished", fault_to_recovery_s=round(r["finished_at"] - mark, 1))
+    record_timing(f"task-timeout chain: trigger -> DAG run {r['final_state']}",
+                  seconds=round(r["finished_at"] - r["triggered_at"], 1), executions=r["executions"])
 
 
 @pytest.fixture(scope="module")
@@ -389,18 +443,51 @@ def test_deferred_task_marked_failed_cancels_the_execution(campaign) -> None:
     assert r["deferred_at_fault"]
     assert r["cancelled_count"] == 1, r
     assert r["cancel_seconds"] <= POLL_INTERVAL + 30, r["cancel_seconds"]
-    stopped = [a for a in r["attempts"] if a.get("stopReason") == "cancelled"]
-    assert stopped, r["attempts"]
-    # The worker got SIGTERM: it saved and exited 143 within the grace (or was killed after it).
-    assert stopped[0].get("exitCode") == 143 or stopped[0].get("termSignal") in (15, 9), stopped
+    [stopped] = [a for a in r["attempts"] if a.get("stopReason") == "cancelled"]
+    # The worker received SIGTERM: its own log line says so (written at the first step after
+    # the signal, before its final save, so it is there even if the emulator's SIGKILL ended
+    # the save); then it exited 143 itself, or was SIGKILLed at the end of the grace.
+    received = [e for e in worker_events(r["attempt_logs"][stopped["log"]])
+                if e["message"].startswith("SIGTERM received") and e.get("signal") == "SIGTERM"]
+    assert received, r["attempt_logs"][stopped["log"]][-3000:]
+    assert stopped.get("exitCode") == 143 or stopped.get("termSignal") == 9, stopped
     assert r["final_state"] == "failed"
     assert r["executions"] == 1
 
 
 def test_non_deferrable_task_process_sigkilled_retry_attaches(campaign) -> None:
+    """Issue 14 (the task process killed while it polls) and issue 16 must-show 3: an Airflow
+    retry mid-chain keeps counting progress and re-runs from what Cloud Run shows, not from the
+    task instance's memory."""
     r = campaign.results["task_kill"]
-    _assert_succeeded_once(campaign, "task_kill", tries=2)
-    assert "Attaching to execution" in r["retry_log"], r["retry_log"][-2000:]
+    assert r["final_state"] == "success", f"task_kill: DAG run {r['run_id']} ended {r['final_state']}"
+    assert r["execute_try_number"] == 2, r
+    before = r["before_kill"]  # as Cloud Run listed them when try 1's process was SIGKILLed
+    assert len(before) >= 2 and r["running_at_kill"], r  # a re-run had started, and ran
+    # try 2 attached to the re-run that try 1 started and that was still running
+    assert f"Attaching to execution {before[-1]} started by an earlier try" in r["retry_log"], r["retry_log"][-3000:]
+    summary = r["summary"]
+    chain = summary["chain"]
+    names = [entry["name"] for entry in chain]
+    # try 1's executions are in the chain of the final summary, every one counted as progress
+    assert names[:len(before)] == before, (before, names)
+    assert [entry["outcome"] for entry in chain] == ["TIMED_OUT"] * (len(chain) - 1) + ["SUCCEEDED"], chain
+    assert all(entry["progress"] is True for entry in chain), chain
+    for earlier, later in zip(chain, chain[1:]):
+        assert earlier["end_steps"] == later["start_steps"], chain
+    assert chain[-1]["end_steps"] == {"0": PHASE2_CONF["steps"]}, chain
+    # try 2 judged the re-run it attached to by the steps that execution started from, as try 1
+    # recorded them on it in Cloud Run: its re-run was free, progress counted across the retry
+    attached = chain[len(before) - 1]
+    made = f"it made progress (task 0: {attached['start_steps']['0']} -> {attached['end_steps']['0']})"
+    assert made in r["retry_log"], r["retry_log"][-3000:]
+    # try 2 numbered its own re-runs on from the executions in Cloud Run, not from 1
+    assert len(chain) > len(before), "try 2 started no re-run: the training was shorter than planned"
+    assert f"Started execution {names[len(before)]} (preemption re-run {len(before)})" in r["retry_log"]
+    # no duplicate, no orphan: the emulator ran 1 + the re-runs, each re-run number once
+    assert summary["reruns"] == len(chain) - 1
+    assert r["executions"] == 1 + summary["reruns"], (r["executions"], summary["reruns"])
+    assert r["reruns_in_cloud_run"] == [str(n) for n in range(len(chain))], r["reruns_in_cloud_run"]
 
 
 def test_rest_api_serves_extra_links_and_summary_xcom(campaign) -> None:
