@@ -225,3 +225,55 @@ def test_task_deadline_counts_from_the_process_start_not_from_run(tmp_path: Path
     assert "DEADLINE received" in output, output
     # the stop is due 10 s after the process started (20 s timeout less the 10 s margin)
     assert elapsed < 17, f"stopped {elapsed:.1f} s after the process started, timeout 20 s:\n{output[-3000:]}"
+
+
+EARLY_WATCHER = r'''
+import sys, time
+import torch
+from gpu_resilience_worker import PreemptionWatcher, ResilientLoop, exit_now
+
+watcher = PreemptionWatcher()
+watcher.install()  # as the README says: catch a SIGTERM that comes while the model is built
+print("installed", flush=True)
+time.sleep(float(sys.argv[2]))  # the user's start-up
+torch.manual_seed(0)
+model = torch.nn.Linear(512, 512)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def step(done):
+    time.sleep(0.05)
+    optimizer.zero_grad()
+    loss = model(torch.randn(8, 512)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+loop = ResilientLoop({"model": model, "optimizer": optimizer}, total_steps=int(sys.argv[3]), checkpoint_every=10,
+                     folder=sys.argv[1], watcher=watcher)
+exit_now(loop.run(step))
+'''
+
+
+def test_a_sigterm_during_start_up_exits_143_before_the_restore(tmp_path: Path) -> None:
+    """With a watcher installed early, a SIGTERM during the user's start-up ends the attempt with
+    143 at once, as the bundled worker does: nothing past the last checkpoint exists, so reading
+    and loading that checkpoint (minutes for a large model) would only eat the grace period."""
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_WATCHER)
+    folder = tmp_path / "ckpt"
+    first = subprocess.Popen([sys.executable, str(script), str(folder), "0", "1000"], env=worker_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert first.stdout.readline().strip() == "installed"
+    time.sleep(2)
+    first.send_signal(signal.SIGTERM)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 143 and "checkpoint saved" in output, output
+    process = subprocess.Popen([sys.executable, str(script), str(folder), "5", "1000"], env=worker_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout.readline().strip() == "installed"
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 143, output
+    assert "resuming from step" not in output and "received during start-up" in output, output
