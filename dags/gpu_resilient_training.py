@@ -50,6 +50,7 @@ from gpu_training_common import (
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.hooks.gcs import CheckpointBucketHook
+from airflow_gpu_resilience.job_cleanup import JobCleanupAction
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,13 @@ def cleanup(params: dict | None = None) -> dict:
     waited for up to ``cleanup_wait_seconds``; one still running after that keeps the job, with a
     warning (deleting a job deletes its executions' records). ``keep_job`` keeps it in any case.
     A job of the same name that this DAG did not deploy is left as it is, with a warning. The
-    bucket is deleted only when it is ours (see ``create_bucket``); its objects go in batches
-    first, so a bucket with thousands of checkpoints is deleted too.
+    bucket is deleted only when it is ours (see ``create_bucket``) and no execution of the job is
+    still running (the job kept for one, or by ``keep_job``, may still write its checkpoints
+    there); its objects go in batches first, so a bucket with thousands of checkpoints is deleted too.
 
     :return: ``{"job": "deleted" | "absent" | "not ours, kept" | "kept (keep_job)" | "kept: an
         execution is still running", "job_cleanup": {...}, "bucket": None or {"bucket", "deleted",
-        "objects_deleted", "bytes_deleted"}}``.
+        "objects_deleted", "bytes_deleted"} (plus "reason" when it was kept for a running execution)}``.
     :raises CheckpointBucketNotOursError: ``delete_bucket`` is set and the bucket is not ours.
     """
     run = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"])
@@ -78,7 +80,17 @@ def cleanup(params: dict | None = None) -> dict:
         poll_interval=min(5.0, params["poll_interval_seconds"]))
     log.info("Cleanup: job %s: %s", params["job_name"], result.action.value)
     deleted = None
-    if params["delete_bucket"]:
+    running: list[str] = []
+    if params["delete_bucket"] and result.action in (JobCleanupAction.KEEP_RUNNING, JobCleanupAction.KEEP_REQUESTED):
+        running = list(result.unended_executions) or run.unended_executions(
+            job_name=params["job_name"], project_id=params["project_id"], region=params["region"])
+    if running:
+        # the execution still writes its checkpoints there: deleting the bucket would lose them
+        reason = f"kept: execution {', '.join(running)} of job {params['job_name']} has not ended"
+        log.warning("Cleanup: bucket %s %s; delete it once it has ended", params["bucket"], reason)
+        deleted = {"bucket": params["bucket"], "deleted": False, "objects_deleted": 0, "bytes_deleted": 0,
+                   "reason": reason}
+    elif params["delete_bucket"]:
         deleted = CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).delete_bucket_and_contents(
             bucket_name=params["bucket"], project_id=params["project_id"])
         log.info("Cleanup: bucket %s: %s objects, %s bytes deleted", deleted["bucket"], deleted["objects_deleted"],

@@ -58,9 +58,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: ``serve`` flags checked against :data:`~.runtime.POLICY_LIMITS`: flag -> (argument, policy setting).
+_POLICY_FLAGS = {
+    "--grace-seconds": ("grace_seconds", "grace_seconds"),
+    "--task-start-delay": ("task_start_delay", "start_delay_seconds"),
+    "--gpu-quota": ("gpu_quota", "gpu_quota"),
+    "--failed-execution-code": ("failed_execution_code", "failed_execution_code"),
+}
+
+
+def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 with a usage error naming the flag and its allowed values, before anything starts."""
+    import math
+
+    from .runtime import policy_value
+
+    for flag, (dest, attr) in _POLICY_FLAGS.items():
+        try:
+            policy_value(attr, getattr(args, dest))
+        except ValueError as exc:
+            parser.error(f"{flag} {exc}")
+    if not (math.isfinite(args.preempt_every) and args.preempt_every >= 0):
+        parser.error(f"--preempt-every must be a finite number of seconds >= 0 (0: off), got {args.preempt_every!r}")
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
+        _check_serve_flags(parser, args)
         from .faults import PreemptionPlan
         from .runtime import RuntimePolicy
         from .server import ServeConfig, serve

@@ -57,6 +57,7 @@ from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 from .gcsfuse import event_line
 from .guards import GuardMiddleware, contained
+from .runtime import policy_value
 
 _TASK_NAME = "/tasks/"
 logger = logging.getLogger(__name__)
@@ -278,14 +279,20 @@ def apply_transitions(policy, body: dict) -> dict:
     unknown = set(body) - set(_TRANSITION_KEYS)
     if unknown:
         raise InvalidArgument(f"unknown settings {sorted(unknown)}; known: {sorted(_TRANSITION_KEYS)}")
-    for key, value in body.items():
+    checked = {}
+    for key, value in body.items():  # all checked before any is applied
         attr, kind = _TRANSITION_KEYS[key]
-        if kind == "bool" and not isinstance(value, bool):
-            raise InvalidArgument(f"{key}: must be true or false.")
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"{key}: must be true or false.")
+            checked[attr] = value
+            continue
         try:
-            setattr(policy, attr, value if kind == "bool" else int(value) if kind == "int" else float(value))
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"{key}: must be a number.") from None
+            checked[attr] = policy_value(attr, value)
+        except ValueError as exc:
+            raise InvalidArgument(f"{key}: {exc}.") from None
+    for attr, value in checked.items():
+        setattr(policy, attr, value)
     return {key: getattr(policy, attr) for key, (attr, _) in _TRANSITION_KEYS.items()}
 
 

@@ -32,6 +32,7 @@ import ctypes
 import datetime as dt
 import ctypes.util
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -115,6 +116,36 @@ class RuntimePolicy:
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
     gpu_quota: int = 0
+
+
+#: The :class:`RuntimePolicy` settings a user sets (``serve`` flags, ``/_emulator/transitions``):
+#: attribute -> (kind, lowest, highest allowed value).
+POLICY_LIMITS = {
+    "grace_seconds": ("float", 0.0, 3600.0),
+    "start_delay_seconds": ("float", 0.0, 3600.0),
+    "gpu_quota": ("int", 0, 1_000_000),
+    "failed_execution_code": ("int", 1, 16),
+}
+
+
+def policy_value(attr: str, value: object) -> float | int:
+    """A checked value for the :class:`RuntimePolicy` setting ``attr`` (see :data:`POLICY_LIMITS`).
+
+    :raises ValueError: a value of another type, not finite, or out of range; the message gives
+        the allowed values.
+    """
+    kind, low, high = POLICY_LIMITS[attr]
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"must be an integer from {low} to {high}, got {value!r}")
+        return value
+    try:
+        number = float("nan") if isinstance(value, bool) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (math.isfinite(number) and low <= number <= high):
+        raise ValueError(f"must be a number of seconds from {low:g} to {high:g}, got {value!r}")
+    return number
 
 
 @dataclasses.dataclass

@@ -401,6 +401,15 @@ class CloudRunGpuHook(GoogleBaseHook):
         return operation.result(timeout=self.operation_timeout)
 
     @GoogleBaseHook.fallback_to_default_project_id
+    def unended_executions(self, job_name: str, region: str, project_id: str = PROVIDE_PROJECT_ID) -> list[str]:
+        """:return: the names of the job's executions that have not ended (no completion time);
+        empty when the job does not exist."""
+        try:
+            executions = self.list_executions(job_name=job_name, region=region, project_id=project_id)
+        except gexc.NotFound:
+            return []
+        return [e.name for e in executions if not e.completion_time]
+
     def delete_job_when_idle(
         self,
         job_name: str,
@@ -443,8 +452,7 @@ class CloudRunGpuHook(GoogleBaseHook):
                 job = None
             unended: list[str] = []
             if job is not None and is_managed(job.labels) and not keep_job:
-                executions = self.list_executions(job_name=job_name, region=region, project_id=project_id)
-                unended = [e.name for e in executions if not e.completion_time]
+                unended = self.unended_executions(job_name=job_name, region=region, project_id=project_id)
             waited = clock() - start
             action = decide_job_cleanup(
                 exists=job is not None, ours=job is not None and is_managed(job.labels), keep_job=keep_job,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
@@ -87,3 +89,20 @@ def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
     plan = seen[0].preemptions
     assert (plan.mean_seconds, plan.seed, plan.name_prefix) == (30.0, 4, "projects/p/locations/l/jobs/train")
     assert cli.main(["serve", "--data-dir", str(tmp_path)]) == 0 and seen[1].preemptions is None
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--grace-seconds", "-1"], "--grace-seconds"), (["--grace-seconds", "nan"], "--grace-seconds"),
+    (["--task-start-delay", "-5"], "--task-start-delay"), (["--gpu-quota", "-1"], "--gpu-quota"),
+    (["--preempt-every", "-3"], "--preempt-every"), (["--preempt-every", "inf"], "--preempt-every"),
+    (["--failed-execution-code", "99"], "--failed-execution-code"),
+])
+def test_serve_refuses_out_of_range_flags_before_it_starts(tmp_path, flags, named):
+    """A user's bad flag is one usage error naming it and the allowed values (exit 2), not an
+    emulator that starts and then never SIGKILLs a preempted task or never runs one."""
+    result = subprocess.run([sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
+                             "--gcs-port", "0", "--data-dir", str(tmp_path / "emu"), *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert named in result.stderr and "ready" not in result.stdout, result.stderr
+    assert not (tmp_path / "emu").exists()

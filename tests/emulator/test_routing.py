@@ -59,6 +59,14 @@ def test_transitions_endpoint(tmp_path):
     assert answer.json()["taskStartDelaySeconds"] == 1.5 and config.policy.preemption_consumes_retry is False
     assert client.post("/_emulator/transitions", json={"nope": 1}).json()["error"]["status"] == "INVALID_ARGUMENT"
     assert client.post("/_emulator/transitions", json={"preemptionConsumesRetry": "no"}).status_code == 400
+    for body, field in [({"graceSeconds": -3}, "graceSeconds"), ({"graceSeconds": "nan"}, "graceSeconds"),
+                        ({"taskStartDelaySeconds": -1}, "taskStartDelaySeconds"), ({"gpuQuota": -2}, "gpuQuota"),
+                        ({"gpuQuota": 1.5}, "gpuQuota"),
+                        ({"taskStartDelaySeconds": 2.5, "graceSeconds": -1}, "graceSeconds")]:
+        bad = client.post("/_emulator/transitions", json=body)
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"], (body, bad.json())
+    # nothing of a refused request was applied, its valid keys included
+    assert (config.policy.grace_seconds, config.policy.start_delay_seconds, config.policy.gpu_quota) == (10.0, 1.5, 0)
     assert client.get("/_emulator/health").json()["status"] == "ok"
 
 

@@ -310,3 +310,50 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
         done = cleanup(params={**params, "job_name": "ours", "delete_bucket": False})
         assert (done["job"], done["job_cleanup"]["action"], done["bucket"]) == ("deleted", "deleted", None)
         assert [j.name.rsplit("/", 1)[-1] for j in jobs.list_jobs(parent=parent)] == [JOB]
+
+
+def test_cleanup_keeps_the_bucket_while_an_execution_of_the_job_still_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``delete_bucket`` with an execution still running after ``cleanup_wait_seconds`` (the job
+    is kept for it) must not delete the bucket that execution is writing its checkpoints to; the
+    same with ``keep_job``; once the execution has ended, the bucket goes."""
+    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from airflow_gpu_resilience.job_spec import GpuJobSpec
+
+    demo = _load_demo()
+    images = tmp_path / "images.json"
+    images.write_text(json.dumps({"images": {"test.local/sleeper:latest": {
+        "entrypoint": ["{python}", "-c", "import time; time.sleep(120)"]}}}))
+    cleanup = _dagbag().dags["gpu_resilient_training"].get_task("cleanup").python_callable
+    parent = "projects/local-project/locations/us-central1"
+    with EmulatorProcess(tmp_path / "emulator", images_file=images) as emulator:
+        for key, value in demo.airflow_env(tmp_path, emulator).items():
+            if key.startswith(("AIRFLOW_CONN_", "STORAGE_EMULATOR_HOST", "GCE_", "NO_GCE")):
+                monkeypatch.setenv(key, value)
+        bucket = _storage(emulator).create_bucket(BUCKET)
+        bucket.labels = OURS
+        bucket.patch()
+        bucket.blob(f"{JOB}/task-0/ckpt-00000050.pt").upload_from_string(b"state")
+        jobs = _jobs(emulator)
+        job = GpuJobSpec(name=JOB, image="test.local/sleeper:latest", checkpoint_bucket=BUCKET, max_retries=0,
+                         labels={"managed-by": "airflow-gpu-resilience"}).to_job()
+        jobs.create_job(parent=parent, job_id=JOB, job=job).result(timeout=60)
+        execution = jobs.run_job(name=f"{parent}/jobs/{JOB}").metadata.name
+        from google.auth.credentials import AnonymousCredentials
+
+        executions = run_v2.ExecutionsClient(credentials=AnonymousCredentials(), transport="rest",
+                                             client_options={"api_endpoint": emulator.endpoint})
+        params = {**_dagbag().dags["gpu_resilient_training"].params.dump(), "delete_bucket": True,
+                  "cleanup_wait_seconds": 0, "poll_interval_seconds": 0.2}
+
+        for extra in ({}, {"keep_job": True}):
+            done = cleanup(params={**params, **extra})
+            assert done["job"] in ("kept: an execution is still running", "kept (keep_job)"), done
+            assert done["bucket"]["deleted"] is False, done
+            assert execution in done["bucket"]["reason"], done
+            assert [b.name for b in _storage(emulator).list_blobs(BUCKET)] == [f"{JOB}/task-0/ckpt-00000050.pt"]
+
+        executions.cancel_execution(name=execution).result(timeout=60)
+        done = cleanup(params={**params, "cleanup_wait_seconds": 60})
+        assert done["job"] == "deleted" and done["bucket"]["deleted"] is True, done
+        assert _storage(emulator).lookup_bucket(BUCKET) is None

@@ -18,6 +18,23 @@ from typing import Callable
 DEFAULT_GRACE_SECONDS = 10.0
 
 
+def process_age_seconds() -> float:
+    """:return: seconds since this process started (Linux ``/proc``, to 10 ms), else 0.
+
+    Cloud Run's task timeout counts from the container's start, and the container's process
+    (the exec-form entrypoint) started then, not when a watcher was made after the imports,
+    the data download and the model build.
+    """
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class PreemptionWatcher:
     """Turns SIGTERM/SIGINT (and an optional deadline) into a stop request.
 
@@ -27,6 +44,9 @@ class PreemptionWatcher:
         so that the time left after a deadline stop is counted to it, not by the grace.
     :param signals: the signals to handle; default SIGTERM and SIGINT.
     :param clock: monotonic clock in seconds.
+
+    :attr:`started_at`, from which :func:`set_task_deadline` counts the task timeout, is the
+    process's start (on :func:`time.monotonic`'s scale), not the watcher's creation.
     """
 
     def __init__(
@@ -44,7 +64,7 @@ class PreemptionWatcher:
         self._clock = clock
         self._event = threading.Event()
         self._previous: dict[signal.Signals, object] = {}
-        self.started_at = clock()
+        self.started_at = clock() - (process_age_seconds() if clock is time.monotonic else 0.0)
         self.received_at: float | None = None
         self.signal_name: str | None = None
 
@@ -147,7 +167,8 @@ def set_task_deadline(watcher: PreemptionWatcher, task_timeout_seconds: float | 
                       grace_seconds: float | None = None) -> None:
     """Make ``watcher`` stop the attempt before Cloud Run's task timeout kills it.
 
-    The timeout counts from ``watcher.started_at``; the stop comes ``min(grace, timeout / 2)``
+    The timeout counts from ``watcher.started_at`` (the process's start, as Cloud Run's task
+    timeout counts from the container's); the stop comes ``min(grace, timeout / 2)``
     seconds before it, and the time left after that stop is counted to the timeout (so a final
     save is made only when it fits before the kill).
 
