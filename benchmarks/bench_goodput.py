@@ -332,7 +332,7 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
         "checkpoints": len(walk["saves"]), "sync_save_median_s": _r(common.median(sync)),
         "interval_s": _r(walk["interval_s"]), "blocking_save_cost_s": _r(walk["save_cost_s"]),
     }
-    result["account"] = goodput_account(lab, job_id, run["executions"])
+    result["account"] = goodput_account(lab, job_id, run["executions"], None if run["finished"] else durable)
     result["downtime_parts"] = downtime_parts(goodput_events(lab, job_id), run["executions"], counts, preempted)
     if t_step:
         result.update(useful_s=round(durable * t_step, 2), goodput=round(durable * t_step / wall, 4),
@@ -343,14 +343,19 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
     return result
 
 
-def goodput_account(lab: Lab, job_id: str, executions: list) -> dict:
-    """The provider's goodput account of task 0 over ``executions`` (seconds per bucket)."""
+def goodput_account(lab: Lab, job_id: str, executions: list, durable: int | None = None) -> dict:
+    """The provider's goodput account of task 0 over ``executions`` (seconds per bucket).
+
+    :param durable: for a run stopped before it finished (the benchmark's cap), the step of its
+        newest committed checkpoint, as the execute operator passes it for a failed task: the last
+        attempt's steps past it are wasted, not productive. ``None`` for a finished run.
+    """
     from airflow_gpu_resilience.goodput import account_task
     from airflow_gpu_resilience.operators.goodput_report import attempt_inputs
 
     tasks = [(name, list(lab.clients["tasks"].list_tasks(parent=name))) for name in executions]
     events = goodput_events(lab, job_id)
-    account = account_task(0, attempt_inputs(tasks, {0: events}).get(0, []), gpus_per_task=1)
+    account = account_task(0, attempt_inputs(tasks, {0: events}).get(0, []), gpus_per_task=1, durable_step=durable)
     return {key: (round(value, 3) if isinstance(value, float) else value)
             for key, value in account.items() if key != "attempts"}
 
