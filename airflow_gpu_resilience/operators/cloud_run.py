@@ -715,7 +715,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         :return: the :class:`RunSummary`; with ``wait_for_completion=False``
             ``{"execution", "job_name"}`` of the execution started or attached to.
         :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value,
-            or ``poll_interval`` to a non-positive one (before any API call).
+            ``poll_interval`` to a non-positive one, or ``overrides`` that Cloud Run would refuse
+            (:func:`check_overrides`), before any API call.
         :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
         :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
         :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
@@ -726,6 +727,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         total = _count("max_total_reruns", self.max_total_reruns)
         self.poll_interval = _seconds("poll_interval", self.poll_interval)
         self.log_container_output = _flag("log_container_output", self.log_container_output)
+        check_overrides(self.overrides)
         run = RunState(project_id=self.project_id or self.hook.project_id, run_key=self.run_key(context),
                        budget=budget, deadline=self._deadline(), max_reruns_without_progress=without_progress,
                        max_total_reruns=total)
@@ -1120,6 +1122,39 @@ def _chain(history: Sequence[ExecutionProgress]) -> list[ChainEntry]:
                    progress=entry.made_progress)
         for index, entry in enumerate(history)
     ]
+
+
+#: The fields of ``RunJobRequest.Overrides`` (Cloud Run Admin API v2).
+OVERRIDE_FIELDS = ("container_overrides", "task_count", "timeout")
+
+
+def check_overrides(overrides: Mapping[str, Any] | None) -> None:
+    """Check the execute operator's ``overrides`` as Cloud Run would read them, before any API call.
+
+    :param overrides: ``RunJobRequest.Overrides`` in dict form: ``container_overrides`` (a list of
+        ``{name, args, env, clear_args}``), ``task_count`` (an integer >= 0; 0 keeps the job's) and
+        ``timeout`` (``"20s"``, ``{"seconds": 20}`` or a ``timedelta``, > 0), or ``None``.
+    :raises ValueError: one error naming ``overrides``, the field and the allowed values.
+    """
+    if overrides is None:
+        return
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"overrides={overrides!r} must be a dict with the fields {', '.join(OVERRIDE_FIELDS)} "
+                         "(RunJobRequest.Overrides), or None")
+    unknown = sorted(str(key) for key in overrides if key not in OVERRIDE_FIELDS)
+    if unknown:
+        raise ValueError(f"overrides has unknown field(s) {', '.join(unknown)}; allowed: {', '.join(OVERRIDE_FIELDS)}")
+    for key in OVERRIDE_FIELDS:
+        if key not in overrides:
+            continue
+        try:
+            parsed = run_v2.RunJobRequest.Overrides(**{key: overrides[key]})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"overrides[{key!r}]={overrides[key]!r} is not valid: {exc}") from None
+        if key == "task_count" and parsed.task_count < 0:
+            raise ValueError(f"overrides['task_count']={overrides[key]!r} must be an integer >= 0")
+        if key == "timeout" and overrides[key] not in (None, "") and parsed.timeout.total_seconds() <= 0:
+            raise ValueError(f"overrides['timeout']={overrides[key]!r} must be a duration > 0, e.g. \"3600s\"")
 
 
 def _count(name: str, value: int | str) -> int:
