@@ -42,7 +42,9 @@ from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invoc
 from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
-from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher, exit_now, set_task_deadline
+from gpu_resilience_worker.preemption import (
+    DEFAULT_GRACE_SECONDS, PreemptionWatcher, exit_now, set_task_deadline, stopped_during_startup,
+)
 from gpu_resilience_worker.state import TrainState
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -282,7 +284,7 @@ class ResilientLoop:
     def _train(self, step_fn: Callable[[int], float | None],
                finish: Callable[[], Mapping[str, Any]] | None) -> int:
         if self.watcher.requested:  # stopped during the start-up: nothing past the last checkpoint exists
-            return self._stopped_during_startup()
+            return stopped_during_startup(self.watcher, self._log)
         config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
         with CheckpointManager(config, {TRAIN_STATE: self.state, **self.states}, storage=self._storage,
                                logger=self._log) as manager:
@@ -304,15 +306,6 @@ class ResilientLoop:
             self._finish(manager, progress, finish)
         return EXIT_OK
 
-    def _stopped_during_startup(self) -> int:
-        """A SIGTERM (or the task deadline) before the restore: exit 143 at once, as the bundled
-        worker does, instead of reading and loading a checkpoint only to stop at its step."""
-        watcher = self.watcher
-        self._log.warning(f"{watcher.signal_name} received during start-up; exiting before the restore",
-                          signal=watcher.signal_name, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
-        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None,
-                          last_checkpoint_step=None)
-        return EXIT_PREEMPTED
 
     def _resume(self, manager: CheckpointManager) -> None:
         previous = read_json(self._storage, self._path(PROGRESS)) or {}

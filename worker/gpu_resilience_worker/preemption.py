@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable
+
+from gpu_resilience_worker.errors import EXIT_PREEMPTED
 
 DEFAULT_GRACE_SECONDS = 10.0
 
@@ -188,6 +190,23 @@ def set_task_deadline(watcher: PreemptionWatcher, task_timeout_seconds: float | 
     margin = min(grace, task_timeout_seconds / 2)
     watcher.timeout_at = watcher.started_at + task_timeout_seconds
     watcher.deadline = watcher.timeout_at - margin
+
+
+def stopped_during_startup(watcher: PreemptionWatcher, logger: Any) -> int:
+    """Log that a SIGTERM (or the task deadline) came before the restore, and return 143.
+
+    Nothing past the newest committed checkpoint exists yet, so the attempt ends at once instead of
+    reading and loading a checkpoint only to stop at its step (on a large model, most of the grace
+    period). Used by the bundled trainer and :class:`~gpu_resilience_worker.loop.ResilientLoop`.
+
+    :param watcher: the watcher that caught the stop.
+    :param logger: a :class:`~gpu_resilience_worker.logs.StructuredLogger`.
+    :return: 143 (``EXIT_PREEMPTED``).
+    """
+    logger.warning(f"{watcher.signal_name} received during start-up; exiting before the restore",
+                   signal=watcher.signal_name, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+    logger.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None, last_checkpoint_step=None)
+    return EXIT_PREEMPTED
 
 
 def exit_now(code: int) -> None:

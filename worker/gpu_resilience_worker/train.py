@@ -18,7 +18,7 @@ from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, D
 from gpu_resilience_worker.goodput import GoodputRecorder
 from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
-from gpu_resilience_worker.preemption import PreemptionWatcher
+from gpu_resilience_worker.preemption import PreemptionWatcher, stopped_during_startup
 from gpu_resilience_worker.state import TrainState, state_digest
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -154,7 +154,7 @@ class Trainer:
         parts = build_components(self.config, data, device)
         self._log_setup(device)
         if self._watcher.requested:  # stopped while torch loaded or the model was built: nothing to save
-            return self._stopped_during_startup()
+            return stopped_during_startup(self._watcher, self._log)
         with ckpt.CheckpointManager(self.config.checkpoint, parts.stateful(), storage=self._storage,
                                     logger=self._log) as manager:
             self._resume(manager, parts)
@@ -168,15 +168,6 @@ class Trainer:
             self._finish(manager, parts, data, progress)
         return EXIT_OK
 
-    def _stopped_during_startup(self) -> int:
-        """A SIGTERM (or the task deadline) came before the first step: no state past the last
-        checkpoint exists, so exit 143 at once instead of restoring a checkpoint first."""
-        watcher = self._watcher
-        self._log.warning(f"{watcher.signal_name} received during start-up; exiting before the restore",
-                          signal=watcher.signal_name, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
-        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None,
-                          last_checkpoint_step=None)
-        return EXIT_PREEMPTED
 
     def _log_setup(self, device: torch.device) -> None:
         config, train = self.config, self.config.train
