@@ -50,16 +50,17 @@ $(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
-# A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
-# emulators) on loopback until Ctrl-C; it prints the UI's address and login.
 # Only the real Airflow deployment's tests (PostgreSQL, scheduler, DAG processor, triggerer, API
-# server, headless Chromium; about 9 minutes on 2 cores). `make test` runs them too
+# server, headless Chromium; about 10 minutes on 2 cores). `make test` runs them too
 # (DEPLOYMENT_TESTS=0 skips them there).
 test-deployment: $(STAMP)
 	bash scripts/system_packages.sh deployment
 	$(PY) -m pytest tests/deployment $(PYTEST_ARGS)
 
+# A real deployment (PostgreSQL, scheduler, DAG processor, triggerer, API server and UI, the
+# emulators) on loopback until Ctrl-C; it prints the UI's address and login.
 stack: $(STAMP)
+	bash scripts/system_packages.sh deployment
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
 # Everything under tests/, the deployment tests included: PostgreSQL and Chromium first.

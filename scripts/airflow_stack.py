@@ -447,10 +447,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         (REPO / "stack-output").mkdir(exist_ok=True)
         args.workdir = Path(tempfile.mkdtemp(prefix="stack-", dir=REPO / "stack-output"))
 
-    def _on_sigterm(signum, frame):
+    stopping = False
+
+    def _on_signal(signum, frame):
+        """The first SIGINT/SIGTERM stops the stack; later ones must not cut that stop short (make
+        passes a SIGTERM sent to its process group on to this script, which then gets it twice;
+        an impatient second Ctrl-C does the same)."""
+        nonlocal stopping
+        if stopping:
+            print(f"[stack] {signal.Signals(signum).name}: already stopping every process it started",
+                  file=sys.stderr, flush=True)
+            return
+        stopping = True
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     try:
         with AirflowStack(args.workdir, grace_seconds=args.grace_seconds, password=args.password) as stack:
             print(f"\nAirflow UI:        {stack.api_url}   (user {USERNAME}, password {args.password})\n"
