@@ -19,8 +19,9 @@ attempt's start to its last attempt's end, and puts each second in exactly one b
     time the training loop was blocked by checkpoint saves (the blocking part of a background
     save, or a whole synchronous one, and the wait for a save in flight at a stop).
 ``wasted``
-    steps computed again after a resume: ``steps_recomputed`` (steps the previous attempt had
-    done past the checkpoint it resumed from) times the attempt's measured ``step_seconds``;
+    steps computed again after a resume: ``steps_recomputed`` (steps earlier attempts had done
+    past the checkpoint it resumed from, up to the highest step any of them reached) times the
+    attempt's measured ``step_seconds``;
     and, for a task that ended without finishing (a failed task: ``durable_step`` given), the
     steps of its last training attempt past the newest committed checkpoint
     (``steps_uncommitted``): nothing will resume them in this account.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -45,3 +46,27 @@ def test_an_attempt_that_fails_before_its_restore_writes_nothing(tmp_path):
 
 def test_process_start_is_this_process_start():
     assert time.time() - 3600 < process_start_time() <= time.time()
+
+
+def test_progress_keeps_the_highest_step_of_every_attempt(tmp_path):
+    """An attempt stopped before it got back to an earlier attempt's step must not hide the steps
+    that earlier attempt lost: progress.json keeps ``high_water_step``, and the next resume counts
+    every step up to it as recomputed (no checkpoint: attempt 1 reaches 20, attempt 2 only 10,
+    attempt 3 redoes 20, not 10)."""
+    from gpu_resilience_worker.files import PROGRESS, ProgressReporter, highest_reported_step, read_json
+    from gpu_resilience_worker.logs import StructuredLogger
+    from gpu_resilience_worker.storage import LocalStorage
+
+    storage, log = LocalStorage(), StructuredLogger(io.StringIO())
+    clock = iter(range(0, 10_000, 2)).__next__  # 2 s between writes: never throttled
+    assert highest_reported_step({}) is None
+    first = ProgressReporter(storage, str(tmp_path), 100, 0, log, clock=clock)
+    first.update(20, None)
+    assert highest_reported_step(read_json(storage, str(tmp_path / PROGRESS))) == 20
+    second = ProgressReporter(storage, str(tmp_path), 100, 0, log, clock=clock, high_water_step=20)
+    second.update(10, None)
+    record = read_json(storage, str(tmp_path / PROGRESS))
+    assert (record["step"], record["high_water_step"]) == (10, 20)
+    assert highest_reported_step(record) == 20
+    assert highest_reported_step({"step": 7}) == 7  # a file written before the field existed
+    assert highest_reported_step({"step": True, "high_water_step": -1}) is None

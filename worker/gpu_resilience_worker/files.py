@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import Storage
@@ -51,15 +51,20 @@ class ProgressReporter:
     :param log_interval: minimum seconds between progress log lines, unless forced; default 5.
     :param clock: monotonic clock in seconds.
     :param sleep: sleeps this many seconds (for a forced write within a second of the last).
+    :param high_water_step: the highest step an earlier attempt reached
+        (:func:`highest_reported_step`); the file's ``high_water_step`` is the highest of it and
+        every step written since. Default 0.
     """
 
     def __init__(
         self, storage: Storage, namespace: str, total_steps: int, start_step: int,
         logger: StructuredLogger, *, min_interval: float = 1.0, log_interval: float = 5.0,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+        high_water_step: int = 0,
     ) -> None:
         self._storage, self._path = storage, os.path.join(namespace, PROGRESS)
         self.total_steps, self.start_step = total_steps, start_step
+        self.high_water_step = max(high_water_step, start_step)
         self._log, self._clock, self._sleep = logger, clock, sleep
         self._min_interval, self._log_interval = max(min_interval, MIN_REWRITE_SECONDS), log_interval
         self._started = clock()
@@ -92,9 +97,10 @@ class ProgressReporter:
         elapsed = now - self._started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else None
+        self.high_water_step = max(self.high_water_step, step)
         record = {
             "step": step, "total_steps": self.total_steps, "status": status, "updated_at": utc_now(),
-            "loss": loss, "steps_per_second": round(rate, 3),
+            "loss": loss, "steps_per_second": round(rate, 3), "high_water_step": self.high_water_step,
         }
         write_json(self._storage, self._path, record)
         self._last_write = self._clock()
@@ -105,6 +111,21 @@ class ProgressReporter:
                            total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
                            eta_seconds=eta_s, status=status)
         return True
+
+
+def highest_reported_step(previous: Mapping[str, Any]) -> int | None:
+    """The highest step any earlier attempt reached, from the ``progress.json`` it left.
+
+    ``step`` is the last attempt's; ``high_water_step`` (written since it was added) the highest
+    of every attempt's, so that an attempt stopped before it got back to an earlier one's step
+    does not hide the steps that earlier attempt lost: the next resume recomputes those too.
+
+    :param previous: the parsed ``progress.json`` (``{}`` when there is none).
+    :return: the highest of the two that is an integer >= 0, else ``None``.
+    """
+    values = [previous.get(key) for key in ("step", "high_water_step")]
+    steps = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return max(steps) if steps else None
 
 
 def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:

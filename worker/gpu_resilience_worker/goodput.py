@@ -14,8 +14,9 @@ in the namespace, so it suits a Cloud Storage FUSE mount. All times are Unix epo
 ``first_step_at``
     when the training loop began its first step (absent if the attempt never got there).
 ``resumed_from_step`` / ``steps_recomputed``
-    the step the attempt resumed from and how many steps beyond it the previous attempt had
-    already done (they are computed again).
+    the step the attempt resumed from and how many steps beyond it earlier attempts had already
+    done (up to the highest step any of them reached, ``progress.json``'s ``high_water_step``:
+    they are computed again).
 ``steps`` / ``step_seconds``
     steps done in this attempt and their mean measured time (compute plus ``--step-delay``,
     save stalls excluded).

@@ -39,7 +39,9 @@ from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, Che
 from gpu_resilience_worker.config import TaskIdentity, _env_float, _safe_name, DEFAULT_ROOT
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
-from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
+from gpu_resilience_worker.files import (
+    METRICS, PROGRESS, ProgressReporter, highest_reported_step, read_json, record_attempt, write_json,
+)
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
@@ -182,6 +184,7 @@ class ResilientLoop:
         self._log = logger or StructuredLogger()
         self._storage = storage or LocalStorage()
         self._progress_interval = progress_interval
+        self._high_water_step = 0
         #: The loop's checkpointed state: ``step``, ``loss_ema``, ``history``... (after :meth:`run`).
         self.state = TrainState(self.settings)
         #: The checkpoint step this attempt resumed from (0: started afresh).
@@ -290,7 +293,8 @@ class ResilientLoop:
                                logger=self._log) as manager:
             self._resume(manager)
             progress = ProgressReporter(self._storage, self.namespace, self.total_steps, self.state.step,
-                                        self._log, min_interval=self._progress_interval)
+                                        self._log, min_interval=self._progress_interval,
+                                        high_water_step=self._high_water_step)
             while self.state.step < self.total_steps:
                 if self.watcher.requested:
                     return self._on_stop(manager, progress)
@@ -310,6 +314,7 @@ class ResilientLoop:
     def _resume(self, manager: CheckpointManager) -> None:
         previous = read_json(self._storage, self._path(PROGRESS)) or {}
         reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        self._high_water_step = highest_reported_step(previous) or 0  # kept in progress.json
         if manager.load():
             step = self.resumed_from_step = self.state.step
             self.state.checkpoints += 1

@@ -16,7 +16,9 @@ from gpu_resilience_worker.config import WorkerConfig
 from gpu_resilience_worker.data import Dataset, EpochSampler, load_dataset
 from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, DivergedError
 from gpu_resilience_worker.goodput import GoodputRecorder
-from gpu_resilience_worker.files import METRICS, PROGRESS, ProgressReporter, read_json, record_attempt, write_json
+from gpu_resilience_worker.files import (
+    METRICS, PROGRESS, ProgressReporter, highest_reported_step, read_json, record_attempt, write_json,
+)
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.preemption import PreemptionWatcher, stopped_during_startup
 from gpu_resilience_worker.state import TrainState, state_digest
@@ -123,6 +125,7 @@ class Trainer:
         self._storage = storage or LocalStorage()
         self._started = time.monotonic()
         self._attempts: list[dict[str, Any]] = []
+        self._high_water_step = 0
         self._failed_in_a_row = 0
         self._failed_total = 0
         identity = config.identity
@@ -160,7 +163,7 @@ class Trainer:
             self._resume(manager, parts)
             progress = ProgressReporter(
                 self._storage, self.config.namespace, self.config.train.steps, parts.state.step,
-                self._log, min_interval=self.config.progress_interval,
+                self._log, min_interval=self.config.progress_interval, high_water_step=self._high_water_step,
             )
             code = self._train_loop(manager, parts, data, progress)
             if code != EXIT_OK:
@@ -185,6 +188,7 @@ class Trainer:
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
         previous = read_json(self._storage, self._path(PROGRESS)) or {}
         reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        highest = highest_reported_step(previous)
         restore_start = time.time()
         if self.config.checkpoint.enabled and manager.load():
             step = parts.state.step
@@ -197,7 +201,10 @@ class Trainer:
             step = 0
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
         lost = max(0, reported - step) if reported is not None else 0
-        self.goodput.restore(restore_start, time.time(), step, lost)
+        # steps this attempt computes again: up to the highest step any earlier attempt reached
+        # (the last one may have been stopped before it got back to an earlier one's step)
+        self._high_water_step = max(highest or 0, step)
+        self.goodput.restore(restore_start, time.time(), step, self._high_water_step - step)
         identity = self.config.identity
         entry = {
             "execution": identity.execution, "attempt": identity.task_attempt,
