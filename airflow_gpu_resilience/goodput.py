@@ -22,8 +22,8 @@ attempt's start to its last attempt's end, and puts each second in exactly one b
     steps computed again after a resume: ``steps_recomputed`` (steps earlier attempts had done
     past the checkpoint it resumed from, up to the highest step any of them reached) times the
     attempt's measured ``step_seconds``;
-    and, for a task that ended without finishing (a failed task: ``durable_step`` given), the
-    steps of its last training attempt past the newest committed checkpoint
+    and, for a task that ended without finishing (a failed task: ``durable_step`` given), every
+    step computed past the newest committed checkpoint, latest attempts first
     (``steps_uncommitted``): nothing will resume them in this account.
 ``recovery_gap``
     between one attempt's end and the next attempt's start (retry delay, a re-run execution
@@ -177,18 +177,35 @@ def _attempt(item: AttemptInput, start: float, end: float, source: str) -> Attem
     )
 
 
-def _lose_uncommitted(row: AttemptAccount, events: Mapping[str, Any], durable_step: int) -> None:
-    """Move the steps of ``row`` past ``durable_step`` (not already wasted) from productive to wasted."""
-    step_seconds, resumed = row["step_seconds"], _num(events, "resumed_from_step")
-    steps = max(0, int(_num(events, "steps") or 0))
-    if not row["reached_first_step"] or not step_seconds or step_seconds <= 0 or resumed is None:
+def _lose_uncommitted(rows: list[AttemptAccount], inputs: list[AttemptInput], durable_step: int) -> None:
+    """For a task that ended without finishing: move every step computed past ``durable_step``
+    from productive to wasted, latest attempts first.
+
+    The steps that advanced the run are those of the first training attempt's resume step up to
+    ``durable_step``; each attempt's other steps were either recomputed (already wasted) or are
+    new ("fresh"). Fresh steps beyond what was kept are lost: also those of an earlier attempt
+    that no later attempt got back to, which no ``steps_recomputed`` ever counts.
+    """
+    trained = [(row, _events(item)) for row, item in zip(rows, inputs) if row["reached_first_step"]]
+    first_resumed = _num(trained[0][1], "resumed_from_step") if trained else None
+    if first_resumed is None:
         return
-    fresh = steps - min(row["steps_recomputed"], steps)  # the steps not already counted as wasted
-    lost = min(max(0, int(resumed) + steps - durable_step), fresh)
-    seconds = min(lost * step_seconds, row["productive"])
-    row["productive"] -= seconds
-    row["wasted"] += seconds
-    row["steps_uncommitted"] = lost
+    fresh = []
+    for row, events in trained:
+        steps = max(0, int(_num(events, "steps") or 0))
+        fresh.append(steps - min(row["steps_recomputed"], steps))
+    excess = sum(fresh) - max(0, durable_step - int(first_resumed))
+    for (row, _), new in zip(reversed(trained), reversed(fresh)):
+        if excess <= 0:
+            break
+        lost = min(excess, new)
+        excess -= lost
+        step_seconds = row["step_seconds"]
+        if lost and step_seconds and step_seconds > 0:  # an attempt without a step time keeps its seconds
+            seconds = min(lost * step_seconds, row["productive"])
+            row["productive"] -= seconds
+            row["wasted"] += seconds
+            row["steps_uncommitted"] = lost
 
 
 def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_task: int = 1,
@@ -228,9 +245,8 @@ def account_task(task_index: int, attempts: Iterable[AttemptInput], gpus_per_tas
             end = max(end, start)
         rows.append(_attempt(item, start, end, source))
         previous_end = end if previous_end is None else max(previous_end, end)
-    trained = [i for i, row in enumerate(rows) if row["reached_first_step"]]
-    if durable_step is not None and trained:
-        _lose_uncommitted(rows[trained[-1]], _events(timed[trained[-1]][3]), durable_step)
+    if durable_step is not None:
+        _lose_uncommitted(rows, [t[3] for t in timed], durable_step)
     totals = {b: sum(r[b] for r in rows) for b in BUCKETS if b != "recovery_gap"}  # type: ignore[literal-required]
     span = (previous_end - timed[0][0]) if timed else 0.0
     return GoodputAccount(

@@ -158,6 +158,14 @@ UNFINISHED = {
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
         40, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
     ),
+    "no checkpoint, preempted again before the step it lost: every step is wasted": (
+        [AttemptInput(E, 0, 0.0, 12.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 20}),
+         AttemptInput(E, 1, 15.0, 22.0, {**P, "first_step_at": 17.0, "resumed_from_step": 0, "steps": 10,
+                                          "steps_recomputed": 20}),
+         AttemptInput(E, 2, 25.0, 30.0, {**P, "first_step_at": 27.0, "resumed_from_step": 0, "steps": 6,
+                                          "steps_recomputed": 20})],
+        0, dict(productive=0.0, wasted=10.0 + 5.0 + 3.0, steps_recomputed=40, steps_uncommitted=20),
+    ),
     "no resumed step recorded: nothing can be said": (
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "steps": 40})],
         0, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
