@@ -54,6 +54,7 @@ from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from tests.deployment.conftest import record_timing
+from tests.logs import worker_records
 
 pytestmark = pytest.mark.e2e
 
@@ -193,19 +194,6 @@ class Campaign:
         """Record whether the scenario's execute task is deferred at ``moment`` of its fault."""
         self.results[scenario][f"deferred_at_{moment}"] = self.ti_state(scenario) == "deferred"
 
-
-def worker_events(log: str) -> list[dict]:
-    """:return: the worker's structured records (one JSON object a line) in an attempt's log
-    text, in order; other lines are skipped."""
-    records = []
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "message" in record:
-            records.append(record)
-    return records
 
 
 class Preempter(threading.Thread):
@@ -450,7 +438,7 @@ def test_deferred_task_marked_failed_cancels_the_execution(campaign) -> None:
     # The worker received SIGTERM: its own log line says so (written at the first step after
     # the signal, before its final save, so it is there even if the emulator's SIGKILL ended
     # the save); then it exited 143 itself, or was SIGKILLed at the end of the grace.
-    received = [e for e in worker_events(r["attempt_logs"][stopped["log"]])
+    received = [e for e in worker_records(r["attempt_logs"][stopped["log"]])
                 if e["message"].startswith("SIGTERM received") and e.get("signal") == "SIGTERM"]
     assert received, r["attempt_logs"][stopped["log"]][-3000:]
     assert stopped.get("exitCode") == 143 or stopped.get("termSignal") == 9, stopped

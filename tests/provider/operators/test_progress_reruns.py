@@ -34,6 +34,7 @@ from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRun
 from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir
 from tests.provider.operators.dag_factory import CAPTURED
 from tests.provider.operators.test_cloud_run import _clear_captured, run_dag, run_execute  # noqa: F401 - fixtures
+from tests.logs import worker_records
 
 pytestmark = pytest.mark.usefixtures("airflow_db")
 
@@ -102,19 +103,6 @@ class _TI:
         self.pushed.append((key, value))
 
 
-def worker_events(log: Path) -> list[dict]:
-    """:return: the worker's structured records (one JSON object a line) in an attempt's log,
-    in order; other lines (a library's warning on stderr) are skipped."""
-    records = []
-    for line in log.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "message" in record:
-            records.append(record)
-    return records
-
 
 def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions(worker_emulator, job_name):
     """Issue 16, must-show 1: task timeout 20 s (the override; the job's own is 30 s), about
@@ -165,7 +153,8 @@ def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_execu
     assert len(attempts) == 2 * timed_out + len(worker_emulator.attempts(found[-1].name))  # max_retries 1
     resumed_from = 0
     for number, (execution, attempt) in enumerate(attempts):
-        events = worker_events(worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1] / attempt["log"])
+        events = worker_records((worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1]
+                                 / attempt["log"]).read_text())
         messages = [e["message"] for e in events]
         where = f"attempt {number} ({attempt['log']} of {execution.name}): {messages}"
         start = next(e for e in events if e["message"].startswith(("resuming from step", "no checkpoint found")))
