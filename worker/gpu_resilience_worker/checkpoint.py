@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
+from gpu_resilience_worker.adopt import adopt_loaded_tensors
 from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the checkpoint layout's names
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
     ParsedName,
@@ -110,6 +111,8 @@ class CheckpointManager:
         self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
+        #: bytes of the last load that modules took over instead of copying (:mod:`gpu_resilience_worker.adopt`)
+        self.adopted_bytes = 0
         self.failed_saves = 0
         self._cleaned = False
         self._thread: threading.Thread | None = None
@@ -274,21 +277,32 @@ class CheckpointManager:
         wanted = self.config.load_step if step is None else step
         candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
-            state = self._read_state(candidate)
-            if state is None:
+            loaded = self._read_state(candidate)
+            if loaded is None:
                 continue
+            state, private = loaded
+            adopted = 0
             for key, obj in self._states.items():
+                if private:  # nothing else maps these tensors: a CPU module may take them over
+                    adopted += adopt_loaded_tensors(obj, state[key])
                 obj.load_state_dict(state[key])
             self.loaded_step = self.last_saved_step = candidate
+            self.adopted_bytes = adopted
             return True
         return False
 
-    def _deserialize(self, copy: LocalCopy) -> Any:
+    def _deserialize(self, copy: LocalCopy) -> tuple[Any, bool]:
         """Load a verified local copy with the ``weights_only`` unpickler (no code runs).
 
-        The copy is memory-mapped privately (copy-on-write: no copy beyond the one into the
-        states). A mapping that fails, or a process whose torch mmap default is not
-        ``MAP_PRIVATE``, reads the copy into memory (never the checkpoint from storage again).
+        A copy in memory (a ``memfd``) is mapped shared: the loaded tensors are that memory, which
+        nothing else can see, so a module may adopt them and train in place (see
+        :mod:`gpu_resilience_worker.adopt`) with no copy-on-write fault on the first step. A copy in
+        a temporary file is mapped privately (writes stay in this process), and one that cannot
+        be mapped is read into memory; either way the checkpoint is never read from storage again.
+        The mapping mode is torch's process-wide default, set only for the duration of the load.
+
+        :return: ``(state, private)``; ``private`` says the tensors are memory of this process
+            alone (a shared mapping of the in-memory copy, or a plain in-memory load).
         """
         import mmap
 
@@ -296,24 +310,32 @@ class CheckpointManager:
 
         if copy.path is None:  # an in-memory copy (no local file could hold it)
             assert copy.buffer is not None
-            return torch.load(io.BytesIO(copy.buffer[: copy.size]), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(copy.buffer[: copy.size]), map_location="cpu", weights_only=True), True
+        options = getattr(torch.serialization, "set_default_mmap_options", None)
+        scoped = isinstance(options, type)  # a context manager since torch 2.5; a bare setter before
+        if copy.in_memory and scoped:
+            try:
+                with options(mmap.MAP_SHARED):
+                    return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True), True
+            except (OSError, RuntimeError) as exc:
+                self._log.debug("shared memory-mapped load failed; trying a private mapping", error=str(exc))
         flags = getattr(torch.serialization, "get_default_mmap_options", lambda: mmap.MAP_PRIVATE)()
         if flags == mmap.MAP_PRIVATE:
             try:
-                return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True), False
             except (OSError, RuntimeError) as exc:
                 self._log.debug("memory-mapped load failed; reading into memory", error=str(exc))
         with open(copy.path, "rb") as handle:
-            return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True), True
 
-    def _read_state(self, step: int) -> dict[str, Any] | None:
+    def _read_state(self, step: int) -> tuple[dict[str, Any], bool] | None:
         copy, reason = self._store.read_verified(step)  # the one read of the data
         if copy is not None:
             try:
-                state = self._deserialize(copy)
+                state, private = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]
                 if not missing:
-                    return state
+                    return state, private
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
