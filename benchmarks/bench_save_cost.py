@@ -110,6 +110,8 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
     from gpu_resilience_worker.logs import StructuredLogger
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     states = _state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
@@ -178,6 +180,29 @@ def raw_read(path: Path) -> tuple[float, int]:
     return time.perf_counter() - started, total
 
 
+def raw_read_to_memory(path: Path) -> float:
+    """:return: seconds of one sequential read of ``path`` into new memory of its size (an
+    anonymous mapping, its pages first touched by the read): the least any loader that keeps the
+    bytes must do, where :func:`raw_read` streams them through one reused buffer."""
+    import mmap
+
+    size = path.stat().st_size
+    memory = mmap.mmap(-1, max(size, 1))
+    view = memoryview(memory)
+    started, position = time.perf_counter(), 0
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            while position < size:
+                count = handle.readinto(view[position : min(position + CHUNK, size)])
+                if not count:
+                    break
+                position += count
+        return time.perf_counter() - started
+    finally:
+        view.release()
+        memory.close()
+
+
 def _drop(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -231,7 +256,8 @@ def _timed(action: Any) -> float:
 
 def _child(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--size-mib", str(args.size_mib), "--steps", str(args.steps),
-               "--every", str(args.every), "--hidden", str(args.hidden), "--dir", args.dir, *extra]
+               "--every", str(args.every), "--hidden", str(args.hidden), "--dir", args.dir,
+               "--threads", str(args.threads), *extra]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"child {extra} failed: {result.stderr[-2000:]}")
@@ -322,10 +348,12 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     raw_write_s = raw_write(raw_file, size)
     data_file = folder / "ckpt-00000001.pt"
     data_object = os.path.relpath(data_file, mount.mountpoint) if mount is not None else None
-    raw_reads, restores, fuse_reads, adopted = [], [], [], 0
+    raw_reads, memory_reads, restores, fuse_reads, adopted = [], [], [], [], 0
     for _ in range(args.repeats):
         _drop(raw_file)
         raw_reads.append(raw_read(raw_file)[0])
+        _drop(raw_file)
+        memory_reads.append(raw_read_to_memory(raw_file))
         fresh = _torch_state(args.size_mib * MIB, seed=None)
         _drop(data_file)
         before = mount.stats()["bytesRead"].get(data_object, 0) if mount is not None else 0
@@ -352,6 +380,8 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
         "bytes": size, "checkpoint_write_s": write_s, "raw_write_s": raw_write_s,
         "write_ratio": raw_write_s / write_s, "restore_s": restore_s, "raw_read_s": raw_read_s,
         "restore_all_s": restores, "raw_read_all_s": raw_reads, "adopted_bytes": adopted,
+        "raw_read_to_memory_s": min(memory_reads), "raw_read_to_memory_all_s": memory_reads,
+        "restore_ratio_to_memory_read": min(memory_reads) / restore_s,
         "restore_ratio": raw_read_s / restore_s, "bytes_read_per_restore": restored["bytes_read"],
         "restart_to_first_step_s": restart_s, "start_plus_raw_read_s": raw_start_s,
         "restart_all_s": restarts, "start_plus_raw_read_all_s": raw_starts,
@@ -383,6 +413,25 @@ def render(result: dict[str, Any]) -> str:
         ratio = f"{overhead / ideal:6.2f}" if ideal else "     -"
         lines.append(f"  {name:22s} {run['wall_s']:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio} "
                      f"{run['peak_rss_bytes'] / 1e9:11.2f}")
+    if result.get("grid"):
+        lines.append("")
+        lines.append("sweep: wall s (fastest of the interleaved runs); ratio = (wall - none) / (bytes / raw write bandwidth), target <= 1.2")
+        lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'raw MB/s':>8s} {'none':>7s} {'sync':>7s} {'async':>7s} "
+                     f"{'sync ratio':>10s} {'async ratio':>11s}  async <= sync")
+        for point in result["grid"]:
+            runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
+            none = runs["none"]["wall_s"]
+
+            def ratio(name: str) -> str:
+                run = runs.get(name)
+                if not run or not run["bytes_written"]:
+                    return "-"
+                return f"{(run['wall_s'] - none) / (run['bytes_written'] / bandwidth):.2f}"
+
+            sync, asynchronous = runs.get("sync", {}).get("wall_s"), runs.get("async", {}).get("wall_s")
+            verdict = "-" if sync is None or asynchronous is None else ("yes" if asynchronous <= sync else "NO")
+            lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:8.0f} "
+                         f"{none:7.2f} {sync or 0:7.2f} {asynchronous or 0:7.2f} {ratio('sync'):>10s} {ratio('async'):>11s}  {verdict}")
     io = result.get("io")
     if io:
         lines.append("")
@@ -394,6 +443,9 @@ def render(result: dict[str, Any]) -> str:
                      + (f"; fastest of {len(io['restore_all_s'])} each, all: restore "
                         + ", ".join(f"{x:.2f}" for x in io["restore_all_s"]) + "; raw read "
                         + ", ".join(f"{x:.2f}" for x in io["raw_read_all_s"]) if io.get("restore_all_s") else ""))
+        if io.get("raw_read_to_memory_s") is not None:
+            lines.append(f"  restore vs a raw read into new memory of the file's size {io['raw_read_to_memory_s']:.2f} s "
+                         f"(the least a loader that keeps the bytes does): {100 * io['restore_ratio_to_memory_read']:.0f} %")
         if io.get("adopted_bytes") is not None:
             lines.append(f"  bytes the model took over from the restored copy (no copy into it): {io['adopted_bytes']}")
         lines.append(f"  bytes read per restore {io['bytes_read_per_restore']} = "
@@ -408,6 +460,68 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """The end-to-end runs of ``args.modes`` at ``args.size_mib``, ``args.every`` and
+    ``args.threads``: ``args.repeats`` interleaved rounds, each mode in its own process.
+
+    :return: per mode, its first run's figures with the fastest wall time (``wall_s``), all wall
+        times (``wall_all_s``) and the highest peak RSS.
+    """
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        # interleaved, and rotated by one each repeat, so that a change of load hits every mode
+        # and no mode always runs first or last
+        shift = repeat % len(args.modes)
+        for name in args.modes[shift:] + args.modes[:shift]:
+            mode, digest = E2E_MODES[name]
+            run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
+            samples.setdefault(name, []).append(run)
+            print(f"{repeat}: {args.size_mib} MiB every {args.every} threads {args.threads or 'default'}: "
+                  f"{name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
+    runs: dict[str, Any] = {}
+    for name, got in samples.items():
+        walls = sorted(r["wall_s"] for r in got)
+        runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
+                      "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
+    return runs
+
+
+def raw_bandwidth(folder: str, size: int) -> float:
+    """:return: bytes/s of one sequential write + fsync of ``size`` new bytes in ``folder``."""
+    raw_file = Path(folder) / "raw-bandwidth.bin"
+    raw_file.unlink(missing_ok=True)
+    try:
+        return size / raw_write(raw_file, size)
+    finally:
+        raw_file.unlink(missing_ok=True)
+
+
+def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The end-to-end comparison at every ``--grid`` point (``SIZE_MIB:EVERY[:THREADS]``), each
+    against a raw bandwidth probed right before it with its own state size."""
+    points = []
+    for spec in args.grid:
+        size, every, threads = parse_grid_point(spec)
+        point = argparse.Namespace(**{**vars(args), "size_mib": size, "every": every, "threads": threads})
+        bandwidth = raw_bandwidth(args.dir, size * MIB)
+        points.append({"size_mib": size, "every": every, "threads": threads,
+                       "raw_write_bytes_per_s": bandwidth, "runs": run_e2e(point)})
+    return points
+
+
+def parse_grid_point(spec: str) -> tuple[int, int, int]:
+    """:return: ``(size MiB, every, threads)`` of ``SIZE_MIB:EVERY[:THREADS]`` (threads 0: torch's default).
+    :raises ValueError: for anything else, or a value not > 0."""
+    parts = spec.split(":")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or min(values[:2]) <= 0 or (len(values) == 3 and values[2] < 0):
+        raise ValueError(f"--grid points are SIZE_MIB:EVERY[:THREADS] with positive numbers, got {spec!r}")
+    return values[0], values[1], values[2] if len(values) == 3 else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256)")
@@ -420,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-e2e", action="store_true", help="only the digests and the I/O table")
     parser.add_argument("--modes", nargs="+", default=list(E2E_MODES), choices=list(E2E_MODES), metavar="MODE",
                         help="end-to-end runs to make (default all: " + ", ".join(E2E_MODES) + "); 'none' is always run")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads of the training runs (default 0: torch's default)")
+    parser.add_argument("--grid", nargs="+", default=[], metavar="SIZE_MIB:EVERY[:THREADS]",
+                        help="also run the end-to-end comparison at each of these settings (a sweep)")
     parser.add_argument("--fuse", action="store_true",
                         help="run in a strict-mode Cloud Storage FUSE volume of the emulator mounted under --dir")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "save_cost.json"))
@@ -430,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.size_mib <= 0 or args.steps <= 0 or args.every <= 0:
         parser.error("--size-mib, --steps and --every must be > 0")
+    for spec in args.grid:
+        try:
+            parse_grid_point(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
     if "none" not in args.modes:  # every overhead is measured against it
         args.modes = ["none", *args.modes]
     if args.child:
@@ -449,28 +571,11 @@ def main(argv: list[str] | None = None) -> int:
                               "every": args.every, "repeats": args.repeats, "dir": args.dir, "dir_kind": args.dir_kind,
                               "nice": os.nice(0), "default_digest": default_digest()}
     result["digests"] = bench_digests(min(args.size_mib, 256) * MIB)
-    raw_file = Path(args.dir) / "raw-bandwidth.bin"
-    raw_file.unlink(missing_ok=True)
-    probe = args.size_mib * MIB
-    result["raw_write_bytes_per_s"] = probe / raw_write(raw_file, probe)
-    raw_file.unlink()
-    runs: dict[str, Any] = {}
-    if not args.skip_e2e:
-        samples: dict[str, list[dict[str, Any]]] = {}
-        for repeat in range(args.repeats):
-            # interleaved, and rotated by one each repeat, so that a change of load hits every mode
-            # and no mode always runs first or last
-            shift = repeat % len(args.modes)
-            for name in args.modes[shift:] + args.modes[:shift]:
-                mode, digest = E2E_MODES[name]
-                run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
-                samples.setdefault(name, []).append(run)
-                print(f"{repeat}: {name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
-        for name, got in samples.items():
-            walls = sorted(r["wall_s"] for r in got)
-            runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
-                          "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
+    result["raw_write_bytes_per_s"] = raw_bandwidth(args.dir, args.size_mib * MIB)
+    runs = {} if args.skip_e2e else run_e2e(args)
     result["runs"] = runs
+    if args.grid:
+        result["grid"] = run_grid(args)
     if args.fuse:
         from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
 
