@@ -27,20 +27,33 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
+STOPPED = re.compile(r"attempt 0 WARNING: SIGTERM received; stopping at step (\d+)")
+RESUMED = re.compile(r"attempt 1 INFO: resuming from step (\d+)")
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[dict, str]:
-    workdir = tmp_path_factory.mktemp("goodput") / "demo"
-    report_path = workdir.parent / "report.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "demo.py"), "--steps", "80", "--checkpoint-every", "20",
-         "--step-delay", "0.03", "--hidden", "256", "--preemptions", "1", "--preemption-save", "never",
-         "--log-container-output", "--no-verify", "--workdir", str(workdir), "--report", str(report_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    log = workdir / "airflow-dags-test.log"
-    text = log.read_text() if log.exists() else ""
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:] + text[-8000:]
-    return json.loads(report_path.read_text()), text
+    """One demo run whose preemption lost work. The preemption lands where the worker happens to
+    be (it waits for progress.json, written once a second); a SIGTERM right after a checkpoint
+    loses nothing, which is correct but leaves nothing to account, so such a run is repeated (at
+    most three runs in all)."""
+    for run in range(3):
+        workdir = tmp_path_factory.mktemp("goodput") / "demo"
+        report_path = workdir.parent / "report.json"
+        result = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "demo.py"), "--steps", "80", "--checkpoint-every", "20",
+             "--step-delay", "0.03", "--hidden", "256", "--preemptions", "1", "--preemption-save", "never",
+             "--log-container-output", "--no-verify", "--workdir", str(workdir), "--report", str(report_path)],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )
+        log = workdir / "airflow-dags-test.log"
+        text = log.read_text() if log.exists() else ""
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:] + text[-8000:]
+        stopped, resumed = STOPPED.search(text), RESUMED.search(text)
+        if stopped and resumed and int(stopped.group(1)) == int(resumed.group(1)) and run < 2:
+            continue  # stopped right at a checkpoint: nothing was lost, so nothing to account
+        return json.loads(report_path.read_text()), text
+    raise AssertionError("unreachable")
 
 
 def test_buckets_add_up_to_the_attempts_wall_time_as_the_emulator_recorded_it(demo) -> None:
@@ -60,8 +73,8 @@ def test_wasted_progress_is_the_steps_recomputed_times_the_measured_step_time(de
     [account] = report["goodput"]["tasks"]
     first, second = account["attempts"]
     # independently of the worker's events file: its own log lines, copied into the task log
-    stopped = int(re.search(r"attempt 0 WARNING: SIGTERM received; stopping at step (\d+)", log).group(1))
-    resumed = int(re.search(r"attempt 1 INFO: resuming from step (\d+)", log).group(1))
+    stopped = int(STOPPED.search(log).group(1))
+    resumed = int(RESUMED.search(log).group(1))
     assert stopped > resumed, "with --preemption-save never the resume is behind the stop"
     assert (first["steps_recomputed"], second["steps_recomputed"]) == (0, stopped - resumed)
     assert second["wasted"] == pytest.approx((stopped - resumed) * second["step_seconds"])
