@@ -309,8 +309,12 @@ def child_restart(args: argparse.Namespace) -> dict[str, Any]:
                 counter[0] += len(data)
             return data
 
+    import torch  # noqa: F401 - imported here, so that the first phase holds the interpreter and torch
+
+    phases = {"imported": time.time()}
     states = _torch_state(args.size_mib * MIB, seed=None)
     step = _compute(1, args.hidden)
+    phases["built"] = time.time()
     folder = Path(args.dir) / "restore"
     if args.raw:
         data = sorted(folder.glob("ckpt-*.pt"))[-1]
@@ -320,9 +324,24 @@ def child_restart(args: argparse.Namespace) -> dict[str, Any]:
         with CheckpointManager(config, states, storage=CountingStorage(),
                                logger=StructuredLogger(open(os.devnull, "w"))) as manager:
             assert manager.load(), "no checkpoint restored"
+    phases["restored"] = time.time()
     step()
     _optimizer_step(states["model"], states["optimizer"])
-    return {"first_step_at": time.time(), "bytes_read": counter[0], "peak_rss_bytes": _rss_peak_bytes()}
+    phases["first_step"] = time.time()
+    return {"first_step_at": phases["first_step"], "phases": phases, "bytes_read": counter[0],
+            "peak_rss_bytes": _rss_peak_bytes()}
+
+
+def _phase_seconds(started: float, phases: dict[str, float]) -> dict[str, float]:
+    """:return: seconds of each phase of a restarted child: start and imports, building the model
+    and optimizer, the restore (or raw read), the first step."""
+    marks = [("start_and_import", phases["imported"]), ("build", phases["built"]),
+             ("restore_or_read", phases["restored"]), ("first_step", phases["first_step"])]
+    out, previous = {}, started
+    for name, at in marks:
+        out[name] = round(at - previous, 3)
+        previous = at
+    return out
 
 
 def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
@@ -365,16 +384,18 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
             fuse_reads.append(mount.stats()["bytesRead"].get(data_object, 0) - before)
         del fresh
     raw_file.unlink()
-    restarts, raw_starts = [], []
+    restarts, raw_starts, phases = [], [], {"restore": [], "raw": []}
     for _ in range(args.repeats):
         _drop(data_file)
         started = time.time()
         restored = _child(["--child", "restart"], args)
         restarts.append(restored["first_step_at"] - started)
+        phases["restore"].append(_phase_seconds(started, restored["phases"]))
         _drop(data_file)
         started = time.time()
         raw = _child(["--child", "restart", "--raw"], args)
         raw_starts.append(raw["first_step_at"] - started)
+        phases["raw"].append(_phase_seconds(started, raw["phases"]))
     restore_s, raw_read_s = min(restores), min(raw_reads)
     restart_s, raw_start_s = min(restarts), min(raw_starts)
     return {
@@ -385,7 +406,7 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
         "restore_ratio_to_memory_read": min(memory_reads) / restore_s,
         "restore_ratio": raw_read_s / restore_s, "bytes_read_per_restore": restored["bytes_read"],
         "restart_to_first_step_s": restart_s, "start_plus_raw_read_s": raw_start_s,
-        "restart_all_s": restarts, "start_plus_raw_read_all_s": raw_starts,
+        "restart_all_s": restarts, "start_plus_raw_read_all_s": raw_starts, "restart_phases_s": phases,
         "restart_ratio": restart_s / raw_start_s, "restart_peak_rss_bytes": restored["peak_rss_bytes"],
         "raw_start_peak_rss_bytes": raw["peak_rss_bytes"],
         "fuse_bytes_read_per_restore": max(fuse_reads) if fuse_reads else None,
@@ -459,6 +480,9 @@ def render(result: dict[str, Any]) -> str:
                          f"non-atomic renames {events['nonAtomicRenames']}")
         lines.append(f"  restart to first step {io['restart_to_first_step_s']:.2f} s vs start + raw read "
                      f"{io['start_plus_raw_read_s']:.2f} s: {io['restart_ratio']:.2f} x (target <= 1.5)")
+        for kind, runs in (io.get("restart_phases_s") or {}).items():
+            for phases in runs:
+                lines.append(f"    {kind:7s} " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items()))
     return "\n".join(lines)
 
 
