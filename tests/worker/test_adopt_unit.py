@@ -18,6 +18,15 @@ def _same(make: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     return make(), make()
 
 
+_ALIASES: list[torch.Tensor] = []
+
+
+def _shared_target() -> tuple[torch.Tensor, torch.Tensor]:
+    target = torch.nn.Parameter(torch.zeros(4))
+    _ALIASES.append(target.data)  # e.g. an EMA helper keeping the parameter's memory
+    return target, torch.zeros(4)
+
+
 CASES: list[tuple[str, Callable[[], tuple[Any, Any]], bool]] = [
     ("plain float tensors", lambda: _same(lambda: torch.zeros(4, 3)), True),
     ("a parameter takes a loaded tensor", lambda: (torch.nn.Parameter(torch.zeros(4)), torch.ones(4)), True),
@@ -37,6 +46,7 @@ CASES: list[tuple[str, Callable[[], tuple[Any, Any]], bool]] = [
     ("conjugated source", lambda: (torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.complex64).conj()), False),
     ("quantized target", lambda: (torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8),
                                   torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)), False),
+    ("target's storage shared with another tensor", lambda: _shared_target(), False),
     ("not a tensor", lambda: (torch.zeros(4), [0.0] * 4), False),
     ("missing", lambda: (torch.zeros(4), None), False),
 ]
@@ -111,6 +121,24 @@ def test_tied_weights_stay_tied_and_separate_ones_stay_separate(tmp_path: Path) 
     with torch.no_grad():
         untied.head.weight.add_(1.0)
     assert torch.equal(untied.embed.weight, tied.embed.weight)
+
+
+def test_parameters_tied_through_shared_memory_stay_tied(tmp_path: Path) -> None:
+    """Two Parameter objects on one storage (``nn.Parameter(other.data)``) are tied only while
+    they keep that memory: neither is re-pointed, both are copied into."""
+    model = Net()
+    model.extra = torch.nn.Parameter(model.linear.weight.data)  # the same memory, another Parameter
+    torch.manual_seed(3)
+    saved = Net()
+    saved.extra = torch.nn.Parameter(saved.linear.weight.data)
+    loaded = _round_trip(saved.state_dict(), tmp_path / "shared.pt")
+    adopted = adopt_loaded_tensors(model, loaded)
+    model.load_state_dict(loaded)
+    assert model.extra.data_ptr() == model.linear.weight.data_ptr()
+    assert adopted == sum(t.nbytes for k, t in loaded.items() if k not in ("extra", "linear.weight"))
+    with torch.no_grad():
+        model.extra.add_(1.0)
+    assert torch.equal(model.linear.weight, saved.linear.weight + 1.0)
 
 
 def test_only_modules_adopt(tmp_path: Path) -> None:

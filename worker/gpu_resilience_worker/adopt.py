@@ -12,8 +12,8 @@ as always. The module's previous memory is freed.
 
 Only what is safe to share is adopted: a plain CPU tensor of the same dtype, shape and strides
 that owns its whole storage, into a parameter or buffer of the module that owns its whole storage
-(no view into a flat buffer, nothing quantized, sparse or a tensor subclass), each loaded storage
-into one destination only. Everything else is copied by ``load_state_dict`` as before; CUDA
+(no view into a flat buffer, no storage shared with another tensor, nothing quantized, sparse or a
+tensor subclass), each loaded storage into one destination only. Everything else is copied by ``load_state_dict`` as before; CUDA
 modules are always copied.
 """
 
@@ -26,13 +26,28 @@ def _owns_storage(tensor: Any) -> bool:
     return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
 
 
+def _sole_user(tensor: Any) -> bool:
+    """Whether no other tensor shares ``tensor``'s storage (another ``Parameter`` made from its
+    ``.data``, a ``.data``/``detach()`` alias kept by an EMA helper, a view): such a tie holds
+    only while both keep the same memory, so the tensor must be copied into, not re-pointed.
+    Where torch cannot tell (no ``_storage_Use_Count``), the answer is no."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()  # this wrapper holds one reference, the tensor the other
+    return use_count(storage._cdata) <= 2
+
+
 def adoptable(target: Any, source: Any) -> bool:
     """Whether ``target`` (a module's parameter or buffer) may take over ``source``'s memory.
 
     :param target: the tensor in the module.
     :param source: the loaded tensor for the same key.
     :return: ``True`` only for two plain, dense, strided CPU tensors of one dtype, shape and
-        strides, each owning its whole storage, neither conjugated nor negated.
+        strides, each owning its whole storage, neither conjugated nor negated, and no other
+        tensor sharing ``target``'s storage.
     """
     import torch
 
@@ -48,7 +63,7 @@ def adoptable(target: Any, source: Any) -> bool:
         return False
     if (source.dtype, source.shape, source.stride()) != (target.dtype, target.shape, target.stride()):
         return False
-    return _owns_storage(source) and _owns_storage(target)
+    return _owns_storage(source) and _owns_storage(target) and _sole_user(target)
 
 
 def adopt_loaded_tensors(obj: Any, state: Any) -> int:
