@@ -368,7 +368,7 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     raw_write_s = raw_write(raw_file, size)
     data_file = folder / "ckpt-00000001.pt"
     data_object = os.path.relpath(data_file, mount.mountpoint) if mount is not None else None
-    raw_reads, memory_reads, restores, fuse_reads, adopted = [], [], [], [], 0
+    raw_reads, memory_reads, restores, fuse_reads = [], [], [], []
     for _ in range(args.repeats):
         _drop(raw_file)
         raw_reads.append(raw_read(raw_file)[0])
@@ -379,7 +379,6 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
         before = mount.stats()["bytesRead"].get(data_object, 0) if mount is not None else 0
         with CheckpointManager(CheckpointConfig(folder=str(folder), interval=0), fresh, logger=logger) as manager:
             restores.append(_timed(manager.load))
-            adopted = manager.adopted_bytes
         if mount is not None:
             fuse_reads.append(mount.stats()["bytesRead"].get(data_object, 0) - before)
         del fresh
@@ -401,7 +400,7 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     return {
         "bytes": size, "checkpoint_write_s": write_s, "raw_write_s": raw_write_s,
         "write_ratio": raw_write_s / write_s, "restore_s": restore_s, "raw_read_s": raw_read_s,
-        "restore_all_s": restores, "raw_read_all_s": raw_reads, "adopted_bytes": adopted,
+        "restore_all_s": restores, "raw_read_all_s": raw_reads,
         "raw_read_to_memory_s": min(memory_reads), "raw_read_to_memory_all_s": memory_reads,
         "restore_ratio_to_memory_read": min(memory_reads) / restore_s,
         "restore_ratio": raw_read_s / restore_s, "bytes_read_per_restore": restored["bytes_read"],
@@ -469,8 +468,6 @@ def render(result: dict[str, Any]) -> str:
         if io.get("raw_read_to_memory_s") is not None:
             lines.append(f"  restore vs a raw read into new memory of the file's size {io['raw_read_to_memory_s']:.2f} s "
                          f"(the least a loader that keeps the bytes does): {100 * io['restore_ratio_to_memory_read']:.0f} %")
-        if io.get("adopted_bytes") is not None:
-            lines.append(f"  bytes the model took over from the restored copy (no copy into it): {io['adopted_bytes']}")
         lines.append(f"  bytes read per restore {io['bytes_read_per_restore']} = "
                      f"{io['bytes_read_per_restore'] / io['bytes']:.2f} x the checkpoint (target 1)")
         if io.get("fuse_bytes_read_per_restore") is not None:

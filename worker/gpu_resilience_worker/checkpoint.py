@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from gpu_resilience_worker.adopt import adopt_loaded_tensors
 from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the checkpoint layout's names
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
     ParsedName,
@@ -62,6 +61,37 @@ def _lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
     except OSError:
         pass
+
+
+_THREAD_LOCAL_MMAP: bool | None = None
+
+
+def _shared_mmap_is_thread_local() -> bool:
+    """Whether ``torch.serialization.set_default_mmap_options`` used as a context manager
+    changes the mapping mode for the calling thread only (newer torch keeps config overrides per
+    thread). Where it is process-wide (torch 2.5 to 2.11), a shared mapping is not used: another
+    thread's ``torch.load(mmap=True)`` of its own file during a restore would map that file
+    shared, and its in-place edits would reach the file. Probed once per process, from a second
+    thread, inside a scope set on this one.
+    """
+    global _THREAD_LOCAL_MMAP
+    if _THREAD_LOCAL_MMAP is None:
+        import mmap
+
+        import torch
+
+        options = getattr(torch.serialization, "set_default_mmap_options", None)
+        current = getattr(torch.serialization, "get_default_mmap_options", None)
+        if not isinstance(options, type) or current is None or not hasattr(mmap, "MAP_SHARED"):
+            _THREAD_LOCAL_MMAP = False
+        else:
+            seen: list[int] = []
+            with options(mmap.MAP_SHARED):
+                probe = threading.Thread(target=lambda: seen.append(current()), name="mmap-option-probe")
+                probe.start()
+                probe.join()
+            _THREAD_LOCAL_MMAP = bool(seen) and seen[0] != mmap.MAP_SHARED
+    return _THREAD_LOCAL_MMAP
 
 
 class CheckpointSaveError(RuntimeError):
@@ -111,8 +141,6 @@ class CheckpointManager:
         self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
-        #: bytes of the last load that modules took over instead of copying (:mod:`gpu_resilience_worker.adopt`)
-        self.adopted_bytes = 0
         self.failed_saves = 0
         self._cleaned = False
         self._thread: threading.Thread | None = None
@@ -277,65 +305,63 @@ class CheckpointManager:
         wanted = self.config.load_step if step is None else step
         candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
-            loaded = self._read_state(candidate)
-            if loaded is None:
+            state = self._read_state(candidate)
+            if state is None:
                 continue
-            state, private = loaded
-            adopted = 0
             for key, obj in self._states.items():
-                if private:  # nothing else maps these tensors: a CPU module may take them over
-                    adopted += adopt_loaded_tensors(obj, state[key])
                 obj.load_state_dict(state[key])
             self.loaded_step = self.last_saved_step = candidate
-            self.adopted_bytes = adopted
             return True
         return False
 
-    def _deserialize(self, copy: LocalCopy) -> tuple[Any, bool]:
+    def _deserialize(self, copy: LocalCopy) -> Any:
         """Load a verified local copy with the ``weights_only`` unpickler (no code runs).
 
-        A copy in memory (a ``memfd``) is mapped shared: the loaded tensors are that memory, which
-        nothing else can see, so a module may adopt them and train in place (see
-        :mod:`gpu_resilience_worker.adopt`) with no copy-on-write fault on the first step. A copy in
-        a temporary file is mapped privately (writes stay in this process), and one that cannot
-        be mapped is read into memory; either way the checkpoint is never read from storage again.
-        The mapping mode is torch's process-wide default, set only for the duration of the load.
-
-        :return: ``(state, private)``; ``private`` says the tensors are memory of this process
-            alone (a shared mapping of the in-memory copy, or a plain in-memory load).
+        A copy in memory (a ``memfd``) is mapped shared where torch keeps that choice per thread
+        (see :func:`_shared_mmap_is_thread_local`): the loaded tensors are the copy's pages, which
+        no file backs, and the tensors that stay after the load (an optimizer's moments, which
+        ``Optimizer.load_state_dict`` keeps as loaded) take their first training writes with no
+        copy-on-write fault per page (a private mapping of a 1.8 GB state cost the first step
+        about 4 s here). Otherwise the copy is mapped privately (writes stay in this process), and
+        a copy that cannot be mapped is read into memory; either way the checkpoint is never
+        read from storage again.
         """
         import mmap
 
         import torch
 
-        if copy.path is None:  # an in-memory copy (no local file could hold it)
-            assert copy.buffer is not None
-            return torch.load(io.BytesIO(copy.buffer[: copy.size]), map_location="cpu", weights_only=True), True
+        private = getattr(mmap, "MAP_PRIVATE", None)
+        if copy.path is None or private is None:  # an in-memory copy; or no mmap flags (Windows)
+            if copy.path is None:
+                data = copy.buffer[: copy.size]
+            else:
+                with open(copy.path, "rb") as handle:
+                    data = handle.read()
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True, mmap=False)
         options = getattr(torch.serialization, "set_default_mmap_options", None)
-        scoped = isinstance(options, type)  # a context manager since torch 2.5; a bare setter before
-        if copy.in_memory and scoped:
+        if copy.in_memory and _shared_mmap_is_thread_local():
             try:
                 with options(mmap.MAP_SHARED):
-                    return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True), True
+                    return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True)
             except (OSError, RuntimeError) as exc:
                 self._log.debug("shared memory-mapped load failed; trying a private mapping", error=str(exc))
-        flags = getattr(torch.serialization, "get_default_mmap_options", lambda: mmap.MAP_PRIVATE)()
-        if flags == mmap.MAP_PRIVATE:
+        flags = getattr(torch.serialization, "get_default_mmap_options", lambda: private)()
+        if flags == private:
             try:
-                return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True), False
+                return torch.load(copy.path, map_location="cpu", weights_only=True, mmap=True)
             except (OSError, RuntimeError) as exc:
                 self._log.debug("memory-mapped load failed; reading into memory", error=str(exc))
         with open(copy.path, "rb") as handle:
-            return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True), True
+            return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True, mmap=False)
 
-    def _read_state(self, step: int) -> tuple[dict[str, Any], bool] | None:
+    def _read_state(self, step: int) -> dict[str, Any] | None:
         copy, reason = self._store.read_verified(step)  # the one read of the data
         if copy is not None:
             try:
-                state, private = self._deserialize(copy)
+                state = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]
                 if not missing:
-                    return state, private
+                    return state
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
