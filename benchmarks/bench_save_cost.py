@@ -168,40 +168,29 @@ def raw_write(path: Path, size: int) -> float:
     return time.perf_counter() - started
 
 
-def raw_read(path: Path) -> tuple[float, int]:
-    """:return: (seconds, bytes) of one sequential read of ``path`` into one reused buffer."""
-    buffer = bytearray(CHUNK)
-    started, total = time.perf_counter(), 0
-    with open(path, "rb", buffering=0) as handle:
-        while True:
-            count = handle.readinto(buffer)
-            if not count:
-                break
-            total += count
-    return time.perf_counter() - started, total
-
-
-def raw_read_to_memory(path: Path) -> float:
-    """:return: seconds of one sequential read of ``path`` into new memory of its size (an
-    anonymous mapping, its pages first touched by the read): the least any loader that keeps the
-    bytes must do, where :func:`raw_read` streams them through one reused buffer."""
+def raw_read(path: Path, into_new_memory: bool = False) -> tuple[float, int]:
+    """:return: (seconds, bytes) of one sequential read of ``path`` into one reused buffer, or,
+    with ``into_new_memory``, into new memory of its size (an anonymous mapping, its pages first
+    touched by the read): the least any loader that keeps the bytes must do."""
     import mmap
 
     size = path.stat().st_size
-    memory = mmap.mmap(-1, max(size, 1))
+    memory = mmap.mmap(-1, max(size, 1)) if into_new_memory else bytearray(CHUNK)
     view = memoryview(memory)
-    started, position = time.perf_counter(), 0
+    started, total = time.perf_counter(), 0
     try:
         with open(path, "rb", buffering=0) as handle:
-            while position < size:
-                count = handle.readinto(view[position : min(position + CHUNK, size)])
+            while True:
+                with (view[total : total + CHUNK] if into_new_memory else view[:]) as target:
+                    count = handle.readinto(target)
                 if not count:
                     break
-                position += count
-        return time.perf_counter() - started
+                total += count
+        return time.perf_counter() - started, total
     finally:
         view.release()
-        memory.close()
+        if into_new_memory:
+            memory.close()
 
 
 def _drop(path: Path) -> None:
@@ -373,7 +362,7 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
         _drop(raw_file)
         raw_reads.append(raw_read(raw_file)[0])
         _drop(raw_file)
-        memory_reads.append(raw_read_to_memory(raw_file))
+        memory_reads.append(raw_read(raw_file, into_new_memory=True)[0])
         fresh = _torch_state(args.size_mib * MIB, seed=None)
         _drop(data_file)
         before = mount.stats()["bytesRead"].get(data_object, 0) if mount is not None else 0
@@ -483,14 +472,13 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
+def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     """The end-to-end runs of ``args.modes`` at ``args.size_mib``, ``args.every`` and
     ``args.threads``: ``args.repeats`` interleaved rounds, each mode in its own process.
 
-    :return: per mode, its first run's figures with the fastest wall time (``wall_s``), all wall
-        times (``wall_all_s``) and the highest peak RSS. The raw write bandwidth is probed once a
-        round (:func:`raw_bandwidth` with the state's size); the probes land in
-        ``args.bandwidth_probes``.
+    :return: ``(runs, probes)``: per mode, its first run's figures with the fastest wall time
+        (``wall_s``), all wall times (``wall_all_s``) and the highest peak RSS; and the raw write
+        bandwidth (bytes/s) probed once a round (:func:`raw_bandwidth` with the state's size).
     """
     samples: dict[str, list[dict[str, Any]]] = {}
     probes: list[float] = []
@@ -511,8 +499,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
         walls = sorted(r["wall_s"] for r in got)
         runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
-    args.bandwidth_probes = probes
-    return runs
+    return runs, probes
 
 
 def raw_bandwidth(folder: str, size: int) -> float:
@@ -532,10 +519,10 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     for spec in args.grid:
         size, every, threads = parse_grid_point(spec)
         point = argparse.Namespace(**{**vars(args), "size_mib": size, "every": every, "threads": threads})
-        runs = run_e2e(point)
+        runs, probes = run_e2e(point)
         points.append({"size_mib": size, "every": every, "threads": threads,
-                       "raw_write_bytes_per_s": statistics.median(point.bandwidth_probes),
-                       "raw_write_probes_bytes_per_s": point.bandwidth_probes, "runs": runs})
+                       "raw_write_bytes_per_s": statistics.median(probes),
+                       "raw_write_probes_bytes_per_s": probes, "runs": runs})
     return points
 
 
@@ -602,9 +589,10 @@ def main(argv: list[str] | None = None) -> int:
                               "nice": os.nice(0), "default_digest": default_digest()}
     result["digests"] = bench_digests(min(args.size_mib, 256) * MIB)
     result["raw_write_bytes_per_s"] = raw_bandwidth(args.dir, args.size_mib * MIB)
-    runs = {} if args.skip_e2e else run_e2e(args)
+    runs: dict[str, Any] = {}
     if not args.skip_e2e:  # the median of the probes of the rounds, the first one included
-        result["raw_write_probes_bytes_per_s"] = [result["raw_write_bytes_per_s"], *args.bandwidth_probes]
+        runs, probes = run_e2e(args)
+        result["raw_write_probes_bytes_per_s"] = [result["raw_write_bytes_per_s"], *probes]
         result["raw_write_bytes_per_s"] = statistics.median(result["raw_write_probes_bytes_per_s"])
     result["runs"] = runs
     if args.grid:
