@@ -41,13 +41,20 @@ def test_meter_counts_copy_wait_and_the_excess_of_steps_in_flight() -> None:
         meter.step(seconds, began_in_flight=False)
     meter.started_async(0.3)
     meter.step(1.5, began_in_flight=True)
-    meter.step(0.9, began_in_flight=True)  # faster than the median: no negative excess
+    meter.step(0.9, began_in_flight=True)  # faster than the median: noise, it cancels
     meter.waited(0.25)
-    assert meter.close_async(sync_estimate=2.0) == pytest.approx(0.3 + 0.5 + 0.25)
-    assert meter.async_costs == [pytest.approx(1.05)] and meter.sync_costs == [2.0]
+    assert meter.close_async(sync_estimate=2.0) == pytest.approx(0.3 + 0.4 + 0.25)
+    assert meter.async_costs == [pytest.approx(0.95)] and meter.sync_costs == [2.0]
     assert meter.close_async() is None  # recorded once
     meter.step(5.0, began_in_flight=True)  # no save open: a free step
     assert meter.free_steps[-1] == 5.0
+
+
+def test_meter_never_counts_a_negative_excess() -> None:
+    meter = SaveCostMeter(free_steps=[1.0, 1.0])
+    meter.started_async(0.2)
+    meter.step(0.5, began_in_flight=True)
+    assert meter.close_async() == pytest.approx(0.2)
 
 
 def test_meter_without_free_steps_measures_against_the_fastest_step_of_the_save() -> None:

@@ -254,11 +254,11 @@ class SaveCostMeter:
     """What each interval save cost the training loop, in seconds, from the time between two
     :meth:`CheckpointManager.save` calls (one training step, when it is called every step).
 
-    A step that began with a background save in flight counts its time above the median of the
-    last :attr:`window` steps that began with none (when there is none yet, above the fastest
-    step of the save). The cost of a background save is its blocking copy, plus any wait for it,
-    plus that excess; it is complete once the save has finished and the first step after it has
-    been timed.
+    The steps that began with a background save in flight count their time above the median of
+    the last :attr:`window` steps that began with none (when there is none yet, above the
+    fastest step of the save), summed with its sign and counted when positive. The cost of a
+    background save is its blocking copy, plus any wait for it, plus that excess; it is recorded
+    at the first :meth:`CheckpointManager.save` call that finds the save finished.
 
     :param window: free steps the median is taken over; default 20.
     """
@@ -306,7 +306,8 @@ class SaveCostMeter:
             return None
         steps, self._open = self._open, None
         base = _median(self.free_steps) if self.free_steps else min(steps, default=0.0)
-        cost = self._open_fixed + sum(max(0.0, seconds - base) for seconds in steps)
+        # signed: a step's noise above the median cancels its noise below it
+        cost = self._open_fixed + max(0.0, sum(seconds - base for seconds in steps))
         self.async_costs.append(cost)
         if sync_estimate is not None:
             self.sync_costs.append(sync_estimate)
