@@ -116,7 +116,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     states = _state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
-    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC, "auto": AsyncMode.AUTO}[args.mode]
+    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
     logger = StructuredLogger(open(os.devnull, "w"))
     started = time.perf_counter()
     if mode is None:
@@ -124,7 +124,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
             step()
             for bag in states.values():  # the optimizer touches its state every step
                 next(iter(bag.tensors.values())).add_(1e-6)
-        saves, written, background = 0, 0, 0
+        saves, written = 0, 0
     else:
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
         with CheckpointManager(config, states, logger=logger) as manager:
@@ -136,13 +136,12 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
                     next(iter(bag.tensors.values())).add_(1e-6)
                 manager.save(number)
         saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
-        background = manager.costs.background_saves
     wall = time.perf_counter() - started
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
-    return {"wall_s": wall, "saves": saves, "background_saves": background, "bytes_written": written,
-            "peak_rss_bytes": _rss_peak_bytes(), "threads": torch.get_num_threads()}
+    return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
+            "threads": torch.get_num_threads()}
 
 
 #: The end-to-end runs, by name: (save mode, chunk digest); ``default`` is the writer's own digest.
@@ -150,7 +149,6 @@ E2E_MODES: dict[str, tuple[str, str]] = {
     "none": ("none", "default"),
     "sync": ("sync", "default"),
     "async": ("async", "default"),
-    "auto": ("auto", "default"),
     "sync (sha256, old)": ("sync", "sha256"),
     "async (sha256, old)": ("async", "sha256"),
 }
@@ -428,12 +426,11 @@ def render(result: dict[str, Any]) -> str:
     if result.get("grid"):
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
-                     " (bytes / raw write bandwidth), target <= 1.2; raw MB/s: the median of one probe a round;"
-                     " auto: the default mode, (n): saves it wrote in the background")
+                     " (bytes / raw write bandwidth), target <= 1.2; raw MB/s: the median of one probe a round")
         modes = [name for name in ("sync", "async", "auto") if any(name in p["runs"] for p in result["grid"])]
         lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'raw MB/s':>8s} {'none':>13s} "
                      + " ".join(f"{name:>17s}" for name in modes) + " "
-                     + " ".join(f"{name + ' ratio':>11s}" for name in modes) + "  auto <= sync (fastest, median)")
+                     + " ".join(f"{name + ' ratio':>11s}" for name in modes) + "  async <= sync (fastest, median)")
         for point in result["grid"]:
             runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
             none = runs["none"]["wall_s"]
@@ -443,8 +440,7 @@ def render(result: dict[str, Any]) -> str:
                 if not run:
                     return "-"
                 median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
-                background = f" ({run['background_saves']})" if name == "auto" and "background_saves" in run else ""
-                return f"{run['wall_s']:.2f} / {median:.2f}{background}"
+                return f"{run['wall_s']:.2f} / {median:.2f}"
 
             def ratio(name: str) -> str:
                 run = runs.get(name)
@@ -461,7 +457,7 @@ def render(result: dict[str, Any]) -> str:
 
             lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:8.0f} "
                          f"{walls('none'):>13s} " + " ".join(f"{walls(name):>17s}" for name in modes) + " "
-                         + " ".join(f"{ratio(name):>11s}" for name in modes) + f"  {verdict('auto', 'sync')}")
+                         + " ".join(f"{ratio(name):>11s}" for name in modes) + f"  {verdict('async', 'sync')}")
     io = result.get("io")
     if io:
         lines.append("")

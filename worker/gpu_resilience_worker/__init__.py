@@ -14,7 +14,7 @@ Three ways in:
 The public names:
 
 - checkpoints: :class:`CheckpointManager`, :class:`CheckpointConfig`, :class:`AsyncMode`,
-  :class:`SaveCostMeter`, :class:`CheckpointSaveError`, :class:`Stateful`;
+  :class:`CheckpointSaveError`, :class:`Stateful`;
 - the commit protocol: :class:`CommitStore`, :class:`CommitRecord`, :class:`CheckpointName`,
   :class:`Storage`, :class:`LocalStorage`;
 - preemption and deadline: :class:`PreemptionWatcher`, :func:`set_task_deadline`,
@@ -43,7 +43,7 @@ _EXPORTS = {
               "write_json"),
     "logs": ("StructuredLogger",),
     "loop": ("ResilientLoop", "run_training", "task_namespace"),
-    "policies": ("AsyncMode", "CheckpointConfig", "SaveCostMeter"),
+    "policies": ("AsyncMode", "CheckpointConfig"),
     "preemption": ("PreemptionWatcher", "exit_now", "ignore_termination_signals", "set_task_deadline"),
     "state": ("TrainState", "state_digest"),
     "storage": ("LocalStorage", "Storage"),
@@ -73,7 +73,7 @@ __all__ = [
     "CheckpointSaveError", "CommitRecord", "CommitStore", "ConfigError", "DataError",
     "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS",
     "OutputError", "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop",
-    "SaveCostMeter", "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
+    "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
     "fatal_marker_code", "ignore_termination_signals", "read_json", "record_attempt",
     "run_training", "set_task_deadline", "state_digest", "task_namespace", "write_fatal",
     "write_json",

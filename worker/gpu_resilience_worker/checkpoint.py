@@ -21,8 +21,8 @@ from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the chec
 from gpu_resilience_worker.fastio import LocalCopy, SnapshotBuffers
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
-    AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveCostMeter,
-    SaveStats, TimeIntervalPolicy, YoungDalyPolicy,
+    AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
+    TimeIntervalPolicy, YoungDalyPolicy,
 )
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -42,16 +42,6 @@ class Stateful(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state returned by :meth:`state_dict`."""
-
-
-def _runqueue_seconds() -> float | None:
-    """:return: seconds the calling thread has spent runnable but waiting for a CPU (Linux
-    ``/proc/thread-self/schedstat``, second field, nanoseconds), or ``None`` where unavailable."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as handle:
-            return int(handle.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 _THREAD_LOCAL_MMAP: bool | None = None
@@ -97,14 +87,11 @@ class CheckpointManager:
     :meth:`valid_steps`, :meth:`verify`, :meth:`load`), deletes nothing: stale files of a killed
     attempt are removed at the first save (or by :meth:`cleanup_stale`).
 
-    An asynchronous interval save blocks the caller only while the state is copied into reused
-    host buffers (pinned when the state is on CUDA); serialization, hashing, the write and the
-    commit run on one background thread. ``config.async_mode`` :attr:`AsyncMode.AUTO` (the
-    default) measures what each save cost the loop (:attr:`costs`) and writes the next one in the
-    background or on the training thread, whichever has cost less (see
-    :func:`~gpu_resilience_worker.policies.choose_save_mode`); :attr:`AsyncMode.ASYNC` always
-    uses the background, :attr:`AsyncMode.DISABLED` never. Forced saves (final, preemption) are
-    synchronous. Use it as a context manager; :meth:`close` waits for the save in flight.
+    Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
+    the caller blocks only while the state is copied into reused host buffers (pinned when the
+    state is on CUDA); serialization, hashing, the write and the commit run on one background
+    thread. Forced saves (final, preemption) are synchronous. Use it as a context manager;
+    :meth:`close` waits for the save in flight.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
@@ -131,10 +118,6 @@ class CheckpointManager:
         self._keep_policy = KeepLatestN(config.keep_latest_k)
         self._snapshots = SnapshotBuffers()
         self.stats = SaveStats()
-        self.costs = SaveCostMeter()
-        self._step_began: float | None = None
-        self._began_in_flight = False
-        self._sync_estimate: float | None = None
         self._last_save_at = clock()
         self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
@@ -229,11 +212,9 @@ class CheckpointManager:
     def save(self, step: int, *, force: bool = False) -> bool:
         """Save and commit a checkpoint of all states at ``step`` when the policy says so.
 
-        In :attr:`AsyncMode.ASYNC`, and in :attr:`AsyncMode.AUTO` while background saves cost
-        less, an interval save copies the state to host memory here and writes and commits it on
-        a background thread; forced saves are always synchronous. At most one save is in flight:
-        a new one first waits for the previous one. Call it after every step (it returns at once
-        when no save is due): the time between calls is what :attr:`costs` measures.
+        In :attr:`AsyncMode.ASYNC`, an interval save copies the state to host memory here and
+        writes and commits it on a background thread; forced saves are always synchronous. At
+        most one save is in flight: a new one first waits for the previous one.
 
         :param step: the number of optimizer steps done.
         :param force: save regardless of the interval, synchronously (final step, preemption).
@@ -241,38 +222,17 @@ class CheckpointManager:
         :raises CheckpointSaveError: when the previous background save failed (this save is
             then not started), or when a synchronous save fails.
         """
-        now = self._clock()
-        if self._step_began is not None:
-            self.costs.step(now - self._step_began, self._began_in_flight)
-        try:
-            return self._save(step, force)
-        finally:
-            self._step_began, self._began_in_flight = self._clock(), self.in_flight
-
-    def _save(self, step: int, force: bool) -> bool:
-        if self._thread is not None and not self._thread.is_alive():
-            self._close_cost()
         if step == self.last_saved_step or not (force or self.due(step)):
             return False
-        waiting = self._clock()
-        try:
-            self.wait_until_finished()
-        finally:
-            self.costs.waited(self._clock() - waiting)
-            self._close_cost()
+        self.wait_until_finished()
         if step == self.last_saved_step:
             return False
         if not self._cleaned:  # this manager writes from now on: clear what a killed one left
             self.cleanup_stale()
         started = self._last_save_at = self._clock()
-        mode = self.config.async_mode
-        if mode is AsyncMode.AUTO:
-            mode = self.costs.next_mode()
-        if mode is AsyncMode.ASYNC and not force:
+        if self.config.async_mode is AsyncMode.ASYNC and not force:
             snapshot = self._snapshots.copy(self._state_dicts())
             self.stats.blocking.append(self._clock() - started)
-            self.costs.started_async(self.stats.blocking[-1])
-            self._sync_estimate = None
             self._thread = threading.Thread(
                 target=self._save_in_background, args=(step, snapshot, started),
                 name=f"checkpoint-{step}", daemon=True,
@@ -285,29 +245,17 @@ class CheckpointManager:
             self.failed_saves += 1
             raise CheckpointSaveError(f"checkpoint save of step {step} failed: {exc!r}") from exc
         self.stats.blocking.append(self._clock() - started)
-        self.costs.saved_sync(self.stats.blocking[-1], interval=not force)
         self._log_auto_interval()
         return True
-
-    def _close_cost(self) -> None:
-        """Record the cost of the finished background save, once (see :class:`SaveCostMeter`)."""
-        cost = self.costs.close_async(self._sync_estimate)
-        if cost is not None:
-            self._log.debug("background save cost", seconds=round(cost, 4),
-                            sync_estimate_seconds=None if self._sync_estimate is None else round(self._sync_estimate, 4))
 
     def _state_dicts(self) -> dict[str, Any]:
         return {key: obj.state_dict() for key, obj in self._states.items()}
 
     def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
-        began, waited = self._clock(), _runqueue_seconds()
+        # at the process's own priority: at nice 10 it was starved on busy cores until the next
+        # save had to wait for it, and the training loop with it (worker/README.md, "Sweep")
         try:
             self._commit(step, snapshot, started)
-            # what the same save would have taken on the training thread: this thread's time
-            # less the time it waited for a CPU that training held
-            now, waited_now = self._clock(), _runqueue_seconds()
-            queued = waited_now - waited if waited is not None and waited_now is not None else 0.0
-            self._sync_estimate = max(0.0, now - began - queued)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
             self.failed_saves += 1
             self._error = exc

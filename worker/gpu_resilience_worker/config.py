@@ -208,15 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean time between interruptions, seconds, for --checkpoint-interval auto")
     add("--keep", type=int, default=2, help="valid checkpoints to keep (>= 2)")
     mode = train.add_mutually_exclusive_group()
-    mode.add_argument("--save-mode", dest="save_mode", choices=[m.value for m in AsyncMode],
-                      help="interval checkpoints: auto (the default): in the background or on the "
-                           "training thread, whichever has cost training less; async: always in the "
-                           "background; disabled: always on the training thread")
-    mode.add_argument("--async-save", dest="save_mode", action="store_const", const=AsyncMode.ASYNC.value,
-                      help="--save-mode async")
-    mode.add_argument("--sync-save", dest="save_mode", action="store_const", const=AsyncMode.DISABLED.value,
-                      help="--save-mode disabled")
-    train.set_defaults(save_mode=None)  # not the value: argparse would let --save-mode auto --sync-save pass
+    mode.add_argument("--async-save", dest="sync_save", action="store_false",
+                      help="interval checkpoints on a background thread (the default)")
+    mode.add_argument("--sync-save", dest="sync_save", action="store_true",
+                      help="interval checkpoints on the training thread")
+    train.set_defaults(sync_save=False)
     add("--preemption-save", choices=PREEMPTION_SAVES, default="deadline",
         help="checkpoint at SIGTERM/deadline: if it fits (deadline), always, or never")
     add("--sweep", choices=("auto", "off"), default="auto",
@@ -299,7 +295,7 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
         checkpoint = CheckpointConfig(
             folder=namespace, keep_latest_k=args.keep, mtbi_seconds=args.mtbi,
             **parse_interval(args.checkpoint_interval, args.checkpoint_every),  # type: ignore[arg-type]
-            async_mode=AsyncMode(args.save_mode or AsyncMode.AUTO.value),
+            async_mode=AsyncMode.DISABLED if args.sync_save else AsyncMode.ASYNC,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

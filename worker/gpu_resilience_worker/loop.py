@@ -103,10 +103,8 @@ class ResilientLoop:
         ``mtbi_seconds``; default off.
     :param mtbi_seconds: mean time between interruptions for ``auto_interval``, seconds; default 3600.
     :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
-    :param async_save: how interval saves are written: ``True`` (default) for
-        :attr:`AsyncMode.AUTO` (on a background thread unless that has measured costlier than
-        the training thread), ``False`` for :attr:`AsyncMode.DISABLED` (on the training
-        thread), or an :class:`AsyncMode`; saves at a stop and at the end are always synchronous.
+    :param async_save: interval saves on a background thread (default) or on the training
+        thread; saves at a stop and at the end are always synchronous.
     :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
     :param settings: the hyper-parameters a checkpoint must have been written with to be
         resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.
@@ -135,7 +133,7 @@ class ResilientLoop:
         auto_interval: bool = False,
         mtbi_seconds: float = 3600.0,
         keep_latest_k: int = 2,
-        async_save: bool | AsyncMode = True,
+        async_save: bool = True,
         preemption_save: str = "deadline",
         settings: Mapping[str, Any] | None = None,
         grace_seconds: float | None = None,
@@ -174,8 +172,7 @@ class ResilientLoop:
             "interval": checkpoint_every, "interval_seconds": float(checkpoint_every_seconds),
             "auto_interval": bool(auto_interval), "mtbi_seconds": float(mtbi_seconds),
             "keep_latest_k": keep_latest_k,
-            "async_mode": async_save if isinstance(async_save, AsyncMode)
-            else AsyncMode.AUTO if async_save else AsyncMode.DISABLED,
+            "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED,
         }
         self.preemption_save = preemption_save
         self.settings = {"total_steps": total_steps, **dict(settings or {})}

@@ -104,11 +104,6 @@ class AsyncMode(enum.Enum):
     """Synchronously, on the training thread."""
     ASYNC = "async"
     """State copied to CPU on the training thread, written and committed on a background thread."""
-    AUTO = "auto"
-    """Each interval save the way its measured cost says is cheaper (see :func:`choose_save_mode`):
-    in the background, unless that has cost training more than a save on the training thread.
-    The costs are measured per save from the time between :meth:`CheckpointManager.save` calls,
-    so call it after every step, as :class:`ResilientLoop` does."""
 
 
 @dataclasses.dataclass
@@ -119,8 +114,7 @@ class CheckpointConfig:
     :param interval: save every this many optimizer steps; default 50; 0: no step interval.
     :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
         may be incomplete when the process is killed, and the previous one must still exist.
-    :param async_mode: :attr:`AsyncMode.AUTO` (default), :attr:`AsyncMode.ASYNC` or
-        :attr:`AsyncMode.DISABLED`.
+    :param async_mode: :attr:`AsyncMode.ASYNC` (default) or :attr:`AsyncMode.DISABLED`.
     :param load_step: step to load, or -1 for the newest valid one.
     :param interval_seconds: also save when this many seconds passed since the last save;
         default 0 (off).
@@ -136,7 +130,7 @@ class CheckpointConfig:
     folder: str
     interval: int = 50
     keep_latest_k: int = 2
-    async_mode: AsyncMode = AsyncMode.AUTO
+    async_mode: AsyncMode = AsyncMode.ASYNC
     load_step: int = -1
     interval_seconds: float = 0.0
     auto_interval: bool = False
@@ -207,118 +201,3 @@ class SaveStats:
         """:return: seconds a synchronous save of the last size takes at the measured throughput."""
         rate = self.bytes_per_second()
         return self.sizes[-1] / rate if rate and self.sizes else default
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-#: Consecutive synchronous interval saves after which :attr:`AsyncMode.AUTO` measures a
-#: background save again (the load of the machine, the volume's bandwidth may have changed).
-REMEASURE_AFTER = 8
-
-
-def choose_save_mode(async_costs: list[float], sync_costs: list[float], syncs_in_a_row: int, *,
-                     remeasure_after: int = REMEASURE_AFTER) -> AsyncMode:
-    """Decide how the next interval save of :attr:`AsyncMode.AUTO` is written.
-
-    A background save costs the training loop its blocking host copy, any wait for it at the
-    next save, and the time training steps lost while it ran (they share the CPUs with it); a
-    save on the training thread costs its whole duration. Where training leaves no core idle
-    and the write is bound by the CPU (a page cache, a local disk at memory speed), the
-    background save costs more: the copy comes on top of the same work. Where the write waits
-    for a device or a network, or a core is free (GPU training), it costs a fraction.
-
-    :param async_costs: measured costs of background saves, seconds, oldest first.
-    :param sync_costs: measured durations of saves on the training thread, and estimates of
-        them from background saves (the background thread's time minus its time spent waiting
-        for a CPU), seconds, oldest first.
-    :param syncs_in_a_row: synchronous interval saves since the last background one.
-    :param remeasure_after: after this many synchronous saves in a row, one background save
-        measures its cost again; default :data:`REMEASURE_AFTER`.
-    :return: :attr:`AsyncMode.ASYNC` when nothing is measured yet, or the median of the last
-        three background costs is at most that of the last three synchronous ones, or it is time
-        to measure again; else :attr:`AsyncMode.DISABLED`.
-    """
-    if not async_costs or not sync_costs or syncs_in_a_row >= remeasure_after:
-        return AsyncMode.ASYNC
-    if _median(async_costs[-3:]) <= _median(sync_costs[-3:]):
-        return AsyncMode.ASYNC
-    return AsyncMode.DISABLED
-
-
-@dataclasses.dataclass
-class SaveCostMeter:
-    """What each interval save cost the training loop, in seconds, from the time between two
-    :meth:`CheckpointManager.save` calls (one training step, when it is called every step).
-
-    The steps that began with a background save in flight count their time above the median of
-    the last :attr:`window` steps that began with none (when there is none yet, above the
-    fastest step of the save), summed with its sign and counted when positive. The cost of a
-    background save is its blocking copy, plus any wait for it, plus that excess; it is recorded
-    at the first :meth:`CheckpointManager.save` call that finds the save finished.
-
-    :param window: free steps the median is taken over; default 20.
-    """
-
-    window: int = 20
-    free_steps: list[float] = dataclasses.field(default_factory=list)
-    async_costs: list[float] = dataclasses.field(default_factory=list)
-    sync_costs: list[float] = dataclasses.field(default_factory=list)
-    syncs_in_a_row: int = 0
-    background_saves: int = 0
-    _open: list[float] | None = None
-    _open_fixed: float = 0.0
-
-    def step(self, seconds: float, began_in_flight: bool) -> None:
-        """Record one step (the time between two save calls, without their own blocking time).
-
-        :param seconds: the step's wall time.
-        :param began_in_flight: whether a background save was running when the step began.
-        """
-        if began_in_flight and self._open is not None:
-            self._open.append(seconds)
-        else:
-            self.free_steps = (self.free_steps + [seconds])[-self.window:]
-
-    def started_async(self, blocking: float) -> None:
-        """A background save began, blocking the loop ``blocking`` seconds (its host copy)."""
-        self.close_async()
-        self._open, self._open_fixed = [], blocking
-        self.syncs_in_a_row = 0
-        self.background_saves += 1
-
-    def waited(self, seconds: float) -> None:
-        """The loop waited ``seconds`` for the background save in flight."""
-        if self._open is not None:
-            self._open_fixed += seconds
-
-    def close_async(self, sync_estimate: float | None = None) -> float | None:
-        """The background save in flight has finished: record and return its cost.
-
-        :param sync_estimate: how long the same save would have taken on the training thread,
-            seconds (see :func:`choose_save_mode`); recorded among the synchronous costs.
-        :return: the cost, or ``None`` when no background save was open.
-        """
-        if self._open is None:
-            return None
-        steps, self._open = self._open, None
-        base = _median(self.free_steps) if self.free_steps else min(steps, default=0.0)
-        # signed: a step's noise above the median cancels its noise below it
-        cost = self._open_fixed + max(0.0, sum(seconds - base for seconds in steps))
-        self.async_costs.append(cost)
-        if sync_estimate is not None:
-            self.sync_costs.append(sync_estimate)
-        return cost
-
-    def saved_sync(self, seconds: float, *, interval: bool) -> None:
-        """A save on the training thread took ``seconds``; ``interval``: not a forced save."""
-        self.sync_costs.append(seconds)
-        if interval:
-            self.syncs_in_a_row += 1
-
-    def next_mode(self) -> AsyncMode:
-        """:return: :func:`choose_save_mode` of what is measured so far."""
-        return choose_save_mode(self.async_costs, self.sync_costs, self.syncs_in_a_row)
