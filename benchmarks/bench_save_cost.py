@@ -435,12 +435,11 @@ def render(result: dict[str, Any]) -> str:
             runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
             none = runs["none"]["wall_s"]
 
+            def median(name: str) -> float:
+                return statistics.median(runs[name].get("wall_all_s") or [runs[name]["wall_s"]])
+
             def walls(name: str) -> str:
-                run = runs.get(name)
-                if not run:
-                    return "-"
-                median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
-                return f"{run['wall_s']:.2f} / {median:.2f}"
+                return f"{runs[name]['wall_s']:.2f} / {median(name):.2f}" if name in runs else "-"
 
             def ratio(name: str) -> str:
                 run = runs.get(name)
@@ -452,8 +451,7 @@ def render(result: dict[str, Any]) -> str:
                 if first not in runs or second not in runs:
                     return "-"
                 fastest = runs[first]["wall_s"] <= runs[second]["wall_s"]
-                medians = [statistics.median(runs[name].get("wall_all_s") or [runs[name]["wall_s"]]) for name in (first, second)]
-                return f"{'yes' if fastest else 'NO'}, {'yes' if medians[0] <= medians[1] else 'NO'}"
+                return f"{'yes' if fastest else 'NO'}, {'yes' if median(first) <= median(second) else 'NO'}"
 
             lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:8.0f} "
                          f"{walls('none'):>13s} " + " ".join(f"{walls(name):>17s}" for name in modes) + " "
