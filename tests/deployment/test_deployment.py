@@ -56,7 +56,8 @@ from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from tests.deployment.conftest import record_timing
 from tests.logs import worker_records
 
-pytestmark = pytest.mark.e2e
+# serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with wall-clock waits on its components.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 DAG_ID = "gpu_resilient_training"
 PROJECT = "local-project"

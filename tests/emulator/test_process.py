@@ -49,6 +49,7 @@ def test_stop_kills_running_task_processes(tmp_path, images_file):
     assert not _pid_alive(emu.pid)
 
 
+@pytest.mark.serial  # a start-up time bound (the ready line within 5 s)
 def test_serve_prints_one_ready_line_fast(tmp_path):
     started = time.monotonic()
     proc = subprocess.Popen(

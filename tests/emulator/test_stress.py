@@ -11,7 +11,12 @@ import time
 
 from google.cloud import run_v2
 
+import pytest
+
 from .conftest import PARENT, make_job
+
+# serial (scripts/run_tests.sh runs it alone): a latency bound (every get_execution under 1 s while 200 tasks run).
+pytestmark = pytest.mark.serial
 
 TASKS, PARALLELISM = 200, 8
 FLAKY = {i for i in range(TASKS) if i % 50 == 7}  # exit 1 on attempt 0 (see SHORT_SCRIPT)

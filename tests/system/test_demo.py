@@ -23,7 +23,8 @@ from tests.conftest import require_fuse
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.e2e
+# serial (scripts/run_tests.sh runs it alone): real preemptions: the worker must exit 143 within the grace period.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 def _leftovers(marker: str) -> list[str]:

@@ -24,7 +24,8 @@ from airflow_gpu_resilience.goodput import BUCKETS
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.e2e
+# serial (scripts/run_tests.sh runs it alone): real preemptions of the demo: every attempt must log its preemption within the grace period.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 STOPPED = re.compile(r"attempt 0 WARNING: SIGTERM received; stopping at step (\d+)")

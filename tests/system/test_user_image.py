@@ -16,6 +16,9 @@ import pytest
 
 from tests.system.test_dags import BUCKET, REPO, _load_demo
 
+# serial (scripts/run_tests.sh runs it alone): a real preemption: the script must exit 143 within the grace period.
+pytestmark = pytest.mark.serial
+
 EXAMPLE = REPO / "examples" / "user-image"
 USER_IMAGE = "us-central1-docker.pkg.dev/local-project/ml/my-own-trainer:latest"
 TABLES = [REPO / "worker" / "emulator-image.json", EXAMPLE / "emulator-image.json"]

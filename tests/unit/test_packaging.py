@@ -37,7 +37,7 @@ REQUIRED = {
 EXTRAS = {
     "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy"},
     "examples": {"numpy", "scikit-learn"},
-    "dev": {"pytest", "torch", "matplotlib", "build"},
+    "dev": {"pytest", "pytest-xdist", "torch", "matplotlib", "build"},
     "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
 }
 #: Never part of a production install: the emulator's servers.

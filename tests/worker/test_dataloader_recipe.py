@@ -17,6 +17,9 @@ import pytest
 from tests.worker.conftest import worker_env
 from tests.worker.test_readme_example import _example
 
+# serial (scripts/run_tests.sh runs it alone): a real worker process must exit within its grace period after SIGTERM.
+pytestmark = pytest.mark.serial
+
 GRACE_SECONDS = 10.0
 
 

@@ -16,7 +16,12 @@ import shutil
 import signal
 import time
 
+import pytest
+
 from tests.worker.conftest import SIGKILL, SIGTERM, Task, WorkerProcess
+
+# serial (scripts/run_tests.sh runs it alone): real worker processes: exit 143 within the 10 s grace, a checkpoint before the task deadline.
+pytestmark = pytest.mark.serial
 
 
 def _hashes(metrics: dict) -> tuple[str, str]:

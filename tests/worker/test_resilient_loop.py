@@ -24,6 +24,9 @@ import pytest
 
 from tests.worker.conftest import REPO_ROOT, WorkerProcess, worker_env
 
+# serial (scripts/run_tests.sh runs it alone): real worker processes against grace periods and task deadlines (exit before the deadline, within the grace).
+pytestmark = pytest.mark.serial
+
 SCRIPT = REPO_ROOT / "examples" / "user-image" / "train.py"
 #: 60 steps, a checkpoint every 10, 20 ms per step: about 1.5 s of training per full run.
 FLAGS = ["train", "--steps=60", "--checkpoint-every=10", "--step-delay=0.02", "--seed=3"]

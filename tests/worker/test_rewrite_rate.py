@@ -17,7 +17,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.worker.conftest import SIGTERM, Task
+
+# serial (scripts/run_tests.sh runs it alone): a wall-clock rate (no name written twice a second) and an exit 143 within the grace after SIGTERM.
+pytestmark = pytest.mark.serial
 
 #: Every step a checkpoint: about 30 saves a second on this model, each once forcing a
 #: progress.json write.

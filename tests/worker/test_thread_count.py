@@ -18,6 +18,9 @@ import pytest
 
 from tests.worker.conftest import SIGTERM, Task
 
+# serial (scripts/run_tests.sh runs it alone): a real worker process must exit 143 within its grace period after SIGTERM.
+pytestmark = pytest.mark.serial
+
 #: Big enough for the thread count to change the matrix products, short enough for a test.
 FLAGS = ("--steps", "30", "--hidden", "1024", "--batch-size", "32", "--seed", "7",
          "--checkpoint-every", "10", "--keep", "3", "--step-delay", "0.05")

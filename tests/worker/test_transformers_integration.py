@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import require_module
 from tests.worker.frameworks import run_chain
+
+# serial (scripts/run_tests.sh runs it alone): real processes must exit 143 within the grace period after SIGTERM.
+pytestmark = pytest.mark.serial
 
 
 def test_trainer_survives_sigterm_and_sigkill_with_bit_identical_weights(tmp_path: Path) -> None:

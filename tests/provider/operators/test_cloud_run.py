@@ -371,6 +371,7 @@ def test_preemption_budget_survives_a_retry_that_attaches_to_a_rerun(gcp_conn, j
     assert len(set(envs(job_name, RUN_KEY_ENV))) == 1
 
 
+@pytest.mark.serial  # a wall-clock bound: failed within 30 s of the start
 @pytest.mark.parametrize("deferrable", [True, False])
 def test_overall_timeout_spans_reruns_and_cancels_the_execution(gcp_conn, job_name, run_execute, deferrable):
     deploy(job_name, ["preempt-then-sleep", "60"], max_retries=0)

@@ -36,7 +36,8 @@ from tests.provider.operators.dag_factory import CAPTURED
 from tests.provider.operators.test_cloud_run import _clear_captured, run_dag, run_execute  # noqa: F401 - fixtures
 from tests.logs import worker_records
 
-pytestmark = pytest.mark.usefixtures("airflow_db")
+# serial (scripts/run_tests.sh runs it alone): real worker attempts chained through 20 s task timeouts: another test beside them slowed the worker's start-up past them.
+pytestmark = [pytest.mark.usefixtures("airflow_db"), pytest.mark.serial]
 
 REPO = Path(__file__).resolve().parents[3]
 #: The bundled worker (``python -m gpu_resilience_worker train``) in :func:`worker_emulator`'s table.
