@@ -64,12 +64,15 @@ stack: $(STAMP)
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
 # Everything under tests/, the deployment tests included: PostgreSQL and Chromium first.
+# scripts/run_tests.sh runs it in two pytest runs: the tests not marked serial on two
+# pytest-xdist workers (TEST_WORKERS), then the serial ones (timing-sensitive: real worker
+# processes against task timeouts and grace periods, the deployment) alone.
 test: $(STAMP)
 	bash scripts/system_packages.sh deployment
-	$(PY) -m pytest $(PYTEST_ARGS)
+	bash scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
 test-airflow2: $(STAMP2)
-	$(PY2) -m pytest $(AIRFLOW2_TESTS) $(PYTEST_ARGS)
+	bash scripts/run_tests.sh $(PY2) $(AIRFLOW2_TESTS) $(PYTEST_ARGS)
 
 # Build the wheel and install it, without the emulator extra, into fresh virtual environments
 # with Airflow 2.11 and with the newest Airflow 3; each must list the provider and parse the
