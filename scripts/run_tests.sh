@@ -13,16 +13,28 @@
 #
 # Both runs happen even if the first fails; the exit status is the first failure's (pytest's
 # 5, "no tests selected", counts as a pass for one run when the other ran tests).
-# TEST_WORKERS=0 runs the first group in one process too (no xdist).
+# TEST_WORKERS=0 runs the first group in one process too (no xdist). TEST_PART=parallel or
+# TEST_PART=serial runs only that run (.ci/run orders the parts of its two suites itself).
 set -uo pipefail
 python=$1
 shift
 workers=${TEST_WORKERS:-2}
+part=${TEST_PART:-all}
+case "$part" in
+    all|parallel|serial) ;;
+    *) echo "TEST_PART=$part: use all, parallel or serial" >&2; exit 4 ;;
+esac
 
-"$python" -m pytest -m "not serial" -n "$workers" --dist loadfile "$@"
-first=$?
-"$python" -m pytest -m serial "$@"
-second=$?
+first=5
+second=5
+if [[ $part != serial ]]; then
+    "$python" -m pytest -m "not serial" -n "$workers" --dist loadfile "$@"
+    first=$?
+fi
+if [[ $part != parallel ]]; then
+    "$python" -m pytest -m serial "$@"
+    second=$?
+fi
 
 if [[ $first == 5 && $second == 5 ]]; then
     exit 5
