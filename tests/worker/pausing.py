@@ -2,8 +2,10 @@
 
 ``python -m tests.worker.pausing train [flags]`` runs the worker on it, reading the pauses from
 ``WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS`` (sleep before each commit record is written, after
-the data file is) and ``WORKER_TEST_PAUSE_MID_WRITE_SECONDS`` (write half of each data file, log
-``checkpoint data half written``, sleep with the file still open, then write the rest).
+the data file is), ``WORKER_TEST_PAUSE_MID_WRITE_SECONDS`` (write half of each data file, log
+``checkpoint data half written``, sleep with the file still open, then write the rest) and
+``WORKER_TEST_PAUSE_MID_READ_SECONDS`` (each read of a data file's second half sleeps first, the
+first of them after logging ``checkpoint data half read``: a slow restore, for a SIGTERM during it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from typing import Mapping
+from typing import BinaryIO, Mapping
 
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage, Payload
@@ -23,21 +25,31 @@ class PausingStorage(LocalStorage):
     :param before_commit_s: seconds to sleep before writing a ``.commit.json``; default 0.
     :param mid_write_s: seconds to sleep with half of a ``.pt`` data file written (and the file
         open); default 0.
-    :param logger: where ``checkpoint data half written`` goes; default stdout.
+    :param mid_read_s: seconds to sleep before each read of the second half of a ``.pt`` data
+        file (a read is at most 8 MiB in a restore); default 0.
+    :param logger: where ``checkpoint data half written`` (and ``half read``) goes; default stdout.
     """
 
     def __init__(self, before_commit_s: float = 0.0, mid_write_s: float = 0.0,
-                 logger: StructuredLogger | None = None) -> None:
-        if before_commit_s < 0 or mid_write_s < 0:
+                 logger: StructuredLogger | None = None, mid_read_s: float = 0.0) -> None:
+        if before_commit_s < 0 or mid_write_s < 0 or mid_read_s < 0:
             raise ValueError("pauses must be >= 0 seconds")
-        self.before_commit_s, self.mid_write_s = before_commit_s, mid_write_s
+        self.before_commit_s, self.mid_write_s, self.mid_read_s = before_commit_s, mid_write_s, mid_read_s
         self._log = logger or StructuredLogger()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PausingStorage:
         """:return: the storage with the pauses of the ``WORKER_TEST_PAUSE_*`` variables."""
         return cls(float(env.get("WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", "0") or 0),
-                   float(env.get("WORKER_TEST_PAUSE_MID_WRITE_SECONDS", "0") or 0))
+                   float(env.get("WORKER_TEST_PAUSE_MID_WRITE_SECONDS", "0") or 0),
+                   mid_read_s=float(env.get("WORKER_TEST_PAUSE_MID_READ_SECONDS", "0") or 0))
+
+    def open_read(self, path: str) -> BinaryIO:
+        """Open like :class:`LocalStorage`; a data file's reader pauses in its second half."""
+        handle = super().open_read(path)
+        if not (self.mid_read_s and path.endswith(".pt")):
+            return handle
+        return _PausingReader(handle, self.size(path) // 2, self.mid_read_s, self._log, path)
 
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
         """Write like :class:`LocalStorage`, pausing as configured."""
@@ -69,8 +81,37 @@ class PausingStorage(LocalStorage):
         return write
 
 
+class _PausingReader(io.RawIOBase):
+    """A reader that sleeps before each read that starts at or past ``half``, logging
+    ``checkpoint data half read`` before the first of them."""
+
+    def __init__(self, handle: BinaryIO, half: int, pause_s: float, logger: StructuredLogger, path: str) -> None:
+        super().__init__()
+        self._handle, self._half, self._pause_s, self._log, self._path = handle, half, pause_s, logger, path
+        self._position = 0
+        self._paused = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self._position >= self._half:
+            if not self._paused:
+                self._paused = True
+                self._log.debug("checkpoint data half read", file=self._path, bytes=self._position)
+            time.sleep(self._pause_s)
+        count = self._handle.readinto(buffer) or 0
+        self._position += count
+        return count
+
+    def close(self) -> None:
+        self._handle.close()
+        super().close()
+
+
 if __name__ == "__main__":
     from gpu_resilience_worker.__main__ import main
     from gpu_resilience_worker.preemption import exit_now
 
     exit_now(main(storage=PausingStorage.from_env(os.environ)))
+

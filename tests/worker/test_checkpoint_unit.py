@@ -19,6 +19,7 @@ from gpu_resilience_worker.checkpoint import (
     FixedIntervalPolicy,
     KeepLatestN,
     ParsedName,
+    RestoreInterrupted,
 )
 from gpu_resilience_worker.logs import StructuredLogger
 
@@ -230,6 +231,77 @@ def test_manager_save_load_keep_and_fallback(tmp_path: Path) -> None:
     assert restored.tensor.item() == 2.0
     warnings = [r for r in log.records if r["severity"] == "WARNING"]
     assert warnings and warnings[0]["file"].endswith("ckpt-00000030.pt")
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_checkpoint_found_by_the_restore_is_not_kept_in_place_of_a_valid_one(tmp_path: Path) -> None:
+    """keep_latest_k=2 after a fallback past a corrupt newest checkpoint of the right size: the
+    valid one restored from stays, the corrupt one is not counted as kept."""
+    box = Box()
+    with _manager(tmp_path, box) as manager:
+        for step in (10, 20):
+            box.tensor += 1
+            manager.save(step)
+    _flip_a_byte(tmp_path / "ckpt-00000020.pt")
+    restored = Box()
+    with _manager(tmp_path, restored) as manager:
+        assert manager.load() is True and manager.loaded_step == 10
+        restored.tensor += 1
+        manager.save(30, force=True)
+        assert manager.valid_steps() == [30, 10]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["ckpt-00000010.pt", "ckpt-00000030.pt"]
+
+
+def test_an_unloadable_checkpoint_is_not_kept_in_place_of_a_valid_one(tmp_path: Path) -> None:
+    """The same for a checkpoint whose bytes match its record but lack this manager's items."""
+    box = Box()
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, keep_latest_k=2, async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, {"other": Box()}, logger=StructuredLogger(ListLog())) as manager:
+        manager.save(20)
+    with _manager(tmp_path, Box()) as manager:
+        assert manager.load() is True and manager.loaded_step == 10
+        manager.save(30, force=True)
+        assert manager.valid_steps() == [30, 10]
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 3])
+def test_a_stop_during_the_restore_raises_and_judges_no_checkpoint(tmp_path: Path, stop_after: int) -> None:
+    """``should_stop`` ends a restore (before a candidate, or between its 8 MiB reads) with
+    RestoreInterrupted: nothing is loaded, nothing logged as invalid or deleted, and the next
+    manager restores the newest checkpoint."""
+    box = Box()
+    box.tensor = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB: three reads
+    with _manager(tmp_path, box) as manager:
+        manager.save(10)
+        box.tensor += 1
+        manager.save(20)
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(1)
+        return len(asked) > stop_after
+
+    log = ListLog()
+    restored = Box()
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, keep_latest_k=2, async_mode=AsyncMode.DISABLED)
+    with CheckpointManager(config, {"box": restored}, logger=StructuredLogger(log), should_stop=should_stop) as manager:
+        with pytest.raises(RestoreInterrupted) as raised:
+            manager.load()
+    assert raised.value.step == (None if stop_after == 0 else 20)
+    assert manager.loaded_step is None and restored.tensor.numel() == 1
+    assert not [r for r in log.records if r["severity"] == "WARNING"], log.records
+    again = Box()
+    with _manager(tmp_path, again) as manager:
+        assert manager.valid_steps() == [20, 10]
+        assert manager.load() is True and manager.loaded_step == 20
+    assert torch.equal(again.tensor, box.tensor)
 
 
 def test_manager_cleans_uncommitted_and_temp_files_at_its_first_save(tmp_path: Path) -> None:

@@ -56,6 +56,33 @@ def test_sigkill_between_data_and_commit_resumes_from_previous(task: Task, basel
     assert _hashes(metrics) == _hashes(baseline[0].metrics())
 
 
+def test_sigterm_during_a_slow_restore_exits_143_without_waiting_for_it(task: Task) -> None:
+    """A SIGTERM while a checkpoint is read ends the attempt with 143 after at most one more
+    read, not after the whole restore (on a cold or slow volume, longer than the grace period);
+    the checkpoint stays valid and the next attempt resumes from it."""
+    flags = ("--hidden", "3000", "--checkpoint-every", "5")  # about 108 MB: 13 reads of 8 MiB
+    first = task.start(*flags)
+    first.wait_for(lambda r: r.get("message") == "checkpoint saved" and r["step"] == 5, timeout=120)
+    first.signal(SIGTERM)
+    assert first.wait() == 143, first.output
+    saved = task.valid_steps()[-1]
+    # each read of the data file's second half takes 2 s: at least 12 s for the restore
+    second = task.start(*flags, env={"WORKER_TEST_PAUSE_MID_READ_SECONDS": "2"})
+    second.wait_for(lambda r: r.get("message") == "checkpoint data half read", timeout=120)
+    signalled = time.monotonic()
+    second.signal(SIGTERM)
+    assert second.wait() == 143, second.output
+    assert time.monotonic() - signalled < 8.0, second.output  # 2 s for the read under way, then out
+    messages = [r["message"] for r in second.records]
+    assert "SIGTERM received during the restore; exiting without it" in messages, messages
+    assert not any(m.startswith(("resuming from step", "skipping invalid checkpoint", "checkpoint saved"))
+                   for m in messages), messages
+    assert task.valid_steps()[-1] == saved
+    third = task.run(*flags)
+    assert third.proc.returncode == 0, third.output
+    assert any(r["message"] == f"resuming from step {saved}" for r in third.records), third.output
+
+
 def test_process_group_sigterm_flushes_exits_143_and_resumes_bit_identical(task: Task, baseline) -> None:
     """Cloud Run signals the whole process group: the (async-saving) worker still flushes."""
     first = task.start("--checkpoint-every", "50", "--step-delay", "0.01", new_group=True)

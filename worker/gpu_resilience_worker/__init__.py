@@ -14,7 +14,7 @@ Three ways in:
 The public names:
 
 - checkpoints: :class:`CheckpointManager`, :class:`CheckpointConfig`, :class:`AsyncMode`,
-  :class:`CheckpointSaveError`, :class:`Stateful`;
+  :class:`CheckpointSaveError`, :class:`RestoreInterrupted`, :class:`Stateful`;
 - the commit protocol: :class:`CommitStore`, :class:`CommitRecord`, :class:`CheckpointName`,
   :class:`Storage`, :class:`LocalStorage`;
 - preemption and deadline: :class:`PreemptionWatcher`, :func:`set_task_deadline`,
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 #: ``import gpu_resilience_worker`` loads neither torch nor anything else: the CLI sets
 #: ``MKL_CBWR`` before torch loads, and a user's script decides when torch loads.
 _EXPORTS = {
-    "checkpoint": ("CheckpointManager", "CheckpointSaveError", "Stateful"),
+    "checkpoint": ("CheckpointManager", "CheckpointSaveError", "RestoreInterrupted", "Stateful"),
     "commit": ("CheckpointName", "CommitRecord", "CommitStore"),
     "errors": ("EXIT_OK", "EXIT_PREEMPTED", "ConfigError", "DataError", "DivergedError", "OutputError",
                "WorkerError"),
@@ -71,8 +71,8 @@ def __dir__() -> list:
 __all__ = [
     "ATTEMPTS", "AsyncMode", "CheckpointConfig", "CheckpointManager", "CheckpointName",
     "CheckpointSaveError", "CommitRecord", "CommitStore", "ConfigError", "DataError",
-    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS",
-    "OutputError", "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop",
+    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS", "OutputError",
+    "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop", "RestoreInterrupted",
     "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
     "fatal_marker_code", "ignore_termination_signals", "read_json", "record_attempt",
     "run_training", "set_task_deadline", "state_digest", "task_namespace", "write_fatal",

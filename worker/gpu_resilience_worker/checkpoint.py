@@ -79,6 +79,19 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint save failed (raised for a background save by the next wait or save)."""
 
 
+class RestoreInterrupted(Exception):
+    """A restore ended because a stop was requested (a SIGTERM or the task deadline) while it was
+    reading: nothing was loaded, and no checkpoint was judged. Raised by
+    :meth:`CheckpointManager.load` when the manager has a ``should_stop``.
+
+    :param step: the step whose checkpoint was being read, or ``None`` (between candidates).
+    """
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__(f"restore stopped{'' if step is None else f' while reading step {step}'}: a stop was requested")
+        self.step = step
+
+
 class CheckpointManager:
     """Schedules saves, snapshots the states, keeps the newest checkpoints and loads one.
 
@@ -98,6 +111,10 @@ class CheckpointManager:
     :param storage: the storage backend; default :class:`~gpu_resilience_worker.storage.LocalStorage`.
     :param logger: structured logger; default one on stdout.
     :param clock: monotonic clock in seconds, for save timings and time-based intervals.
+    :param should_stop: asked before each checkpoint a restore reads and between its reads
+        (every 8 MiB); when it returns true, :meth:`load` raises :class:`RestoreInterrupted`, so a
+        SIGTERM during a multi-GB restore (or its fallback past a corrupt checkpoint) ends the
+        attempt within the grace period. Default: never (a restore always runs to its end).
     """
 
     def __init__(
@@ -108,8 +125,10 @@ class CheckpointManager:
         storage: Storage | None = None,
         logger: StructuredLogger | None = None,
         clock: Callable[[], float] = time.monotonic,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
+        self._should_stop = should_stop
         self._states = dict(states)
         self._log = logger or StructuredLogger()
         self._store = CommitStore(config.folder, storage or LocalStorage(), self._log)
@@ -281,12 +300,18 @@ class CheckpointManager:
         An invalid candidate (torn, truncated, corrupt, unloadable) is skipped with a WARNING
         naming its file, and the previous one is tried.
 
+        A checkpoint found corrupt or unloadable is no longer counted by retention as one of the
+        kept ones (so a valid one is not deleted in its place).
+
         :param step: the step to load; default ``config.load_step`` (-1: newest valid).
         :return: whether a checkpoint was loaded (its step is then in :attr:`loaded_step`).
+        :raises RestoreInterrupted: when ``should_stop`` said so before or during a read.
         """
         wanted = self.config.load_step if step is None else step
         candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
+            if self._should_stop is not None and self._should_stop():
+                raise RestoreInterrupted(None)
             state = self._read_state(candidate)
             if state is None:
                 continue
@@ -337,7 +362,9 @@ class CheckpointManager:
             return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True, mmap=False)
 
     def _read_state(self, step: int) -> dict[str, Any] | None:
-        copy, reason = self._store.read_verified(step)  # the one read of the data
+        copy, reason = self._store.read_verified(step, self._should_stop)  # the one read of the data
+        if copy is None and self._should_stop is not None and self._should_stop():
+            raise RestoreInterrupted(step)
         if copy is not None:
             try:
                 state = self._deserialize(copy)
@@ -349,6 +376,7 @@ class CheckpointManager:
                 reason = f"torch.load failed: {exc}"
             finally:
                 copy.close()  # a memory-mapped state keeps its pages until it is dropped
+            self._store.mark_invalid(step)  # verified bytes that do not load: retention skips it
         self._log.warning(
             "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason
         )

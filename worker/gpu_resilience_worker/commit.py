@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from gpu_resilience_worker.fastio import (
     DIGEST_CHUNK, DIGESTS, HEX_CHARS, HashingWriter, LocalCopy, default_digest, file_chunk_digests,
@@ -175,6 +175,10 @@ class CommitStore:
         self.storage = storage
         self._log = logger
         self._verified: dict[int, str] = {}  # step -> sha256 verified (or written) by this process
+        #: step -> sha256 of a commit record whose data this process found corrupt or unloadable:
+        #: such a checkpoint is not counted as kept (its size alone would pass), so retention
+        #: does not delete a valid checkpoint in its place
+        self._invalid: dict[int, str] = {}
         #: the chunk digest of the checkpoints this store writes (see :func:`default_digest`)
         self.digest = default_digest()
 
@@ -253,13 +257,15 @@ class CommitStore:
             return False, f"size {size} bytes, commit record says {record.size}"
         bad = next((i for i, (a, b) in enumerate(zip(digests, record.chunks)) if a != b), None)
         if bad is not None:
+            self._invalid[step] = record.sha256
             start = bad * record.chunk_bytes
             return False, (f"{record.digest} of bytes {start}-{min(start + record.chunk_bytes, size) - 1}"
                            " does not match the commit record")
         self._verified[step] = record.sha256
+        self._invalid.pop(step, None)
         return True, ""
 
-    def read_verified(self, step: int) -> tuple[LocalCopy | None, str]:
+    def read_verified(self, step: int, stop: Callable[[], bool] | None = None) -> tuple[LocalCopy | None, str]:
         """Read one checkpoint's data once, sequentially through :meth:`Storage.open_read`, into
         a private local copy, checking it against its commit record as it is read.
 
@@ -267,6 +273,9 @@ class CommitStore:
         changes afterwards cannot slip in), and the data is read from storage exactly once.
         Peak memory: one checkpoint's size (the copy), which a ``mmap=True`` load shares.
 
+        :param step: the checkpoint's step.
+        :param stop: asked between reads; when it returns true, reading ends and ``(None,
+            reason)`` is returned (the checkpoint is not marked invalid); default never.
         :return: ``(copy, "")`` when valid (the caller closes the copy), else ``(None, reason)``.
         """
         record, reason = self.record(step)
@@ -280,7 +289,7 @@ class CommitStore:
                 return None, f"size {size} bytes, commit record says {record.size}"
             copy = LocalCopy(size)
             with self.storage.open_read(path) as handle:
-                size, digests = copy.fill(handle, record.chunk_bytes, record.digest)
+                size, digests = copy.fill(handle, record.chunk_bytes, record.digest, stop)
             ok, reason = self._check(step, record, size, digests)
         except (OSError, ValueError, ImportError) as exc:
             ok, reason = False, f"unreadable data file: {exc}"
@@ -289,15 +298,25 @@ class CommitStore:
             copy = None
         return copy, reason
 
+    def mark_invalid(self, step: int) -> None:
+        """Remember that the data of ``step``'s current commit record is unusable (found corrupt,
+        or not loadable), so that :meth:`committed_steps` no longer counts it. A new commit
+        record for the step (a rewrite) clears it."""
+        record, _ = self.record(step)
+        if record is not None:
+            self._invalid[step] = record.sha256
+            self._verified.pop(step, None)
+
     def committed_steps(self) -> list[int]:
         """:return: newest first, the steps whose commit record is valid and whose data file has
         the recorded size, data unread (what retention counts as kept: re-reading every kept
         checkpoint after each save would download it again on Cloud Storage FUSE). Checkpoints
-        this process wrote or verified count without a look at the data."""
+        this process wrote or verified count without a look at the data; those it found corrupt
+        or unloadable (:meth:`mark_invalid`) do not count."""
         steps = []
         for step in self.present_steps(COMMIT):
             record, _ = self.record(step)
-            if record is None:
+            if record is None or self._invalid.get(step) == record.sha256:
                 continue
             if self._verified.get(step) != record.sha256:
                 try:
@@ -322,6 +341,7 @@ class CommitStore:
         self.storage.remove(commit_path)
         self.storage.remove(data_path)  # a new object: never truncate an old one
         self._verified.pop(step, None)
+        self._invalid.pop(step, None)
         result: dict[str, Any] = {}
         digest = self.digest
 
@@ -352,6 +372,7 @@ class CommitStore:
             except OSError as exc:
                 self._log.warning("could not delete old checkpoint", step=step, error=str(exc))
         self._verified.pop(step, None)
+        self._invalid.pop(step, None)
 
     def cleanup_stale(self) -> None:
         """Remove leftovers of a killed attempt: temporary files and uncommitted data files.

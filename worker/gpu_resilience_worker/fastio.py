@@ -21,7 +21,7 @@ import tempfile
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 #: Bytes per write (and per read) of big records, in bytes (8 MiB).
 CHUNK = 8 << 20
@@ -430,6 +430,15 @@ def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, dige
         index += 1
 
 
+def _never() -> bool:
+    return False
+
+
+def _check_stop(stop: Callable[[], bool], position: int) -> None:
+    if stop():
+        raise InterruptedError(f"reading stopped after {position} bytes: a stop was requested")
+
+
 class LocalCopy:
     """A private local copy of a file's bytes that ``torch.load(..., mmap=True)`` can map.
 
@@ -475,24 +484,32 @@ class LocalCopy:
         """Whether :attr:`path` names memory of this process only (a ``memfd``), not a file."""
         return self.path is not None and self._temp is None
 
-    def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
+    def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256",
+             stop: Callable[[], bool] | None = None) -> tuple[int, list[str]]:
         """Read ``handle`` into the copy in one sequential pass, hashing each piece as it lands.
 
         :param handle: an unbuffered binary file opened for reading, at its start.
         :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
         :param digest: one of :data:`DIGESTS`; default ``sha256``.
+        :param stop: asked before each :data:`CHUNK` read; when it returns true the fill ends
+            with :class:`InterruptedError` (a SIGTERM during a restore); default never.
         :return: ``(bytes read, hex digest per chunk)``; the bytes read stop at :attr:`size`, and
             one byte more counts (so a file longer than expected does not match).
-        :raises OSError: when reading fails.
+        :raises OSError: when reading fails; :class:`InterruptedError` (an ``OSError``) when
+            ``stop`` said so.
         """
         hasher = ChunkHasher(chunk_bytes, digest)
         if self.size == 0:
             return len(handle.read(1) or b""), []
-        position = self._fill_mapping(handle, hasher) if self.buffer is not None else self._fill_file(handle, hasher)
+        stop = stop or _never
+        if self.buffer is not None:
+            position = self._fill_mapping(handle, hasher, stop)
+        else:
+            position = self._fill_file(handle, hasher, stop)
         extra = len(handle.read(1) or b"") if position == self.size else 0
         return position + extra, hasher.digests()
 
-    def _fill_file(self, handle: BinaryIO, hasher: ChunkHasher) -> int:
+    def _fill_file(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
         """Read into two reused buffers in turn; a helper thread hashes one and writes it into
         the file (``pwrite``) while the next is read. The bytes reach the copy's pages through
         the kernel (no page fault or zero-fill per page, as a write through a mapping of new
@@ -503,6 +520,7 @@ class LocalCopy:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copy") as helper:
             try:
                 while position < self.size:
+                    _check_stop(stop, position)
                     view = buffers[0][: min(CHUNK, self.size - position)]
                     count = handle.readinto(view) or 0
                     if pending is not None:
@@ -524,7 +542,7 @@ class LocalCopy:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def _fill_mapping(self, handle: BinaryIO, hasher: ChunkHasher) -> int:
+    def _fill_mapping(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
         """Read straight into the anonymous memory of the copy, hashing each piece as it lands."""
         assert self.buffer is not None
         view = memoryview(self.buffer)[: self.size]
@@ -532,6 +550,7 @@ class LocalCopy:
         position = 0
         try:
             while position < self.size:
+                _check_stop(stop, position)
                 count = handle.readinto(view[position : min(position + CHUNK, self.size)]) or 0
                 for future in pending:
                     future.result()

@@ -35,7 +35,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, Stateful
+from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
 from gpu_resilience_worker.config import TaskIdentity, _env_float, _safe_name, DEFAULT_ROOT
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
@@ -290,8 +290,11 @@ class ResilientLoop:
             return stopped_during_startup(self.watcher, self._log)
         config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
         with CheckpointManager(config, {TRAIN_STATE: self.state, **self.states}, storage=self._storage,
-                               logger=self._log) as manager:
-            self._resume(manager)
+                               logger=self._log, should_stop=lambda: self.watcher.requested) as manager:
+            try:
+                self._resume(manager)
+            except RestoreInterrupted:  # a SIGTERM while a checkpoint was read: nothing to save
+                return stopped_during_startup(self.watcher, self._log, during_restore=True)
             progress = ProgressReporter(self._storage, self.namespace, self.total_steps, self.state.step,
                                         self._log, min_interval=self._progress_interval,
                                         high_water_step=self._high_water_step)

@@ -159,8 +159,11 @@ class Trainer:
         if self._watcher.requested:  # stopped while torch loaded or the model was built: nothing to save
             return stopped_during_startup(self._watcher, self._log)
         with ckpt.CheckpointManager(self.config.checkpoint, parts.stateful(), storage=self._storage,
-                                    logger=self._log) as manager:
-            self._resume(manager, parts)
+                                    logger=self._log, should_stop=lambda: self._watcher.requested) as manager:
+            try:
+                self._resume(manager, parts)
+            except ckpt.RestoreInterrupted:  # a SIGTERM while a checkpoint was read: nothing to save
+                return stopped_during_startup(self._watcher, self._log, during_restore=True)
             progress = ProgressReporter(
                 self._storage, self.config.namespace, self.config.train.steps, parts.state.step,
                 self._log, min_interval=self.config.progress_interval, high_water_step=self._high_water_step,
