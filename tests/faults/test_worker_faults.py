@@ -237,6 +237,9 @@ def test_disk_full_during_saves_keeps_the_last_good_checkpoint(task: Task, basel
     assert any(r.get("message") == "checkpoint save failed; training goes on" for r in full.records), full.output
     assert task.valid_steps()[-len(good):] == good or set(good) <= set(task.valid_steps())
     assert max(task.valid_steps()) == good[-1]  # nothing newer became valid: every write was torn
+    # and the torn files are gone with their failed saves: their space is free again
+    data = {p.name.removesuffix(".pt") for p in task.namespace.glob("ckpt-*.pt")}
+    assert data == {p.name.removesuffix(".commit.json") for p in task.namespace.glob("ckpt-*.commit.json")}, data
     assert not (task.namespace / "FATAL").exists()
     after = run_to_end(task, SHORT)
     assert resumed_step(after) == good[-1]

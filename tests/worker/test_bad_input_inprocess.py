@@ -139,3 +139,19 @@ def test_pickled_payload_is_refused_not_executed(tmp_path: Path) -> None:
     assert not marker.exists() and restored.tensor.item() == 2.0
     skipped = [r for r in log.records if r["message"] == "skipping invalid checkpoint"]
     assert skipped[0]["step"] == 20 and "torch.load failed" in skipped[0]["reason"]
+
+
+def test_a_write_probe_that_fails_half_way_is_not_left_behind(tmp_path: Path, monkeypatch) -> None:
+    """A full disk: the probe's file is created, its write fails with ENOSPC; the error stays
+    retryable (an OSError, not OutputError) and the probe's file is removed."""
+    from gpu_resilience_worker.fatal import check_writable
+
+    def full(self, path, data, *, atomic=False):
+        Path(path).write_bytes(b"pr")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalStorage, "write", full)
+    with pytest.raises(OSError) as raised:
+        check_writable(str(tmp_path / "ns"))
+    assert raised.value.errno == errno.ENOSPC
+    assert list((tmp_path / "ns").iterdir()) == []

@@ -350,7 +350,16 @@ class CommitStore:
             save_without_crc32(state, writer)
             result["chunks"], result["size"] = writer.digests(), writer.size
 
-        self.storage.write(data_path, produce)  # raises when close() fails: then no record
+        try:
+            self.storage.write(data_path, produce)  # raises when close() fails: then no record
+        except BaseException:
+            # what was written of it is no checkpoint: give its space back now (a full disk
+            # stays full otherwise, until the next attempt's first save cleans up)
+            try:
+                self.storage.remove_entry(self.folder, CheckpointName.build(step, DATA))
+            except OSError:
+                pass
+            raise
         self._log.debug("checkpoint data written", step=step, file=data_path)
         record = CommitRecord.of_chunks(step, result["size"], result["chunks"], utc_now(), digest=digest)
         self.storage.write(commit_path, record.to_bytes(), atomic=True)

@@ -68,6 +68,11 @@ def check_writable(namespace: str) -> None:
         LocalStorage().write(probe, b"probe")
         os.remove(probe)
     except OSError as exc:
+        try:  # a probe that failed half-way (a full disk) is not left behind
+            if not os.path.islink(probe):
+                os.remove(probe)
+        except OSError:
+            pass
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
             raise OutputError(f"checkpoint folder {namespace} is not writable: {exc.strerror or exc}") from None
         raise
