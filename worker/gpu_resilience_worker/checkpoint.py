@@ -128,7 +128,7 @@ class CheckpointManager:
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
-        self._should_stop = should_stop
+        self._should_stop = should_stop or (lambda: False)
         self._states = dict(states)
         self._log = logger or StructuredLogger()
         self._store = CommitStore(config.folder, storage or LocalStorage(), self._log)
@@ -310,7 +310,7 @@ class CheckpointManager:
         wanted = self.config.load_step if step is None else step
         candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
-            if self._should_stop is not None and self._should_stop():
+            if self._should_stop():
                 raise RestoreInterrupted(None)
             state = self._read_state(candidate)
             if state is None:
@@ -363,7 +363,7 @@ class CheckpointManager:
 
     def _read_state(self, step: int) -> dict[str, Any] | None:
         copy, reason = self._store.read_verified(step, self._should_stop)  # the one read of the data
-        if copy is None and self._should_stop is not None and self._should_stop():
+        if copy is None and self._should_stop():
             raise RestoreInterrupted(step)
         if copy is not None:
             try:

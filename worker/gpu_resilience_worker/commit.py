@@ -340,8 +340,7 @@ class CommitStore:
         data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
         self.storage.remove(commit_path)
         self.storage.remove(data_path)  # a new object: never truncate an old one
-        self._verified.pop(step, None)
-        self._invalid.pop(step, None)
+        self._forget(step)
         result: dict[str, Any] = {}
         digest = self.digest
 
@@ -356,7 +355,7 @@ class CommitStore:
             # what was written of it is no checkpoint: give its space back now (a full disk
             # stays full otherwise, until the next attempt's first save cleans up)
             try:
-                self.storage.remove_entry(self.folder, CheckpointName.build(step, DATA))
+                self._remove(CheckpointName.build(step, DATA), step, "a failed save's data file")
             except OSError:
                 pass
             raise
@@ -380,6 +379,10 @@ class CommitStore:
                 self._remove(CheckpointName.build(step, kind), step, "an old checkpoint file")
             except OSError as exc:
                 self._log.warning("could not delete old checkpoint", step=step, error=str(exc))
+        self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        """Drop this process's verdicts on ``step`` (its files are gone or being rewritten)."""
         self._verified.pop(step, None)
         self._invalid.pop(step, None)
 
