@@ -116,7 +116,7 @@ def pytest_runtest_setup(item) -> None:
     """Fail a test marked ``serial`` that runs beside others: on more than one pytest-xdist worker
     it would share the cores with other tests, which its wall-clock deadlines, grace periods or
     latencies do not allow for. ``scripts/run_tests.sh`` (``make test``) runs the others with
-    ``-m "not serial" -n 2``, then these alone with ``-m serial``."""
+    ``-m "not serial" -n 3``, then these alone with ``-m serial``."""
     if item.get_closest_marker("serial") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         pytest.fail("marked serial: it must not run on several pytest-xdist workers; select -m 'not serial' "
                     "there and run it alone with -m serial (scripts/run_tests.sh does both)", pytrace=False)
