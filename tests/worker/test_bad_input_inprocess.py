@@ -39,6 +39,21 @@ def _run(capsys, root: Path, data: Path, *extra: str, env: dict | None = None) -
     return code, [r for r in lines if r["severity"] == "ERROR"]
 
 
+#: case -> (extra flags, environment) of the rows a breaker found
+BREAKER_CASES = {
+    "task timeout 0": ([], {"TASK_TIMEOUT_SECONDS": "0"}),
+    "task timeout inf": ([], {"TASK_TIMEOUT_SECONDS": "inf"}),
+    "grace inf": ([], {"PREEMPTION_GRACE_SECONDS": "inf"}),
+    "grace 1e300": ([], {"PREEMPTION_GRACE_SECONDS": "1e300"}),
+    "execution outside": ([], {"CLOUD_RUN_EXECUTION": "../../escaped"}),
+    "threads 100000": (["--threads", "100000"], {}),
+    "interval infs": (["--checkpoint-interval", "infs"], {}),
+    "mtbi inf": (["--mtbi", "inf"], {}),
+    "progress interval inf": (["--progress-interval", "inf"], {}),
+    "empty run id": (["--run-id", ""], {}),
+}
+
+
 @pytest.mark.parametrize(
     ("case", "code", "reason"),
     [
@@ -49,6 +64,18 @@ def _run(capsys, root: Path, data: Path, *extra: str, env: dict | None = None) -
         ("bad value", 78, "--steps"),
         ("bad environment", 78, "PREEMPTION_GRACE_SECONDS"),
         ("unwritable checkpoint dir", 73, "not writable"),
+        # found by a breaker: each of these ran into a crash (exit 1, or SIGSEGV) on every retry,
+        # wrote outside the task folder, or never saved
+        ("task timeout 0", 78, "TASK_TIMEOUT_SECONDS='0' must be a number of seconds > 0 and <= 604800"),
+        ("task timeout inf", 78, "TASK_TIMEOUT_SECONDS='inf'"),
+        ("grace inf", 78, "PREEMPTION_GRACE_SECONDS='inf' must be a number of seconds >= 0 and <= 604800"),
+        ("grace 1e300", 78, "PREEMPTION_GRACE_SECONDS='1e300'"),
+        ("execution outside", 78, "CLOUD_RUN_EXECUTION '../../escaped' is not a safe path component"),
+        ("threads 100000", 78, "--threads must be in [1, 1024], got 100000"),
+        ("interval infs", 78, "--checkpoint-interval 'infs'"),
+        ("mtbi inf", 78, "--mtbi (mean time between interruptions) must be a finite number"),
+        ("progress interval inf", 78, "--progress-interval must be in [0, 604800] seconds"),
+        ("empty run id", 78, "--run-id is empty"),
     ],
 )
 def test_bad_input_one_error_line_sysexits_code_checkpoints_untouched(
@@ -72,6 +99,8 @@ def test_bad_input_one_error_line_sysexits_code_checkpoints_untouched(
         extra = ["--steps", "0"]
     elif case == "bad environment":
         env = {"PREEMPTION_GRACE_SECONDS": "soon"}
+    elif case in BREAKER_CASES:
+        extra, env = BREAKER_CASES[case]
     else:  # root ignores file modes: refuse the probe write as a read-only mount would
         real_write = LocalStorage.write
 
@@ -86,7 +115,9 @@ def test_bad_input_one_error_line_sysexits_code_checkpoints_untouched(
     assert len(errors) == 1 and reason in errors[0]["message"], errors
     after = {p.name: p.read_bytes() for p in namespace.iterdir() if p.name != "FATAL"}
     assert after == before
-    if code != 73:  # a writable namespace holds the marker: the same invocation exits at once
+    # a writable namespace holds the marker: the same invocation exits at once (not where the
+    # task identity or a namespace flag itself is bad: the namespace is not known)
+    if code != 73 and case not in ("execution outside", "empty run id"):
         assert json.loads((namespace / "FATAL").read_text())["exit_code"] == code
         assert _run(capsys, root, data, *extra, env=env)[0] == code
 
@@ -155,3 +186,46 @@ def test_a_write_probe_that_fails_half_way_is_not_left_behind(tmp_path: Path, mo
         check_writable(str(tmp_path / "ns"))
     assert raised.value.errno == errno.ENOSPC
     assert list((tmp_path / "ns").iterdir()) == []
+
+
+def test_an_empty_checkpoint_dir_is_refused_without_writing_to_the_default_root(capsys, tmp_path: Path,
+                                                                               digits_npz: Path) -> None:
+    """``--checkpoint-dir ''`` (a template that rendered empty) used to train under /checkpoints."""
+    code = cli.main(["train", "--checkpoint-dir", "", "--data", str(digits_npz), "--steps", "5"], ENV)
+    errors = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"ERROR"' in line]
+    assert code == 78 and len(errors) == 1 and "--checkpoint-dir is empty" in errors[0]["message"]
+    assert errors[0]["fatal_marker"] == "not written: no namespace"
+
+
+@pytest.mark.parametrize("name", ["ckpt-00000005.pt", "ckpt-00000005.commit.json", "ckpt-00000005.pt.tmp",
+                                  "metrics.json", "progress.json", "attempts.json", ".write-probe", "FATAL"])
+def test_a_folder_named_like_a_worker_file_exits_73_at_once_and_is_checked_again_next_time(
+    capsys, tmp_path: Path, digits_npz: Path, name: str
+) -> None:
+    """A folder with one of the worker's file names (step 5 is the final step here) failed the
+    final save, or the probe, on every attempt with exit 1: now one error naming it, exit 73
+    before any training, the folder and its contents untouched; once it is removed, the next
+    attempt trains (the marker of a 73 does not outlive the cause)."""
+    root = tmp_path / "ckpt"
+    blocker = root / "job" / "task-0" / name
+    blocker.mkdir(parents=True)
+    (blocker / "user-file").write_text("keep me")
+    exit_code, errors = _run(capsys, root, digits_npz)
+    assert exit_code == 73 and len(errors) == 1, errors
+    assert f"folders named like the worker's own files ({name})" in errors[0]["message"]
+    assert (blocker / "user-file").read_text() == "keep me"
+    assert not any(p.name.startswith("ckpt-") for p in blocker.parent.iterdir() if p != blocker)
+    (blocker / "user-file").unlink()
+    blocker.rmdir()
+    assert _run(capsys, root, digits_npz)[0] == 0
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"reason": "no exit code"}'])
+def test_an_unreadable_fatal_marker_is_removed_not_obeyed(capsys, tmp_path: Path, digits_npz: Path,
+                                                          content: bytes) -> None:
+    """Markers are written whole; an empty or garbled one made every attempt exit 78."""
+    namespace = tmp_path / "ckpt" / "job" / "task-0"
+    namespace.mkdir(parents=True)
+    (namespace / "FATAL").write_bytes(content)
+    assert _run(capsys, tmp_path / "ckpt", digits_npz)[0] == 0
+    assert not (namespace / "FATAL").exists()

@@ -43,7 +43,15 @@ def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) 
     return value
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+#: The largest number of seconds a duration variable may say: Cloud Run's longest task timeout
+#: (168 hours). Beyond it a wait overflows the platform's timestamps (``inf``, ``1e300``).
+MAX_SECONDS = 604800.0
+#: The most torch intra-op threads ``--threads`` accepts: OpenMP crashed (SIGSEGV, no message)
+#: at 100000; no machine Cloud Run offers has a tenth of this many cores.
+MAX_THREADS = 1024
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float | None, *, positive: bool = False) -> float | None:
     raw = env.get(name, "")
     if raw == "":
         return default
@@ -51,8 +59,9 @@ def _env_float(env: Mapping[str, str], name: str, default: float | None) -> floa
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if not value >= 0:
-        raise ConfigError(f"{name}={raw!r} must be >= 0")
+    low = "> 0" if positive else ">= 0"
+    if not ((value > 0 if positive else value >= 0) and value <= MAX_SECONDS):
+        raise ConfigError(f"{name}={raw!r} must be a number of seconds {low} and <= {MAX_SECONDS:g}")
     return value
 
 
@@ -84,7 +93,8 @@ class TaskIdentity:
         """:raises ConfigError: when a variable is malformed."""
         identity = cls(
             job=_safe_name(env.get("CLOUD_RUN_JOB") or "local", "CLOUD_RUN_JOB"),
-            execution=env.get("CLOUD_RUN_EXECUTION", ""),
+            execution=_safe_name(env["CLOUD_RUN_EXECUTION"], "CLOUD_RUN_EXECUTION")
+            if env.get("CLOUD_RUN_EXECUTION") else "",
             task_index=_env_int(env, "CLOUD_RUN_TASK_INDEX", 0),
             task_attempt=_env_int(env, "CLOUD_RUN_TASK_ATTEMPT", 0),
             task_count=_env_int(env, "CLOUD_RUN_TASK_COUNT", 1, minimum=1),
@@ -136,8 +146,8 @@ class TrainConfig:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if not 0 <= self.step_delay <= 3600:
             raise ValueError(f"--step-delay must be in [0, 3600] seconds, got {self.step_delay}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"--threads must be in [1, {MAX_THREADS}], got {self.threads}")
 
     def fingerprint(self) -> dict[str, object]:
         """:return: the settings that a checkpoint must have been written with to be resumed."""
@@ -235,6 +245,8 @@ def guess_namespace(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
     probe.add_argument("--run-id")
     try:
         known, _ = probe.parse_known_args(list(argv))
+        if "" in (known.checkpoint_dir, known.run_id):
+            return None  # an empty flag is the error itself: no default folder is written to
         root = known.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
         run_id = known.run_id or env.get("CHECKPOINT_RUN_ID") or None
         return TaskIdentity.from_env(env).namespace(root, _safe_name(run_id, "run id") if run_id else None)
@@ -259,12 +271,13 @@ def parse_interval(spec: str | None, every: int) -> dict[str, object]:
             return {**settings, "interval": 0, "auto_interval": True}
         if text.endswith("s"):
             seconds = float(text[:-1])
-            if not seconds > 0:
+            if not 0 < seconds <= MAX_SECONDS:
                 raise ValueError
             return {**settings, "interval": 0, "interval_seconds": seconds}
         return {**settings, "interval": int(text)}
     except ValueError:
-        raise ConfigError(f"--checkpoint-interval {spec!r}: expected N (steps), Ns (seconds) or auto") from None
+        raise ConfigError(f"--checkpoint-interval {spec!r}: expected N (steps), Ns (seconds, at most "
+                          f"{MAX_SECONDS:g}) or auto") from None
 
 
 def sweep_member(identity: TaskIdentity, mode: str) -> int | None:
@@ -280,6 +293,9 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
     :raises ConfigError: on any invalid flag or variable.
     """
     args = build_parser().parse_args(list(argv))
+    for flag, value in (("--checkpoint-dir", args.checkpoint_dir), ("--run-id", args.run_id)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty; leave it out for the default, or give a value")
     identity = TaskIdentity.from_env(env)
     root = args.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
     run_id = args.run_id or env.get("CHECKPOINT_RUN_ID") or None
@@ -299,13 +315,13 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if not args.progress_interval >= 0:
-        raise ConfigError(f"--progress-interval must be >= 0, got {args.progress_interval}")
+    if not 0 <= args.progress_interval <= MAX_SECONDS:
+        raise ConfigError(f"--progress-interval must be in [0, {MAX_SECONDS:g}] seconds, got {args.progress_interval}")
     return WorkerConfig(
         train=train, checkpoint=checkpoint, identity=identity,
         data_path=os.path.join(root, args.data),
         grace_seconds=_env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS),
-        task_timeout_seconds=_env_float(env, "TASK_TIMEOUT_SECONDS", None),
+        task_timeout_seconds=_env_float(env, "TASK_TIMEOUT_SECONDS", None, positive=True),
         progress_interval=args.progress_interval, preemption_save=args.preemption_save,
         sweep_member=member,
     )

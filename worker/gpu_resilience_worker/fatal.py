@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Sequence
 
-from gpu_resilience_worker.errors import OutputError, WorkerError
-from gpu_resilience_worker.files import FATAL, read_json, write_json
+from gpu_resilience_worker.commit import CheckpointName
+from gpu_resilience_worker.errors import EXIT_CANTCREAT, OutputError, WorkerError
+from gpu_resilience_worker.files import ATTEMPTS, FATAL, METRICS, PROGRESS, read_json, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import LocalStorage
 
@@ -56,13 +58,43 @@ def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLog
     return error.exit_code
 
 
+#: The probe file :func:`check_writable` writes and removes.
+WRITE_PROBE = ".write-probe"
+#: The file names the worker writes in a task namespace, besides its checkpoints' names.
+OWN_FILES = (PROGRESS, METRICS, ATTEMPTS, FATAL, WRITE_PROBE)
+
+
+def _in_the_way(namespace: str) -> list[str]:
+    """:return: the entries of ``namespace`` that carry a name the worker writes a file under
+    (:data:`OWN_FILES`, a checkpoint's data file, commit record or their temporary files) but
+    are folders: no write of that name could ever succeed there."""
+    found = []
+    for name in sorted(os.listdir(namespace)):
+        if name not in OWN_FILES and CheckpointName.parse(name) is None:
+            continue
+        try:
+            if stat.S_ISDIR(os.lstat(os.path.join(namespace, name)).st_mode):
+                found.append(name)
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def check_writable(namespace: str) -> None:
-    """Create the namespace and write (then remove) a probe file in it.
+    """Create the namespace and write (then remove) a probe file in it, and check that no
+    folder carries the name of a file the worker writes there.
 
     :raises OutputError: when it cannot be created or written for good (permission, read-only
-        file system, a file in the way). Other ``OSError`` (e.g. EIO) propagate: retryable.
+        file system, a file in the way, a folder named like one of the worker's files: every
+        retry would fail the same way, e.g. at its final checkpoint). Other ``OSError`` (e.g.
+        EIO) propagate: retryable.
     """
-    probe = os.path.join(namespace, ".write-probe")
+    probe = os.path.join(namespace, WRITE_PROBE)
+    if os.path.isdir(namespace):
+        blocking = _in_the_way(namespace)
+        if blocking:
+            raise OutputError(f"checkpoint folder {namespace} has folders named like the worker's own files "
+                              f"({', '.join(blocking)}); remove them (their contents are not the worker's)")
     try:
         os.makedirs(namespace, exist_ok=True)
         LocalStorage().write(probe, b"probe")
@@ -73,7 +105,7 @@ def check_writable(namespace: str) -> None:
                 os.remove(probe)
         except OSError:
             pass
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
             raise OutputError(f"checkpoint folder {namespace} is not writable: {exc.strerror or exc}") from None
         raise
 
@@ -87,7 +119,24 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
     path = os.path.join(namespace, FATAL)
     if not os.path.exists(path):
         return None
-    record = read_json(LocalStorage(), path) or {}
+    if os.path.isdir(path):
+        return None  # check_writable refuses it (exit 73): not a marker any attempt wrote
+    record = read_json(LocalStorage(), path)
+    if record is None or not isinstance(record.get("exit_code"), int):
+        # markers are written whole (temporary file, then rename): an empty or garbled one is
+        # not ours, and honouring it would fail every attempt until someone deletes it
+        logger.warning("ignoring an unreadable FATAL marker; removing it", file=path)
+        try:
+            LocalStorage().remove(path)
+        except OSError:
+            pass
+        return None
+    if record["exit_code"] == EXIT_CANTCREAT:
+        # check_writable looks again before any work, in no time: a folder fixed since (a
+        # permission granted, a folder in the way removed) must not stay refused by its marker
+        logger.info("a FATAL marker of an unwritable checkpoint folder: checking the folder again", file=path)
+        LocalStorage().remove(path)
+        return None
     if called_as is not None and record.get("invocation") not in (None, called_as):
         logger.warning("ignoring a FATAL marker left by other settings or input; removing it",
                        file=path, reason=record.get("reason"))

@@ -152,10 +152,11 @@ class CheckpointConfig:
             raise ValueError(f"async_mode must be an AsyncMode, got {self.async_mode!r}")
         if not isinstance(self.load_step, int) or self.load_step < -1:
             raise ValueError(f"load_step must be -1 or a step >= 0, got {self.load_step!r}")
-        if not self.interval_seconds >= 0:
-            raise ValueError(f"checkpoint interval seconds must be >= 0, got {self.interval_seconds!r}")
-        if not self.mtbi_seconds > 0:
-            raise ValueError(f"mean time between interruptions must be > 0 s, got {self.mtbi_seconds!r}")
+        if not (self.interval_seconds >= 0 and math.isfinite(self.interval_seconds)):
+            raise ValueError(f"checkpoint interval seconds must be finite and >= 0, got {self.interval_seconds!r}")
+        if not (self.mtbi_seconds > 0 and math.isfinite(self.mtbi_seconds)):
+            raise ValueError(f"--mtbi (mean time between interruptions) must be a finite number of seconds > 0, "
+                             f"got {self.mtbi_seconds!r}")
 
     @property
     def enabled(self) -> bool:
