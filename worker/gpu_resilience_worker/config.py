@@ -59,9 +59,10 @@ def _env_float(env: Mapping[str, str], name: str, default: float | None, *, posi
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
-    low = "> 0" if positive else ">= 0"
-    if not ((value > 0 if positive else value >= 0) and value <= MAX_SECONDS):
-        raise ConfigError(f"{name}={raw!r} must be a number of seconds {low} and <= {MAX_SECONDS:g}")
+    above_low = value > 0 if positive else value >= 0
+    if not (above_low and value <= MAX_SECONDS):  # also refuses nan
+        raise ConfigError(f"{name}={raw!r} must be a number of seconds {'>' if positive else '>='} 0 "
+                          f"and <= {MAX_SECONDS:g}")
     return value
 
 
@@ -245,13 +246,23 @@ def guess_namespace(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
     probe.add_argument("--run-id")
     try:
         known, _ = probe.parse_known_args(list(argv))
-        if "" in (known.checkpoint_dir, known.run_id):
-            return None  # an empty flag is the error itself: no default folder is written to
-        root = known.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
-        run_id = known.run_id or env.get("CHECKPOINT_RUN_ID") or None
-        return TaskIdentity.from_env(env).namespace(root, _safe_name(run_id, "run id") if run_id else None)
+        return _root_and_namespace(known.checkpoint_dir, known.run_id, env, TaskIdentity.from_env(env))[1]
     except (ConfigError, SystemExit):
         return None
+
+
+def _root_and_namespace(checkpoint_dir: str | None, run_id: str | None, env: Mapping[str, str],
+                        identity: TaskIdentity) -> tuple[str, str]:
+    """:return: ``(root, namespace)`` from ``--checkpoint-dir`` and ``--run-id`` (``None``: not
+    given), else ``CHECKPOINT_DIR`` / ``CHECKPOINT_RUN_ID``, else the defaults.
+    :raises ConfigError: for a flag given empty (a template that rendered empty must not fall
+        back to the default folder or to no run level), or an unsafe run id."""
+    for flag, value in (("--checkpoint-dir", checkpoint_dir), ("--run-id", run_id)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty; leave it out for the default, or give a value")
+    root = checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
+    run_id = run_id or env.get("CHECKPOINT_RUN_ID") or None
+    return root, identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
 
 
 def parse_interval(spec: str | None, every: int) -> dict[str, object]:
@@ -293,13 +304,8 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
     :raises ConfigError: on any invalid flag or variable.
     """
     args = build_parser().parse_args(list(argv))
-    for flag, value in (("--checkpoint-dir", args.checkpoint_dir), ("--run-id", args.run_id)):
-        if value is not None and not value.strip():
-            raise ConfigError(f"{flag} is empty; leave it out for the default, or give a value")
     identity = TaskIdentity.from_env(env)
-    root = args.checkpoint_dir or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
-    run_id = args.run_id or env.get("CHECKPOINT_RUN_ID") or None
-    namespace = identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
+    root, namespace = _root_and_namespace(args.checkpoint_dir, args.run_id, env, identity)
     member = sweep_member(identity, args.sweep)
     hyper = SWEEP[member] if member is not None else {"lr": args.lr, "hidden": args.hidden}
     try:

@@ -36,7 +36,7 @@ import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
-from gpu_resilience_worker.config import TaskIdentity, _env_float, _safe_name, DEFAULT_ROOT
+from gpu_resilience_worker.config import TaskIdentity, _env_float, _root_and_namespace
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
 from gpu_resilience_worker.files import (
@@ -72,10 +72,8 @@ def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = N
     :raises ConfigError: a malformed ``CLOUD_RUN_*`` variable or an unsafe job name or run id.
     """
     env = os.environ if env is None else env
-    identity = TaskIdentity.from_env(env)
-    root = root or env.get("CHECKPOINT_DIR") or DEFAULT_ROOT
-    run_id = run_id or env.get("CHECKPOINT_RUN_ID") or None
-    return identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
+    # an empty root or run id here means "not given", as it always has for this function
+    return _root_and_namespace(root or None, run_id or None, env, TaskIdentity.from_env(env))[1]
 
 
 def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
