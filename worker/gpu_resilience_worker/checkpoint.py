@@ -9,7 +9,6 @@ protocol of :mod:`gpu_resilience_worker.commit`; its names are re-exported here.
 from __future__ import annotations
 
 import io
-import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol

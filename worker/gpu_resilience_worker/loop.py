@@ -45,7 +45,7 @@ from gpu_resilience_worker.files import (
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
-    DEFAULT_GRACE_SECONDS, PreemptionWatcher, exit_now, set_task_deadline, stopped_during_startup,
+    DEFAULT_GRACE_SECONDS, PreemptionWatcher, set_task_deadline, stopped_during_startup,
 )
 from gpu_resilience_worker.state import TrainState
 from gpu_resilience_worker.storage import LocalStorage, Storage
