@@ -62,3 +62,41 @@ def test_bad_task_index_exits_78(task: Task) -> None:
     process = task.run(env={"CLOUD_RUN_TASK_INDEX": "abc"})
     assert process.proc.returncode == 78
     assert any("CLOUD_RUN_TASK_INDEX" in r["message"] for r in process.records)
+
+
+@pytest.mark.parametrize(("args", "env", "code"), [
+    (["--keep", "1"], {}, 78),  # a flag: the configuration fails before the marker is looked at
+    ([], {"PREEMPTION_GRACE_SECONDS": "inf"}, 78),  # the environment: the same
+    (["--data", "missing.npz"], {}, 65),  # valid configuration, bad input: the marker is obeyed
+], ids=["78-flag", "78-environment", "65-missing-data"])
+def test_a_retry_obeys_its_fatal_marker_without_rewriting_it(task: Task, args, env, code: int) -> None:
+    """``FATAL`` is written once: on a Cloud Storage FUSE volume each rewrite is a mutation of
+    the same object name (throttled within a second). A 78 rewrote it on every retry."""
+    first = task.run(*args, env=env)
+    assert first.proc.returncode == code, first.output
+    marker = task.namespace / "FATAL"
+    before = marker.stat()
+    content = marker.read_bytes()
+    assert json.loads(content)["exit_code"] == code
+    second = task.run(*args, env=env)  # a Cloud Run retry: same arguments, next attempt
+    assert second.proc.returncode == code, second.output
+    after = marker.stat()
+    assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)
+    assert marker.read_bytes() == content
+    errors = second.messages("ERROR")
+    assert [r["severity"] for r in second.records] == ["ERROR"] and errors[0]["exit_code"] == code
+
+
+def test_a_78_with_another_reason_or_other_arguments_rewrites_the_marker(task: Task) -> None:
+    """Only the same error of the same invocation keeps the marker: a changed environment (same
+    arguments, another bad value) or other arguments record their own error."""
+    marker = task.namespace / "FATAL"
+    assert task.run(env={"PREEMPTION_GRACE_SECONDS": "inf"}).proc.returncode == 78
+    assert "PREEMPTION_GRACE_SECONDS" in json.loads(marker.read_text())["reason"]
+    second = task.run(env={"TASK_TIMEOUT_SECONDS": "0"})
+    assert second.proc.returncode == 78
+    assert "TASK_TIMEOUT_SECONDS" in json.loads(marker.read_text())["reason"]
+    assert "fatal_marker_kept" not in second.messages("ERROR")[0]
+    third = task.run("--keep", "1", env={"TASK_TIMEOUT_SECONDS": "0"})
+    recorded = json.loads(marker.read_text())
+    assert third.proc.returncode == 78 and "--keep" in recorded["invocation"]["argv"]

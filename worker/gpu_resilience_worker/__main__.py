@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         try:
             config = config_from_args(argv, env)
         except WorkerError as exc:
+            # a retry of this invocation finds the same error: write_fatal keeps its marker as it is
             return write_fatal(guess_namespace(argv, env), exc, logger, invocation(argv))
         identity = config.identity
         logger = logger.bind(job=identity.job, execution=identity.execution,

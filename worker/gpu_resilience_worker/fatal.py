@@ -4,6 +4,9 @@ A process that hits an error that will happen again on every retry (bad configur
 input, divergence) writes ``{namespace}/FATAL`` = ``{exit_code, reason, created_at,
 invocation}`` and exits with that code; a later attempt of the same invocation (a Cloud Run
 retry) finds the marker and exits at once with the same code instead of burning a GPU attempt.
+A configuration that does not parse has no namespace to look in until it is parsed: such an
+attempt finds its error again (no work is done) and leaves a marker of the same error and
+invocation as it is (:func:`write_fatal`), so ``FATAL`` is written once per invocation.
 Used by ``python -m gpu_resilience_worker`` and by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
 """
 
@@ -35,26 +38,49 @@ def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
     return {"argv": list(argv), "data": [stat.st_size, stat.st_mtime_ns] if stat else None}
 
 
+def _already_recorded(path: str, record: dict) -> bool:
+    """:return: whether ``path`` holds a marker of the same error (exit code and reason) and the
+    same invocation as ``record``: an earlier attempt of this invocation failed the same way."""
+    if not os.path.isfile(path):
+        return False
+    existing = read_json(LocalStorage(), path)
+    return existing is not None and all(existing.get(key) == record[key]
+                                        for key in ("exit_code", "reason", "invocation"))
+
+
 def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger,
                 called_as: dict | None = None) -> int:
     """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line.
 
+    A marker that already records the same exit code, reason and invocation (a retry of an
+    invocation whose configuration is invalid: it fails before :func:`fatal_marker_code` can be
+    asked) is obeyed as it is, not rewritten: the line says ``fatal_marker_kept``. On a Cloud
+    Storage FUSE volume each rewrite is a mutation of the same object name.
+
+    :param namespace: the task namespace, or ``None`` when not even a best guess is known (then
+        nothing is written).
+    :param error: the non-retryable error; its ``exit_code`` is returned.
+    :param logger: where the error line goes.
     :param called_as: the :func:`invocation` that failed; a later attempt with the same one exits
         at once, one with other arguments or another input file ignores the marker.
     :return: the error's exit code.
     """
     marker = "not written: no namespace"
+    kept = False
     if namespace is not None:
         record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
                   "invocation": called_as}
         path = os.path.join(namespace, FATAL)
         try:
-            write_json(LocalStorage(), path, record)
+            kept = _already_recorded(path, record)
+            if not kept:
+                write_json(LocalStorage(), path, record)
             marker = path
         except OSError as exc:
             marker = f"not written: {exc}"
+    extra = {"fatal_marker_kept": True} if kept else {}
     logger.error(f"fatal: {error.reason}", exit_code=error.exit_code, reason=error.reason,
-                 fatal_marker=marker)
+                 fatal_marker=marker, **extra)
     return error.exit_code
 
 
