@@ -35,6 +35,8 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 from google.protobuf import duration_pb2
 
+from airflow_gpu_resilience.mount_options import parse_mount_options
+
 #: Supported GPU types -> (minimum vCPU, minimum memory GiB, needs a preview launch stage).
 GPU_TYPES: Mapping[str, tuple[float, float, bool]] = {
     "nvidia-l4": (4.0, 16.0, False),
@@ -50,16 +52,6 @@ MAX_RETRIES_RANGE = (0, 10)
 MAX_TASK_COUNT = 10_000
 #: Name of the Cloud Storage volume that holds checkpoints.
 CHECKPOINT_VOLUME = "checkpoint-volume"
-#: Cloud Storage FUSE flags a Cloud Run volume accepts in ``mountOptions`` (written without the
-#: leading ``--``), name -> kind of value: ``bool`` (bare or ``=true``/``=false``), ``int``,
-#: ``octal`` (a file mode), ``str``.
-GCSFUSE_MOUNT_OPTIONS = {
-    "implicit-dirs": "bool", "only-dir": "str", "file-mode": "octal", "dir-mode": "octal",
-    "uid": "int", "gid": "int", "rename-dir-limit": "int", "enable-streaming-writes": "bool",
-    "write-global-max-blocks": "int", "metadata-cache-ttl-secs": "int", "stat-cache-max-size-mb": "int",
-    "type-cache-max-size-mb": "int", "kernel-list-cache-ttl-secs": "int", "max-conns-per-host": "int",
-    "log-severity": "str",
-}
 #: Environment variable that tells the worker where the checkpoint root is.
 CHECKPOINT_DIR_ENV = "CHECKPOINT_DIR"
 #: Environment variable that tells the worker its attempt's task timeout (seconds), so that it
@@ -185,27 +177,6 @@ def _bucket_name_problem(bucket: str) -> str | None:
     return None
 
 
-def _mount_option_problem(option: Any) -> str | None:
-    """Why a gcsfuse mount option is invalid, or ``None``."""
-    if not isinstance(option, str):
-        return "must be a string"
-    name, has_value, value = option.partition("=")
-    if name.startswith("-"):
-        return "must be written without the leading '--'"
-    kind = GCSFUSE_MOUNT_OPTIONS.get(name)
-    if kind is None:
-        return f"is not a Cloud Storage FUSE option Cloud Run accepts; allowed: {sorted(GCSFUSE_MOUNT_OPTIONS)}"
-    if kind == "bool" and has_value and value not in ("true", "false"):
-        return "takes no value, or =true / =false"
-    digits = "01234567" if kind == "octal" else "0123456789"
-    if kind in ("int", "octal") and not (value and all(c in digits for c in value)):
-        return f"needs a non-negative {'octal ' if kind == 'octal' else ''}integer value, e.g. {name}=" + (
-            "644" if kind == "octal" else "100")
-    if kind == "str" and not value:
-        return f"needs a value, e.g. {name}=..."
-    return None
-
-
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name}={value!r} is out of range: allowed integers are {low}-{high}")
@@ -244,7 +215,7 @@ class GpuJobSpec:
     :param checkpoint_mount_path: absolute mount path of the bucket (default ``/checkpoints``).
     :param mount_options: Cloud Storage FUSE flags of the checkpoint volume without the leading
         ``--`` (``volumes[].gcs.mountOptions``), e.g. ``["rename-dir-limit=100"]``; names from
-        :data:`GCSFUSE_MOUNT_OPTIONS` (default none).
+        :data:`~airflow_gpu_resilience.mount_options.GCSFUSE_MOUNT_OPTIONS`, each at most once (default none).
     :param labels: job labels (GCP label rules; Cloud Run's reserved prefixes are rejected).
     :raises ValueError: on the first invalid field, naming it and the allowed values.
     """
@@ -375,10 +346,7 @@ class GpuJobSpec:
         if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
             raise ValueError(f"mount_options={options!r} must be a list of strings, e.g. ['rename-dir-limit=100']")
         object.__setattr__(self, "mount_options", tuple(options))
-        for option in options:
-            problem = _mount_option_problem(option)
-            if problem:
-                raise ValueError(f"mount_options: {option!r} {problem}")
+        parse_mount_options(options, "mount_options")
         if options and not self.checkpoint_bucket:
             raise ValueError("mount_options need checkpoint_bucket: they are the checkpoint volume's options")
 

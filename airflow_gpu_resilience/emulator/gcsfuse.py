@@ -32,9 +32,14 @@ What is emulated (gcsfuse ``docs/semantics.md``, "Streaming Writes" and "Staged 
 - **Staged writes**: everything else falls back to a full temporary copy, which on Cloud Run is
   memory. Causes recorded: ``overwrite`` (writing an existing object), ``truncate``,
   ``out-of-order-write``, ``read-while-writing`` (a read of a file still streaming finalizes it
-  first), ``write-after-close``, ``streaming-limit`` (more than ``write-global-max-blocks``,
-  default 4, files streaming at once) and ``streaming-disabled`` (``enable-streaming-writes=false``).
-  A staged file is uploaded at ``close()`` and also at ``fsync``.
+  first), ``write-after-close``, ``write-after-rename`` (a file renamed while open for writing
+  is uploaded, then renamed; the handle's next write is a staged rewrite of the renamed object),
+  ``streaming-limit`` (more than ``write-global-max-blocks``, default 4, -1 unlimited, files
+  streaming at once on one task's mount: on the emulator's shared mount, the files of one
+  execution, task index and attempt) and ``streaming-disabled`` (``enable-streaming-writes=false``).
+  A staged file is uploaded at ``close()`` and also at ``fsync``. An existing object opened for
+  writing is the object (its size, its bytes) until a write or truncation fetches it into the
+  local copy.
 - **Strict mode** (``strict=True``, the emulator's ``--fuse-strict`` or ``EMULATOR_FUSE_STRICT=1``,
   or the volume mount option ``x-emulator-strict``, which only the emulator accepts): the operation
   that would fall back to staging fails with ``EIO`` instead (the write, the truncate, the read
@@ -50,6 +55,10 @@ What is emulated (gcsfuse ``docs/semantics.md``, "Streaming Writes" and "Staged 
 - **Two writers of one object**: each open-for-write is its own writer (as if on its own mount);
   the first close wins, and a writer whose object changed since it opened it gets ``ESTALE`` at
   close (recorded as ``estale``).
+- **Metadata**: ``utime`` (``touch``, ``cp -p``) sets the object's modification time, or the
+  local copy's, uploaded with it; it is not a new generation, so no writer gets ``ESTALE`` for it.
+  An unlinked open file leaves no object (libfuse's ``hard_remove``: its reads, writes and close
+  go on; ``fstat`` of it is ``ESTALE``, a limit of libfuse's path-based API).
 - **Reads** go to the bucket folder on every open (no cache kept across opens); bytes read per
   object are counted (``read`` records at each close of a reading handle, and
   :meth:`GcsFuseMount.stats` ``bytesRead``).
@@ -60,14 +69,16 @@ of all buckets), ``time`` (epoch s), ``cause`` and
 ``bytes`` where they apply, and the writer's ``execution``, ``taskIndex`` and ``attempt`` (from its
 ``CLOUD_RUN_*`` environment) or ``pid``.
 
-Accepted mount options (gcsfuse flags without ``--``, :data:`MOUNT_OPTIONS`): ``implicit-dirs``,
-``only-dir``, ``file-mode``, ``dir-mode``, ``uid``, ``gid``, ``rename-dir-limit``,
-``enable-streaming-writes``, ``write-global-max-blocks``, ``metadata-cache-ttl-secs``,
-``stat-cache-max-size-mb``, ``type-cache-max-size-mb``, ``kernel-list-cache-ttl-secs``,
-``max-conns-per-host``, ``log-severity``; only ``rename-dir-limit``, ``enable-streaming-writes``,
+Accepted mount options (gcsfuse flags without ``--``, validated with their values by
+:func:`airflow_gpu_resilience.mount_options.parse_mount_options`, the job spec's rules):
+``implicit-dirs``, ``only-dir``, ``file-mode``, ``dir-mode``, ``uid``, ``gid``,
+``rename-dir-limit``, ``enable-streaming-writes``, ``write-global-max-blocks``,
+``metadata-cache-ttl-secs``, ``stat-cache-max-size-mb``, ``type-cache-max-size-mb``,
+``kernel-list-cache-ttl-secs``, ``max-conns-per-host``, ``log-severity``; only ``only-dir`` (the
+task sees that folder of the bucket), ``rename-dir-limit``, ``enable-streaming-writes``,
 ``write-global-max-blocks``, ``file-mode``, ``dir-mode``, ``uid`` and ``gid`` change what the
-emulated mount does. Not emulated: ``only-dir``, caches and their TTLs, HNS buckets, symbolic
-links, ``readOnly``.
+emulated mount does. Not emulated: caches and their TTLs, HNS buckets, symbolic links,
+``readOnly``.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat as statmod
@@ -85,61 +97,22 @@ import time
 from pathlib import Path
 from typing import Optional
 
-#: gcsfuse flags a volume may carry, name -> kind (``bool``, ``int``, ``octal``, ``str``).
-MOUNT_OPTIONS = {
-    "implicit-dirs": "bool", "only-dir": "str", "file-mode": "octal", "dir-mode": "octal",
-    "uid": "int", "gid": "int", "rename-dir-limit": "int", "enable-streaming-writes": "bool",
-    "write-global-max-blocks": "int", "metadata-cache-ttl-secs": "int", "stat-cache-max-size-mb": "int",
-    "type-cache-max-size-mb": "int", "kernel-list-cache-ttl-secs": "int", "max-conns-per-host": "int",
-    "log-severity": "str",
-}
-#: Emulator-only volume options (Cloud Run would refuse them).
-EMULATOR_OPTIONS = {"x-emulator-strict": "bool"}
+from airflow_gpu_resilience.mount_options import (
+    EMULATOR_MOUNT_OPTIONS,
+    GCSFUSE_MOUNT_OPTIONS,
+    mount_key,
+    parse_mount_options,
+)
+
+#: gcsfuse flags a volume may carry and the emulator-only ones (validated by
+#: :func:`~airflow_gpu_resilience.mount_options.parse_mount_options`).
+MOUNT_OPTIONS = GCSFUSE_MOUNT_OPTIONS
+EMULATOR_OPTIONS = EMULATOR_MOUNT_OPTIONS
 #: Files that may stream at once before writes fall back to staging (gcsfuse's low-spec default).
 DEFAULT_STREAMING_FILES = 4
 #: Seconds between two writes of one object name below which a rewrite counts as throttled.
 REWRITE_INTERVAL_S = 1.0
 EVENT_KINDS = ("staged", "throttled-rewrite", "non-atomic-rename", "estale", "read")
-
-
-def parse_mount_options(options, field: str = "mountOptions", emulator: bool = True) -> dict:
-    """Validate gcsfuse mount options (``name`` or ``name=value``, no leading ``--``).
-
-    :param options: iterable of strings.
-    :param field: the request field, for error messages.
-    :param emulator: also accept :data:`EMULATOR_OPTIONS`.
-    :returns: ``{name: value}`` with bools, ints and octal modes converted.
-    :raises ValueError: naming ``field``, the option and the allowed names or value kind.
-    """
-    allowed = dict(MOUNT_OPTIONS, **(EMULATOR_OPTIONS if emulator else {}))
-    parsed = {}
-    for i, raw in enumerate(options or ()):
-        name, has_value, value = str(raw).partition("=")
-        name = name.strip()
-        if name.startswith("-"):
-            raise ValueError(f"{field}[{i}]: '{raw}': write gcsfuse flags without the leading '--'.")
-        if name not in allowed:
-            raise ValueError(f"{field}[{i}]: unknown mount option '{name}'; allowed: {', '.join(sorted(allowed))}.")
-        kind = allowed[name]
-        try:
-            if kind == "bool":
-                if has_value and value.lower() not in ("true", "false"):
-                    raise ValueError
-                parsed[name] = (value.lower() != "false") if has_value else True
-            elif kind in ("int", "octal"):
-                number = int(value, 8 if kind == "octal" else 10)
-                if number < 0:
-                    raise ValueError
-                parsed[name] = number
-            else:
-                if not has_value or not value:
-                    raise ValueError
-                parsed[name] = value
-        except ValueError:
-            raise ValueError(f"{field}[{i}]: mount option '{name}' needs "
-                             f"{'true or false' if kind == 'bool' else 'a non-negative ' + kind + ' value' if kind != 'str' else 'a value'}"
-                             f" (got '{raw}').") from None
-    return parsed
 
 
 def fuse_available() -> tuple:
@@ -163,10 +136,22 @@ def fuse_available() -> tuple:
     return True, ""
 
 
+def _unescape(field: str) -> str:
+    """A path field of ``/proc/self/mounts``: the kernel writes space, tab, newline and backslash
+    as octal escapes (``\\040``, ``\\011``, ``\\012``, ``\\134``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mount_points(fs_prefix: str = "") -> list:
+    """Mount points (unescaped) of ``/proc/self/mounts`` whose file system type starts with ``fs_prefix``."""
+    with open("/proc/self/mounts") as mounts:
+        return [_unescape(parts[1]) for parts in (line.split() for line in mounts)
+                if len(parts) > 2 and parts[2].startswith(fs_prefix)]
+
+
 def _mounted(path: str) -> bool:
     try:
-        with open("/proc/self/mounts") as mounts:
-            return any(line.split()[1] == path for line in mounts if len(line.split()) > 1)
+        return path in _mount_points()
     except OSError:
         return os.path.ismount(path)
 
@@ -185,13 +170,8 @@ def unmount_stale(under) -> list:
     :returns: the mount points unmounted.
     """
     prefix = str(Path(under).resolve()).rstrip("/") + "/"
-    found = []
     try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                parts = line.split()
-                if len(parts) > 2 and parts[2].startswith("fuse") and parts[1].startswith(prefix):
-                    found.append(parts[1].replace("\\040", " "))
+        found = [point for point in _mount_points("fuse") if point.startswith(prefix)]
     except OSError:
         return []
     for point in found:
@@ -251,13 +231,14 @@ class GcsFuseMount:
     :param buckets_root: ``source`` holds one folder per bucket (the emulator's storage root):
         the first path component is the bucket (records get ``bucket``), and nothing but buckets
         may be made at the top (``EACCES``).
-    :raises ValueError: for a bad mount option (before anything is started).
+    :raises ValueError: for a bad mount option (before anything is started); from :meth:`start`,
+        when ``state_dir`` is not on the file system of ``source``.
     """
 
     def __init__(self, source, mountpoint, state_dir, strict: bool = False, options=(),
                  start_timeout: float = 15.0, buckets_root: bool = False) -> None:
         self.options = list(options or ())
-        parse_mount_options(self.options)
+        parse_mount_options(self.options, "options", emulator=True)
         self.source = Path(source).resolve()
         self.mountpoint = Path(mountpoint).resolve()
         self.state_dir = Path(state_dir).resolve()
@@ -271,11 +252,16 @@ class GcsFuseMount:
     def start(self) -> "GcsFuseMount":
         """Mount; returns when the mount answers.
 
+        :raises ValueError: when ``state_dir`` is on another file system than ``source`` (every
+            close would fail with ``EXDEV``).
         :raises RuntimeError: when the file system process ends or does not mount in time.
         """
         self.source.mkdir(parents=True, exist_ok=True)
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "staging").mkdir(parents=True, exist_ok=True)
+        if os.stat(self.state_dir).st_dev != os.stat(self.source).st_dev:
+            raise ValueError(f"state_dir {self.state_dir} is not on the file system of source {self.source}: "
+                             f"a close publishes the staging file by a rename into source.")
         lazy_unmount(self.mountpoint)
         argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator.gcsfuse", "--source", str(self.source),
                 "--mountpoint", str(self.mountpoint), "--state-dir", str(self.state_dir)]
@@ -380,24 +366,28 @@ class VolumeMounts:
         :raises RuntimeError: when the mount fails.
         """
         source = Path(self.bucket_dir(bucket))
-        if not self.fuse:
-            return source
         options = list(options or ())
-        parse_mount_options(options)
+        parsed = parse_mount_options(options, "mountOptions", emulator=True)
+        only_dir = parsed.pop("only-dir", "")
+        if not self.fuse:
+            return source / only_dir if only_dir else source
         source.mkdir(parents=True, exist_ok=True)  # the mount makes nothing but objects in buckets
-        key = tuple(sorted(options))
+        if only_dir:  # gcsfuse mounts a prefix that holds no object yet as an empty folder
+            (source / only_dir).mkdir(parents=True, exist_ok=True)
+        key = mount_key(parsed)  # only-dir is a folder of the same mount
         with self._mu:
             mount = self._mounts.get(key)
             if mount is None or mount.proc is None or mount.proc.poll() is not None:
                 import hashlib
 
-                digest = hashlib.sha256(json.dumps(sorted(options)).encode()).hexdigest()[:10]
+                digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:10]
                 base = self.root / f"mount-{digest}"
                 mount = GcsFuseMount(source.parent, base / "mnt", base / "state", strict=self.strict,
-                                     options=options, buckets_root=True)
+                                     options=[o for o in options if not o.startswith("only-dir=")],
+                                     buckets_root=True)
                 mount.start()
                 self._mounts[key] = mount
-            return mount.mountpoint / bucket
+            return mount.mountpoint / bucket / only_dir if only_dir else mount.mountpoint / bucket
 
     def events(self, execution: Optional[str] = None, task_index: Optional[int] = None,
                attempt: Optional[int] = None) -> list:
@@ -418,10 +408,14 @@ class VolumeMounts:
         return sorted(found, key=lambda ev: ev.get("time", 0))
 
     def describe(self) -> dict:
-        """``{"type", "reason", "strict", "mounts": [{"mountOptions", "mountpoint"}], "summary":
-        summarize(all events)}`` (a bucket's folder is ``{mountpoint}/{bucket}``)."""
+        """``{"type", "reason", "strict", "mounts": [{"mountOptions", "mountpoint", "strict"}],
+        "summary": summarize(all events)}`` (a bucket's folder is ``{mountpoint}/{bucket}``, and
+        ``{mountpoint}/{bucket}/{only-dir}`` with that option; the top ``strict`` is the
+        emulator's ``--fuse-strict``, a mount's also counts its ``x-emulator-strict`` option)."""
         with self._mu:
-            mounts = [{"mountOptions": list(k), "mountpoint": str(m.mountpoint)} for k, m in self._mounts.items()]
+            mounts = [{"mountOptions": list(m.options), "mountpoint": str(m.mountpoint),
+                       "strict": m.strict or bool(parse_mount_options(m.options, emulator=True).get("x-emulator-strict"))}
+                      for m in self._mounts.values()]
         return {"type": self.kind, "reason": self.reason, "strict": self.strict, "mounts": mounts,
                 "summary": summarize(self.events())}
 
@@ -499,6 +493,15 @@ def _identity(pid: int) -> dict:
     return who
 
 
+def _task_of(who: dict):
+    """``(execution, task index, attempt)`` of a writer's identity, ``None`` outside a task."""
+    return (who["execution"], who.get("taskIndex"), who.get("attempt")) if "execution" in who else None
+
+
+#: ``utimensat``'s "now" and "leave as is" (``tv_nsec`` values; libfuse passes them with ``tv_sec`` 0).
+_UTIME_NOW, _UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
+
+
 def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_root: bool = False):
     import mfusepy
 
@@ -513,7 +516,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             self.events = open(os.path.join(state_dir, "events.jsonl"), "a", buffering=1)
             self.strict = strict or bool(options.get("x-emulator-strict"))
             self.streaming = options.get("enable-streaming-writes", True)
-            self.stream_limit = options.get("write-global-max-blocks", DEFAULT_STREAMING_FILES)
+            limit = options.get("write-global-max-blocks", DEFAULT_STREAMING_FILES)
+            self.stream_limit = float("inf") if limit < 0 else limit
             self.rename_dir_limit = options.get("rename-dir-limit", 0)
             self.file_mode = options.get("file-mode", 0o644)
             self.dir_mode = options.get("dir-mode", 0o755)
@@ -547,7 +551,10 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     fields["to"] = fields["to"].partition("/")[2]
             event = {"kind": kind, **bucket, "object": name, "time": round(time.time(), 6), **fields}
             event.update(who or {})
-            self.events.write(json.dumps(event) + "\n")
+            try:
+                self.events.write(json.dumps(event) + "\n")
+            except (OSError, ValueError) as exc:  # a full disk: the operation itself has happened
+                print(f"gcsfuse: record lost ({exc}): {event}", file=sys.stderr, flush=True)
 
         def _add(self, handle) -> int:
             with self._mu:
@@ -566,16 +573,28 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 name = os.path.join(self.staging, f"{os.getpid()}-{self.counter}")
             return name, os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
 
-        def _streaming_now(self) -> int:
+        def _streaming_now(self, who: dict) -> int:
+            """Files streaming now on the mount ``who`` writes through: on Cloud Run each task
+            has its own mount, so on the emulator's shared mount the files of ``who``'s task
+            (execution, task index, attempt); writers without a task share one count."""
+            task = _task_of(who)
             return sum(1 for h in self.handles.values() if isinstance(h, _Writer) and h.mode == "stream"
-                       and not h.finalized)
+                       and not h.finalized and _task_of(h.who) == task)
 
-        def _stage(self, w: _Writer, cause: str) -> None:
-            """Fall back to a staged write for ``w`` (or EIO in strict mode)."""
+        @staticmethod
+        def _local(w: _Writer) -> bool:
+            """Whether ``w``'s local copy is what the file is (else, an existing object opened for
+            writing with nothing written yet, the object is)."""
+            return w.mode is not None or w.dirty or not w.opened_existing
+
+        def _stage(self, w: _Writer, cause: str, fetch: bool = True) -> None:
+            """Fall back to a staged write for ``w`` (or EIO in strict mode); ``fetch``: an
+            existing object's bytes are copied into the local copy first (not for a truncation
+            on open, which starts from empty)."""
             if self.strict:
                 self._record("staged", w.path, w.who, cause=cause, bytes=0, refused="EIO (strict mode)")
                 raise FuseOSError(errno.EIO)
-            if w.opened_existing and not w.dirty and w.mode is None and cause != "truncate":
+            if fetch and w.opened_existing and not w.dirty and w.mode is None:
                 # the local copy of an existing object: the whole object is fetched first
                 src = _generation(self._real(w.path))
                 if src is not None:
@@ -584,8 +603,12 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                         os.sendfile(w.fd, f.fileno(), 0, src[2]) if src[2] else None
             w.mode, w.cause = "staged", cause
 
-        def _finalize(self, w: _Writer) -> None:
-            """Upload ``w``'s local copy as the object (a rename into the bucket folder)."""
+        def _finalize(self, w: _Writer, keep: bool = False) -> None:
+            """Upload ``w``'s local copy as the object (a rename into the bucket folder); with
+            ``keep`` (and always for a staged file, which may be written on after ``fsync``)
+            a copy is published and the local copy stays ``w``'s.
+
+            :raises FuseOSError: ``ESTALE`` when the object changed since ``w`` opened it."""
             real = self._real(w.path)
             current = _generation(real)
             if current != w.base:
@@ -601,11 +624,12 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             if w.mode == "staged":
                 self._record("staged", w.path, w.who, cause=w.cause, bytes=size)
             os.makedirs(os.path.dirname(real), exist_ok=True)
-            if w.mode == "staged" and not w.finalized:
-                # a staged file may be written on after fsync: publish a copy, keep the local one
+            if keep or w.mode == "staged":
                 tmp, fd = self._temp()
                 try:
                     os.sendfile(fd, w.fd, 0, size) if size else None
+                    local = os.fstat(w.fd)  # the object's time is its local copy's (utimens)
+                    os.utime(fd, ns=(local.st_atime_ns, local.st_mtime_ns))
                 finally:
                     os.close(fd)
                 os.rename(tmp, real)
@@ -642,13 +666,21 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 config_3.attr_timeout = 1.0
                 config_3.entry_timeout = 1.0
                 config_3.negative_timeout = 0.0
+                # an unlinked open file is gone at once (gcsfuse deletes the object), not renamed to
+                # a .fuse_hidden* object by libfuse; its handle's reads, writes and close come without
+                # a path (libfuse's high-level API then answers fstat of it with ESTALE)
+                config_3.hard_remove = 1
 
         def getattr(self, path, fh=None):
             with self._mu:
-                writers = self._writers(path)
-                if writers:
-                    st = os.fstat(writers[-1].fd)
-                    return self._attrs(st)
+                h = self.handles.get(fh) if fh is not None else None
+                if isinstance(h, _Writer) and self._local(h) or h is not None and path is None:
+                    return self._attrs(os.fstat(h.fd))  # fstat of an open file (also unlinked)
+                if path is None:
+                    raise FuseOSError(errno.ENOENT)
+                shown = [w for w in self._writers(path) if self._local(w)]
+                if shown:  # what this file is to its writer: the local copy, size as written
+                    return self._attrs(os.fstat(shown[-1].fd))
             try:
                 st = os.lstat(self._real(path))
             except FileNotFoundError:
@@ -713,10 +745,29 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             return 0
 
         def utimens(self, path, times=None):
-            try:
-                os.utime(self._real(path), ns=times) if times else os.utime(self._real(path))
-            except FileNotFoundError:
-                pass
+            """Set the object's modification time (gcsfuse keeps it in the object's metadata: a
+            metadata update, not a new generation, so open writers keep their base)."""
+            if path is None:
+                return 0
+            real = self._real(path)
+            with self._mu:
+                local = [w for w in self._writers(path) if self._local(w)]  # uploaded with it at close
+                before = _generation(real)
+                if before is None and not local:
+                    raise FuseOSError(errno.ENOENT)
+                st = os.fstat(local[-1].fd) if local else os.stat(real)
+                now = time.time_ns()
+                given = times or (_UTIME_NOW, _UTIME_NOW)
+                ns = tuple(now if t == _UTIME_NOW else old if t == _UTIME_OMIT else t
+                           for t, old in zip(given, (st.st_atime_ns, st.st_mtime_ns)))
+                for w in local:
+                    os.utime(w.fd, ns=ns)
+                if before is not None:
+                    os.utime(real, ns=ns)
+                after = _generation(real)
+                for h in self.handles.values():
+                    if isinstance(h, _Writer) and h.path == path and h.base == before:
+                        h.base = after
             return 0
 
         def rename(self, old, new):
@@ -725,12 +776,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             real_old, real_new = self._real(old), self._real(new)
             who = self._who()
             with self._mu:
-                for w in self._writers(old):  # a file still being written is finalized first
-                    self._finalize(w)
-                    w.finalized = False
-                    w.mode, w.cause = "staged", "write-after-rename"
-                    w.path = new
-                    w.base = None
+                moved = self._writers(old)
+                for w in moved:  # a file still being written is uploaded first (its writer keeps it)
+                    if self._local(w):
+                        self._finalize(w, keep=True)
+                before = _generation(real_old)
             if os.path.isdir(real_old):
                 self._rename_dir(old, new, who)
                 return 0
@@ -743,6 +793,14 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             os.unlink(real_old)
             with self._mu:
                 self.last_write[new] = time.monotonic()
+                after = _generation(real_new)
+                for w in moved:
+                    # the handle now writes the renamed object: a write is a staged rewrite of it
+                    if self._local(w):
+                        w.finalized, w.cause, w.dirty, w.base = True, "write-after-rename", False, after
+                    elif w.base == before:
+                        w.base = after
+                    w.path = new
             self._record("non-atomic-rename", old, who, to=new.lstrip("/"), bytes=size)
             return 0
 
@@ -785,16 +843,17 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     writers = self._writers(path)
                     w = writers[-1] if writers else None
                 if w is not None:
-                    size = os.fstat(w.fd).st_size
+                    size = os.fstat(w.fd).st_size if self._local(w) else (w.base[2] if w.base else 0)
                     if length == size:
                         return 0
-                    if w.mode == "stream" or (w.mode is None and length < size) or w.opened_existing:
-                        if w.mode != "staged":
-                            self._stage(w, "truncate")
+                    if w.mode != "staged" and (w.mode == "stream" or w.opened_existing):
+                        self._stage(w, "truncate")  # the object's bytes first, then cut or extended
                     os.ftruncate(w.fd, length)
                     w.dirty = True
                     w.next_offset = length
                     return 0
+            if path is None:
+                raise FuseOSError(errno.EBADF)
             real = self._real(path)
             current = _generation(real)
             if current is None:
@@ -833,10 +892,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             real = self._real(path)
             if flags & os.O_ACCMODE == os.O_RDONLY:
                 with self._mu:
-                    streaming = [w for w in self._writers(path) if w.mode == "stream" or w.mode is None]
-                    for w in streaming:  # reading a file still streaming: finalized, then staged
-                        self._read_while_writing(w)
-                    writers = self._writers(path)
+                    local = [w for w in self._writers(path) if self._local(w)]
+                    for w in local:  # reading a file still streaming: finalized, then staged
+                        if w.mode in (None, "stream"):
+                            self._read_while_writing(w)
+                    writers = [w for w in self._writers(path) if self._local(w)]
                     if writers:  # a staged local copy is what this mount shows
                         fd = os.open(writers[-1].temp, os.O_RDONLY)
                         return self._add(_Reader(path, fd, self._who()))
@@ -860,7 +920,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             if flags & os.O_TRUNC and w.base is not None and w.base[2] > 0:
                 # truncating an existing object on open: a staged rewrite of it from empty
                 try:
-                    self._stage(w, "truncate")
+                    self._stage(w, "truncate", fetch=False)
                 except FuseOSError:
                     os.close(fd)
                     self._drop(w)
@@ -875,27 +935,19 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 raise FuseOSError(errno.EIO)
             if w.mode is None:
                 w.mode = "stream"
-            self._finalize_keep(w)
+            self._finalize(w, keep=True)
             w.mode, w.cause = "staged", "read-while-writing"
-
-        def _finalize_keep(self, w: _Writer) -> None:
-            """Finalize the object now but keep writing to the local copy (read/rename while writing)."""
-            real = self._real(w.path)
-            size = os.fstat(w.fd).st_size
-            tmp, fd = self._temp()
-            try:
-                os.sendfile(fd, w.fd, 0, size) if size else None
-            finally:
-                os.close(fd)
-            os.makedirs(os.path.dirname(real), exist_ok=True)
-            os.rename(tmp, real)
-            self.last_write[w.path] = time.monotonic()
-            w.base = _generation(real)
 
         def read(self, path, size, offset, fh):
             h = self.handles[fh]
             if isinstance(h, _Writer):
                 with self._mu:
+                    if not self._local(h):  # an existing object opened for writing, nothing written
+                        try:
+                            with open(self._real(h.path), "rb") as f:
+                                return os.pread(f.fileno(), size, offset)
+                        except FileNotFoundError:
+                            return b""
                     if h.mode in (None, "stream") and not h.finalized:
                         self._read_while_writing(h)
                 return os.pread(h.fd, size, offset)
@@ -922,9 +974,10 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 raise FuseOSError(errno.EBADF)
             with self._mu:
                 if w.finalized:
+                    cause = "write-after-rename" if w.cause == "write-after-rename" else "write-after-close"
                     w.finalized = False
                     w.mode, w.cause = None, None
-                    self._stage(w, "write-after-close")
+                    self._stage(w, cause)
                     # the local copy was published by the close; write on a fresh copy
                     if w.temp is None:
                         temp, fd = self._temp()
@@ -937,7 +990,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                         self._stage(w, "overwrite")
                     elif not self.streaming:
                         self._stage(w, "streaming-disabled")
-                    elif self._streaming_now() >= self.stream_limit:
+                    elif self._streaming_now(w.who) >= self.stream_limit:
                         self._stage(w, "streaming-limit")
                     elif offset != 0:
                         self._stage(w, "out-of-order-write")
@@ -1052,7 +1105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--buckets-root", action="store_true")
     parser.add_argument("--option", action="append", default=[])
     args = parser.parse_args(argv)
-    options = parse_mount_options(args.option)
+    options = parse_mount_options(args.option, "--option", emulator=True)
     os.makedirs(os.path.join(args.state_dir, "staging"), exist_ok=True)
     threading.Thread(target=_watch_parent, args=(args.mountpoint,), daemon=True).start()
     ops = _make_fs(args.source, args.state_dir, args.strict, options, args.buckets_root)

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from ..mount_options import mount_key, parse_mount_options
 from .gcs import bucket_path
 
 #: Environment that keeps google-auth from probing a metadata server (nothing local reaches
@@ -103,11 +104,14 @@ class EmulatorProcess:
 
     def volume_dir(self, bucket: str, mount_options=()) -> Path:
         """The folder a task of this emulator sees for ``bucket``: its FUSE mount point once an
-        attempt mounted it (with ``mount_options``), else the bucket's folder."""
+        attempt mounted it (with ``mount_options``), else the bucket's folder (with ``only-dir``,
+        that folder of it)."""
+        wanted = parse_mount_options(mount_options, emulator=True)
+        only_dir = wanted.pop("only-dir", "")
         for mount in self.volumes()["mounts"]:
-            if mount["mountOptions"] == sorted(mount_options):
-                return Path(mount["mountpoint"]) / bucket
-        return self.bucket_dir(bucket)
+            if mount_key(parse_mount_options(mount["mountOptions"], emulator=True)) == mount_key(wanted):
+                return Path(mount["mountpoint"]) / bucket / only_dir
+        return self.bucket_dir(bucket) / only_dir
 
     def preempt(self, execution: str, task_index: int = 0, grace_seconds: Optional[float] = None) -> dict:
         """Maintenance-preempt a running task; returns ``{"task", "attempt", "pid"}``.

@@ -31,7 +31,7 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 
 from .exceptions import InvalidArgument
-from .gcsfuse import parse_mount_options
+from ..mount_options import parse_mount_options
 from .guards import climbs_out, under_mount
 
 JOB_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -216,7 +216,8 @@ def _validate_volumes(template: run_v2.TaskTemplate, bucket_exists) -> None:
                 raise InvalidArgument(
                     f"{TT}.volumes[{i}].gcs.bucket: bucket '{volume.gcs.bucket}' does not exist.")
             try:
-                parse_mount_options(list(volume.gcs.mount_options), f"{TT}.volumes[{i}].gcs.mount_options")
+                parse_mount_options(list(volume.gcs.mount_options), f"{TT}.volumes[{i}].gcs.mount_options",
+                                    emulator=True)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
     sql = {v.name for v in template.volumes if "cloud_sql_instance" in v}

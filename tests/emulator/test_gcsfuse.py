@@ -300,3 +300,170 @@ def test_more_files_streaming_at_once_than_the_limit_fall_back_to_staging(mnt, f
         f.close()
     assert [e["cause"] for name in names for e in _events(mnt, name, "staged")] == ["streaming-limit"]
     assert _events(mnt, names[-1], "staged") and all(fuse_bucket.get_blob(n).size == 3 for n in names)
+
+
+# --- what an attempt to break the mount found (each was wrong before) -----------------------
+
+def test_an_object_opened_for_writing_shows_the_object_until_written_and_appends_after_it(mnt, fuse_bucket):
+    """Opened ``r+`` or ``a`` with nothing written yet, the file is the object: its size, its
+    bytes (a read does not upload the empty local copy over it), and an append goes after it."""
+    name = _name()
+    _put(mnt, name)
+    with open(mnt.mountpoint / name, "r+b") as f:
+        assert os.fstat(f.fileno()).st_size == 10 and os.stat(mnt.mountpoint / name).st_size == 10
+        assert f.read() == b"0123456789"
+        assert (mnt.mountpoint / name).read_bytes() == b"0123456789"  # another opener reads the object
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"0123456789"
+    with open(mnt.mountpoint / name, "ab") as f:
+        f.write(b"AB")
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"0123456789AB"
+    assert [e["cause"] for e in _events(mnt, name, "staged")] == ["overwrite"]
+
+
+def test_ftruncate_through_a_write_handle_keeps_the_objects_bytes_and_is_eio_in_strict_mode(
+        mnt, strict, fuse_bucket):
+    name = _name()
+    _put(mnt, name)
+    fd = os.open(mnt.mountpoint / name, os.O_WRONLY)
+    os.ftruncate(fd, 3)
+    os.close(fd)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"012"
+    fd = os.open(mnt.mountpoint / name, os.O_WRONLY)
+    os.ftruncate(fd, 0)
+    os.close(fd)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b""
+    assert [(e["cause"], e["bytes"]) for e in _events(mnt, name, "staged")] == [("truncate", 3), ("truncate", 0)]
+    other = _name()
+    _put(mnt, other)
+    fd = os.open(strict.mountpoint / other, os.O_WRONLY)
+    with pytest.raises(OSError) as err:
+        os.ftruncate(fd, 0)
+    os.close(fd)
+    assert err.value.errno == errno.EIO and fuse_bucket.get_blob(other).size == 10
+
+
+def test_a_file_renamed_while_open_for_writing_is_uploaded_first_and_written_on_as_a_staged_rewrite(
+        mnt, strict, fuse_bucket):
+    name, new = _name(), _name("renamed")
+    f = open(mnt.mountpoint / name, "wb", buffering=0)
+    f.write(b"before")
+    os.rename(mnt.mountpoint / name, mnt.mountpoint / new)
+    assert fuse_bucket.get_blob(name) is None and fuse_bucket.get_blob(new).download_as_bytes() == b"before"
+    f.write(b"-after")
+    assert fuse_bucket.get_blob(new).download_as_bytes() == b"before"  # not written into the object
+    f.close()  # no ESTALE: the handle's object is the renamed one
+    assert fuse_bucket.get_blob(new).download_as_bytes() == b"before-after"
+    assert [e["cause"] for e in _events(mnt, new, "staged")] == ["write-after-rename"]
+    assert _events(mnt, new, "estale") == []
+    other, moved = _name(), _name("renamed")
+    g = open(strict.mountpoint / other, "wb", buffering=0)
+    g.write(b"data")
+    os.rename(strict.mountpoint / other, strict.mountpoint / moved)
+    with pytest.raises(OSError) as err:
+        g.write(b"more")
+    assert err.value.errno == errno.EIO
+    g.close()
+    assert fuse_bucket.get_blob(moved).download_as_bytes() == b"data"
+
+
+def test_an_unlinked_open_file_leaves_no_object(mnt, fuse_bucket):
+    name = _name()
+    _put(mnt, name)
+    f = open(mnt.mountpoint / name, "r+b", buffering=0)
+    g = open(mnt.mountpoint / f"{name}-new", "wb", buffering=0)
+    os.unlink(mnt.mountpoint / name)
+    os.unlink(mnt.mountpoint / f"{name}-new")
+    assert g.write(b"written after the unlink") == 24
+    f.close()
+    g.close()
+    assert [b.name for b in fuse_bucket.list_blobs() if b.name.startswith((name, ".fuse_hidden"))] == []
+
+
+def test_touch_and_cp_p_set_the_time_without_a_new_generation(mnt, fuse_bucket, tmp_path):
+    name = _name()
+    _put(mnt, name)
+    before = time.time()
+    os.utime(mnt.mountpoint / name)  # touch: "now" (UTIME_NOW)
+    assert os.stat(mnt.mountpoint / name).st_mtime >= before - 1
+    source = tmp_path / "src"
+    source.write_bytes(b"copied")
+    os.utime(source, (1_600_000_000, 1_600_000_000))
+    subprocess.run(["cp", "-p", str(source), str(mnt.mountpoint / name)], check=True)  # onto the object
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"copied"
+    assert os.stat(mnt.mountpoint / name).st_mtime == 1_600_000_000
+    assert _events(mnt, name, "estale") == []
+
+
+def test_the_streaming_limit_counts_the_files_of_one_task(mnt, fuse_bucket):
+    """On Cloud Run each task has its own mount: two tasks streaming three files each (six on
+    the emulator's one mount) stay under the per-mount limit of four."""
+    script = ("import sys\nfs=[open(p,'wb',buffering=0) for p in sys.argv[1:]]\n"
+              "[f.write(b'abc') for f in fs]\nprint('open', flush=True)\nsys.stdin.readline()\n"
+              "[f.close() for f in fs]\n")
+    names = [[_name(f"task{t}") for _ in range(3)] for t in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", script, *(str(mnt.mountpoint / n) for n in task)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "CLOUD_RUN_EXECUTION": "exec-a", "CLOUD_RUN_TASK_INDEX": str(t),
+                                   "CLOUD_RUN_TASK_ATTEMPT": "0"})
+             for t, task in enumerate(names)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "open"
+    for proc in procs:
+        proc.communicate("\n", timeout=30)
+        assert proc.returncode == 0
+    assert [e for task in names for n in task for e in _events(mnt, n, "staged")] == []
+    assert all(fuse_bucket.get_blob(n).size == 3 for task in names for n in task)
+
+
+def test_a_mount_point_with_a_space_mounts_and_unmounts(emulator, fuse_bucket):
+    base = Path(emulator.data_dir, "fuse-tests", f"{fuse_bucket.name} spaced")
+    with GcsFuseMount(emulator.bucket_dir(fuse_bucket.name), base / "mount point", base / "state") as mount:
+        assert gcsfuse._mounted(str(mount.mountpoint))
+        _put(mount, "spaced", b"ok")
+    assert not gcsfuse._mounted(str(mount.mountpoint)) and fuse_bucket.get_blob("spaced").size == 2
+
+
+def test_state_dir_on_another_file_system_is_refused_before_mounting(emulator, fuse_bucket):
+    base = Path(emulator.data_dir, "fuse-tests", "other-fs")
+    with pytest.raises(ValueError, match="is not on the file system of source"):
+        GcsFuseMount(emulator.bucket_dir(fuse_bucket.name), base / "mnt", "/dev/shm/gcsfuse-state-test").start()
+    assert not gcsfuse._mounted(str(base / "mnt"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_a_rename_on_a_full_disk_succeeds_though_its_record_is_lost(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        with GcsFuseMount(disk / "bucket", tmp_path / "mnt", disk / "state") as mount:
+            _put(mount, "a", b"payload")
+            with open(disk / "state" / "filler", "wb") as filler:
+                with pytest.raises(OSError):
+                    while True:
+                        filler.write(b"\0" * 65536)
+                        filler.flush()
+            os.rename(mount.mountpoint / "a", mount.mountpoint / "b")
+            assert (disk / "bucket" / "b").read_bytes() == b"payload" and not (disk / "bucket" / "a").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_only_dir_mounts_a_folder_of_the_bucket_and_each_mount_says_whether_it_is_strict(
+        emulator, fuse_bucket, tmp_path):
+    volumes = VolumeMounts(tmp_path / "data", emulator.bucket_dir, mode="fuse")
+    try:
+        folder = volumes.local_dir(fuse_bucket.name, ["only-dir=runs/a", "x-emulator-strict"])
+        assert folder.name == "a" and folder.parent.parent.parent.is_mount()
+        (folder / "state.txt").write_bytes(b"in a folder")
+        assert fuse_bucket.get_blob("runs/a/state.txt").download_as_bytes() == b"in a folder"
+        same = volumes.local_dir(fuse_bucket.name, ["x-emulator-strict=true"])  # one mount, its root
+        assert same == folder.parent.parent
+        [mount] = volumes.describe()["mounts"]
+        assert mount["strict"] is True and volumes.describe()["strict"] is False
+        with pytest.raises(OSError) as err:  # strict: an overwrite is EIO
+            with open(folder / "state.txt", "r+b", buffering=0) as f:
+                f.write(b"x")
+        assert err.value.errno == errno.EIO
+    finally:
+        volumes.stop()

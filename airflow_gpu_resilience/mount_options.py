@@ -1,0 +1,134 @@
+"""Cloud Storage FUSE mount options of a ``cloud-storage`` volume: which ones, and their values.
+
+Pure functions, no I/O: the job spec (:class:`~airflow_gpu_resilience.job_spec.GpuJobSpec`), the
+emulator's request validation and its FUSE mounts all validate through :func:`parse_mount_options`,
+so that an option the spec accepts is one the emulator accepts, with the same value, and a bad one
+gets the same single error everywhere, before anything is deployed or mounted.
+
+An option is a gcsfuse flag without the leading ``--`` (Cloud Run's ``mountOptions``), ``name`` or
+``name=value``. The value rules follow gcsfuse's own flag checks (its ``cfg`` validation and the
+``gcsfuse`` CLI options page): booleans ``true``/``false``; integers in ASCII decimal digits; ``-1``
+means "unlimited" for the caches, their TTLs and ``write-global-max-blocks``; file and folder modes
+in octal up to ``777``; ``uid``/``gid`` up to 4294967294 (``-1`` is gcsfuse's "the mounting user",
+which is what leaving the option out means here); ``log-severity`` one of gcsfuse's levels;
+``only-dir`` a relative folder of the bucket. Each option may be given once (gcsfuse keeps the
+last of repeated flags; Cloud Run passes them in order, so a repeat is almost always a mistake).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+#: gcsfuse flags a Cloud Run ``cloud-storage`` volume may carry, name -> kind of value:
+#: ``bool`` (bare, ``=true`` or ``=false``), ``int`` (>= 0), ``limit`` (>= 0, or -1 for
+#: unlimited), ``id`` (a uid/gid, 0-4294967294), ``mode`` (octal, 0-777), ``severity``
+#: (:data:`LOG_SEVERITIES`), ``dir`` (a relative folder of the bucket).
+GCSFUSE_MOUNT_OPTIONS = {
+    "implicit-dirs": "bool", "only-dir": "dir", "file-mode": "mode", "dir-mode": "mode",
+    "uid": "id", "gid": "id", "rename-dir-limit": "int", "enable-streaming-writes": "bool",
+    "write-global-max-blocks": "limit", "metadata-cache-ttl-secs": "limit", "stat-cache-max-size-mb": "limit",
+    "type-cache-max-size-mb": "limit", "kernel-list-cache-ttl-secs": "limit", "max-conns-per-host": "int",
+    "log-severity": "severity",
+}
+#: Options only the emulator accepts (Cloud Run refuses them): ``x-emulator-strict`` turns a
+#: staged-write fallback on that volume into ``EIO``.
+EMULATOR_MOUNT_OPTIONS = {"x-emulator-strict": "bool"}
+#: gcsfuse's ``--log-severity`` levels (any letter case).
+LOG_SEVERITIES = ("trace", "debug", "info", "warning", "error", "off")
+#: The largest uid/gid (2**32 - 2; 2**32 - 1 is "no id" to the kernel).
+MAX_ID = 4294967294
+#: The largest other integer (gcsfuse parses them as int64).
+MAX_INT = 2**63 - 1
+
+_DIGITS = re.compile(r"[0-9]+")
+_OCTAL = re.compile(r"[0-7]+")
+_EXAMPLES = {"bool": "=true", "int": "=100", "limit": "=100", "id": "=1000", "mode": "=644",
+             "severity": "=warning", "dir": "=checkpoints"}
+
+
+def _value_problem(name: str, kind: str, has_value: bool, value: str) -> str | None:
+    """Why ``value`` is not a valid value of option ``name`` of ``kind``, or ``None``."""
+    if kind == "bool":
+        return None if not has_value or value in ("true", "false") else "takes no value, or =true / =false"
+    if not has_value or not value:
+        return f"needs a value, e.g. {name}{_EXAMPLES[kind]}"
+    if kind in ("int", "limit", "id"):
+        if kind == "limit" and value == "-1":
+            return None
+        low = "-1 (unlimited) or a non-negative integer" if kind == "limit" else "a non-negative integer"
+        high = MAX_ID if kind == "id" else MAX_INT
+        if not _DIGITS.fullmatch(value) or int(value) > high:
+            return f"needs {low} in decimal digits, at most {high}, e.g. {name}{_EXAMPLES[kind]}"
+        return None
+    if kind == "mode":
+        if not _OCTAL.fullmatch(value) or int(value, 8) > 0o777:
+            return f"needs an octal file mode from 0 to 777, e.g. {name}{_EXAMPLES[kind]}"
+        return None
+    if kind == "severity":
+        return None if value.lower() in LOG_SEVERITIES else f"needs one of {', '.join(LOG_SEVERITIES)}"
+    # dir
+    parts = value.strip("/").split("/")
+    if value.startswith("/") or any(p in ("", ".", "..") for p in parts) or any(c in value for c in "\0\n\r"):
+        return f"needs a folder of the bucket relative to its root, without '.', '..' or '//', e.g. {name}=checkpoints"
+    return None
+
+
+def _convert(kind: str, has_value: bool, value: str) -> Any:
+    if kind == "bool":
+        return value != "false" if has_value else True
+    if kind in ("int", "limit", "id"):
+        return int(value)
+    if kind == "mode":
+        return int(value, 8)
+    if kind == "severity":
+        return value.lower()
+    return value.strip("/")
+
+
+def parse_mount_options(options: Iterable[Any], field: str = "mount_options", emulator: bool = False) -> dict:
+    """Validate gcsfuse mount options and return their values.
+
+    :param options: iterable of strings, ``name`` or ``name=value`` without the leading ``--``
+        (:data:`GCSFUSE_MOUNT_OPTIONS`); ``None`` is no options.
+    :param field: the parameter or request field named in errors, e.g. ``mount_options`` or
+        ``template.template.volumes[0].gcs.mount_options``.
+    :param emulator: also accept :data:`EMULATOR_MOUNT_OPTIONS` (the emulator's own requests).
+    :returns: ``{name: value}``: ``bool`` for booleans, ``int`` for integers and modes (-1 for
+        unlimited), lower-case ``str`` for ``log-severity``, ``only-dir`` without outer slashes.
+    :raises ValueError: one message naming ``field[i]``, the option and what is allowed: a value
+        that is not a string, a leading ``-``, an unknown name (with the allowed names), a bad
+        value (with the allowed values), or an option given twice.
+    """
+    allowed = dict(GCSFUSE_MOUNT_OPTIONS, **(EMULATOR_MOUNT_OPTIONS if emulator else {}))
+    parsed: dict = {}
+    first: dict = {}
+    for i, raw in enumerate(options or ()):
+        where = f"{field}[{i}]"
+        if not isinstance(raw, str):
+            raise ValueError(f"{where}: {raw!r} must be a string, name or name=value, e.g. 'rename-dir-limit=100'.")
+        name, has_value, value = raw.partition("=")
+        if name.startswith("-"):
+            raise ValueError(f"{where}: '{raw}' must be written without the leading '--'.")
+        if name in EMULATOR_MOUNT_OPTIONS and not emulator:
+            raise ValueError(f"{where}: '{raw}' is the emulator's own option and Cloud Run refuses it; for the "
+                             f"emulator's strict mode start it with --fuse-strict (EMULATOR_FUSE_STRICT=1), "
+                             f"or put the option on the job through the Cloud Run client against the emulator.")
+        kind = allowed.get(name)
+        if kind is None:
+            raise ValueError(f"{where}: '{raw}' is not a Cloud Storage FUSE option Cloud Run accepts; "
+                             f"allowed: {', '.join(sorted(allowed))}.")
+        problem = _value_problem(name, kind, bool(has_value), value)
+        if problem:
+            raise ValueError(f"{where}: '{raw}': {name} {problem}.")
+        if name in first:
+            raise ValueError(f"{where}: '{raw}' repeats {name} (already {field}[{first[name]}]); give each option once.")
+        first[name] = i
+        parsed[name] = _convert(kind, bool(has_value), value)
+    return parsed
+
+
+def mount_key(parsed: dict) -> tuple:
+    """A hashable key of parsed options: two option lists with the same meaning (order, ``name``
+    against ``name=true``, ``log-severity`` letter case) give the same key."""
+    return tuple(sorted((name, str(value)) for name, value in parsed.items()))

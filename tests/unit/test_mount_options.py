@@ -1,0 +1,110 @@
+"""Cloud Storage FUSE mount options (:mod:`airflow_gpu_resilience.mount_options`): one table of
+what is accepted with which value, what is refused with which words, and the same answer from the
+job spec, the emulator's request validation and its FUSE mounts."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_gpu_resilience.mount_options import mount_key, parse_mount_options
+
+ACCEPTED = [
+    (["implicit-dirs"], {"implicit-dirs": True}),
+    (["implicit-dirs=false"], {"implicit-dirs": False}),
+    (["enable-streaming-writes=true"], {"enable-streaming-writes": True}),
+    (["rename-dir-limit=0"], {"rename-dir-limit": 0}),
+    (["rename-dir-limit=100"], {"rename-dir-limit": 100}),
+    (["write-global-max-blocks=-1"], {"write-global-max-blocks": -1}),  # gcsfuse: -1 is unlimited
+    (["metadata-cache-ttl-secs=-1"], {"metadata-cache-ttl-secs": -1}),
+    (["stat-cache-max-size-mb=-1", "type-cache-max-size-mb=32"], {"stat-cache-max-size-mb": -1,
+                                                                  "type-cache-max-size-mb": 32}),
+    (["file-mode=644", "dir-mode=0755"], {"file-mode": 0o644, "dir-mode": 0o755}),
+    (["file-mode=777"], {"file-mode": 0o777}),
+    (["uid=0", "gid=4294967294"], {"uid": 0, "gid": 4294967294}),
+    (["log-severity=WARNING"], {"log-severity": "warning"}),
+    (["log-severity=off"], {"log-severity": "off"}),
+    (["only-dir=runs/a/"], {"only-dir": "runs/a"}),
+    (["max-conns-per-host=0"], {"max-conns-per-host": 0}),
+    ([], {}),
+    (None, {}),
+]
+
+REFUSED = [
+    # (options, words in the one error)
+    (["--implicit-dirs"], "mount_options[0]: '--implicit-dirs' must be written without the leading '--'"),
+    (["cache-all"], "is not a Cloud Storage FUSE option Cloud Run accepts; allowed: dir-mode, "),
+    ([7], "mount_options[0]: 7 must be a string"),
+    (["implicit-dirs=yes"], "takes no value, or =true / =false"),
+    (["implicit-dirs=TRUE"], "takes no value, or =true / =false"),
+    (["rename-dir-limit"], "needs a value, e.g. rename-dir-limit=100"),
+    (["rename-dir-limit=x"], "needs a non-negative integer in decimal digits"),
+    (["rename-dir-limit=-1"], "needs a non-negative integer"),  # -1 is only "unlimited" for limits
+    (["rename-dir-limit= 5"], "needs a non-negative integer"),
+    (["rename-dir-limit=+5"], "needs a non-negative integer"),
+    (["rename-dir-limit=5_0"], "needs a non-negative integer"),
+    (["rename-dir-limit=\u0665"], "needs a non-negative integer"),  # an Arabic-Indic five
+    (["rename-dir-limit=-0"], "needs a non-negative integer"),
+    (["rename-dir-limit=9223372036854775808"], "at most 9223372036854775807"),
+    (["write-global-max-blocks=-2"], "needs -1 (unlimited) or a non-negative integer"),
+    (["uid=99999999999"], "at most 4294967294"),
+    (["gid=-1"], "at most 4294967294"),
+    (["file-mode=9"], "needs an octal file mode from 0 to 777"),
+    (["file-mode=1777"], "needs an octal file mode from 0 to 777"),
+    (["dir-mode=0o755"], "needs an octal file mode from 0 to 777"),
+    (["log-severity=loud"], "needs one of trace, debug, info, warning, error, off"),
+    (["log-severity="], "needs a value"),
+    (["only-dir=/abs"], "needs a folder of the bucket relative to its root"),
+    (["only-dir=a/../b"], "needs a folder of the bucket relative to its root"),
+    (["only-dir=a//b"], "needs a folder of the bucket relative to its root"),
+    (["implicit-dirs", "rename-dir-limit=1", "implicit-dirs=true"],
+     "mount_options[2]: 'implicit-dirs=true' repeats implicit-dirs (already mount_options[0]); give each option once"),
+    (["rename-dir-limit=1", "rename-dir-limit=5"], "repeats rename-dir-limit"),
+    (["x-emulator-strict"], "is the emulator's own option and Cloud Run refuses it; for the emulator's strict "
+                            "mode start it with --fuse-strict (EMULATOR_FUSE_STRICT=1)"),
+]
+
+
+@pytest.mark.parametrize(("options", "expected"), ACCEPTED)
+def test_accepted_options_and_their_values(options, expected):
+    assert parse_mount_options(options) == expected
+    assert parse_mount_options(options, emulator=True) == expected
+
+
+@pytest.mark.parametrize(("options", "says"), REFUSED)
+def test_refused_options_get_one_error_naming_the_field_and_the_allowed_values(options, says):
+    with pytest.raises(ValueError) as err:
+        parse_mount_options(options)
+    assert says in str(err.value)
+    assert str(err.value).startswith("mount_options[")
+
+
+def test_the_emulator_alone_accepts_its_strict_option_and_names_its_request_field():
+    assert parse_mount_options(["x-emulator-strict"], emulator=True) == {"x-emulator-strict": True}
+    with pytest.raises(ValueError, match=r"^template.template.volumes\[0\].gcs.mount_options\[0\]: 'log-severity=x'"):
+        parse_mount_options(["log-severity=x"], "template.template.volumes[0].gcs.mount_options", emulator=True)
+
+
+@pytest.mark.parametrize(("options", "expected"), ACCEPTED + [(o, None) for o, _ in REFUSED])
+def test_the_job_spec_and_the_emulator_volumes_agree(options, expected, tmp_path):
+    """Every option list gets the same verdict from GpuJobSpec and the emulator's volumes
+    (VolumeMounts.local_dir, before anything is mounted), but for the emulator's own option."""
+    from airflow_gpu_resilience.emulator.gcsfuse import VolumeMounts
+    from airflow_gpu_resilience.job_spec import GpuJobSpec
+
+    verdicts = []
+    spec = dict(name="j", image="us-docker.pkg.dev/p/r/i:1", checkpoint_bucket="ckpt-bucket")
+    for check in (lambda: GpuJobSpec(**spec, mount_options=list(options or ())),
+                  lambda: VolumeMounts(tmp_path, lambda b: tmp_path / b, mode="folder").local_dir("b", options)):
+        try:
+            check()
+            verdicts.append(True)
+        except ValueError:
+            verdicts.append(False)
+    emulator_only = options is not None and "x-emulator-strict" in options
+    assert verdicts == [expected is not None, expected is not None or emulator_only]
+
+
+def test_options_with_one_meaning_share_one_mount_key():
+    assert mount_key(parse_mount_options(["implicit-dirs", "log-severity=INFO"])) == mount_key(
+        parse_mount_options(["log-severity=info", "implicit-dirs=true"]))
+    assert mount_key(parse_mount_options(["implicit-dirs=false"])) != mount_key(parse_mount_options(["implicit-dirs"]))
