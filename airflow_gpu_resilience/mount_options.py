@@ -7,11 +7,14 @@ gets the same single error everywhere, before anything is deployed or mounted.
 
 An option is a gcsfuse flag without the leading ``--`` (Cloud Run's ``mountOptions``), ``name`` or
 ``name=value``. The value rules follow gcsfuse's own flag checks (its ``cfg`` validation and the
-``gcsfuse`` CLI options page): booleans ``true``/``false``; integers in ASCII decimal digits; ``-1``
-means "unlimited" for the caches, their TTLs and ``write-global-max-blocks``; file and folder modes
-in octal up to ``777``; ``uid``/``gid`` up to 4294967294 (``-1`` is gcsfuse's "the mounting user",
-which is what leaving the option out means here); ``log-severity`` one of gcsfuse's levels;
-``only-dir`` a relative folder of the bucket. Each option may be given once (gcsfuse keeps the
+``gcsfuse`` CLI options page): booleans as Go's ``strconv.ParseBool`` reads them (``true``,
+``false``, ``1``, ``0``, ``t``, ``f``, ``TRUE``, ...); integers in ASCII decimal digits without
+leading zeros (gcsfuse's flag parser would read ``010`` as octal 8); ``-1`` means "unlimited" for
+the caches, their TTLs and ``write-global-max-blocks``; the TTLs at most 9223372036 s and the stat
+cache at most 17592186044415 MiB (what fits gcsfuse's int64 nanoseconds and bytes); file and
+folder modes in octal up to ``7777``; ``uid``/``gid`` -1 (the mounting user, gcsfuse's default)
+or up to 4294967294; ``log-severity`` one of gcsfuse's levels; ``only-dir`` a relative folder of
+the bucket. Each option may be given once (gcsfuse keeps the
 last of repeated flags; Cloud Run passes them in order, so a repeat is almost always a mistake).
 """
 
@@ -21,8 +24,8 @@ import re
 from typing import Any, Iterable
 
 #: gcsfuse flags a Cloud Run ``cloud-storage`` volume may carry, name -> kind of value:
-#: ``bool`` (bare, ``=true`` or ``=false``), ``int`` (>= 0), ``limit`` (>= 0, or -1 for
-#: unlimited), ``id`` (a uid/gid, 0-4294967294), ``mode`` (octal, 0-777), ``severity``
+#: ``bool`` (bare, or one of :data:`BOOL_VALUES`), ``int`` (>= 0), ``limit`` (>= 0, or -1 for
+#: unlimited), ``id`` (a uid/gid: -1 or 0-4294967294), ``mode`` (octal, 0-7777), ``severity``
 #: (:data:`LOG_SEVERITIES`), ``dir`` (a relative folder of the bucket).
 GCSFUSE_MOUNT_OPTIONS = {
     "implicit-dirs": "bool", "only-dir": "dir", "file-mode": "mode", "dir-mode": "mode",
@@ -34,6 +37,13 @@ GCSFUSE_MOUNT_OPTIONS = {
 #: Options only the emulator accepts (Cloud Run refuses them): ``x-emulator-strict`` turns a
 #: staged-write fallback on that volume into ``EIO``.
 EMULATOR_MOUNT_OPTIONS = {"x-emulator-strict": "bool"}
+#: Values of a boolean flag (Go's ``strconv.ParseBool``, which gcsfuse's flags use) -> value.
+BOOL_VALUES = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
+               **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False)}
+#: Largest values gcsfuse accepts where it is below int64: TTLs in seconds (int64 nanoseconds)
+#: and the stat cache in MiB (int64 bytes).
+MAX_VALUES = {"metadata-cache-ttl-secs": 9223372036, "kernel-list-cache-ttl-secs": 9223372036,
+              "stat-cache-max-size-mb": 17592186044415}
 #: gcsfuse's ``--log-severity`` levels (any letter case).
 LOG_SEVERITIES = ("trace", "debug", "info", "warning", "error", "off")
 #: The largest uid/gid (2**32 - 2; 2**32 - 1 is "no id" to the kernel).
@@ -41,7 +51,7 @@ MAX_ID = 4294967294
 #: The largest other integer (gcsfuse parses them as int64).
 MAX_INT = 2**63 - 1
 
-_DIGITS = re.compile(r"[0-9]+")
+_DIGITS = re.compile(r"0|[1-9][0-9]*")
 _OCTAL = re.compile(r"[0-7]+")
 _EXAMPLES = {"bool": "=true", "int": "=100", "limit": "=100", "id": "=1000", "mode": "=644",
              "severity": "=warning", "dir": "=checkpoints"}
@@ -50,20 +60,22 @@ _EXAMPLES = {"bool": "=true", "int": "=100", "limit": "=100", "id": "=1000", "mo
 def _value_problem(name: str, kind: str, has_value: bool, value: str) -> str | None:
     """Why ``value`` is not a valid value of option ``name`` of ``kind``, or ``None``."""
     if kind == "bool":
-        return None if not has_value or value in ("true", "false") else "takes no value, or =true / =false"
+        return None if not has_value or value in BOOL_VALUES else "takes no value, or =true / =false"
     if not has_value or not value:
         return f"needs a value, e.g. {name}{_EXAMPLES[kind]}"
     if kind in ("int", "limit", "id"):
-        if kind == "limit" and value == "-1":
+        if kind in ("limit", "id") and value == "-1":
             return None
-        low = "-1 (unlimited) or a non-negative integer" if kind == "limit" else "a non-negative integer"
-        high = MAX_ID if kind == "id" else MAX_INT
+        low = {"limit": "-1 (unlimited) or a non-negative integer", "id": "-1 (the mounting user) or a "
+               "non-negative integer"}.get(kind, "a non-negative integer")
+        high = MAX_ID if kind == "id" else MAX_VALUES.get(name, MAX_INT)
         if not _DIGITS.fullmatch(value) or int(value) > high:
-            return f"needs {low} in decimal digits, at most {high}, e.g. {name}{_EXAMPLES[kind]}"
+            return (f"needs {low} in decimal digits without leading zeros, at most {high}, "
+                    f"e.g. {name}{_EXAMPLES[kind]}")
         return None
     if kind == "mode":
-        if not _OCTAL.fullmatch(value) or int(value, 8) > 0o777:
-            return f"needs an octal file mode from 0 to 777, e.g. {name}{_EXAMPLES[kind]}"
+        if not _OCTAL.fullmatch(value) or int(value, 8) > 0o7777:
+            return f"needs an octal file mode from 0 to 7777, e.g. {name}{_EXAMPLES[kind]}"
         return None
     if kind == "severity":
         return None if value.lower() in LOG_SEVERITIES else f"needs one of {', '.join(LOG_SEVERITIES)}"
@@ -76,7 +88,7 @@ def _value_problem(name: str, kind: str, has_value: bool, value: str) -> str | N
 
 def _convert(kind: str, has_value: bool, value: str) -> Any:
     if kind == "bool":
-        return value != "false" if has_value else True
+        return BOOL_VALUES[value] if has_value else True
     if kind in ("int", "limit", "id"):
         return int(value)
     if kind == "mode":

@@ -52,9 +52,14 @@ What is emulated (gcsfuse ``docs/semantics.md``, "Streaming Writes" and "Staged 
   write is recorded as ``throttled-rewrite`` (Cloud Storage allows about one write per second per
   object name; a real mount retries with backoff, so such a close would take longer). The
   emulator does not delay it, so tests stay fast; the record is what a test checks.
-- **Two writers of one object**: each open-for-write is its own writer (as if on its own mount);
+- **Two writers of one object**: every task has its own mount on Cloud Run, so the writers here
+  are per task (a writer's ``CLOUD_RUN_EXECUTION``, task index and attempt; processes without
+  them count as one task): the handles one task opens on a file it is writing share that file
+  (gcsfuse's one inode per mount), and the writers of two tasks, or of two mounts, are separate:
   the first close wins, and a writer whose object changed since it opened it gets ``ESTALE`` at
-  close (recorded as ``estale``).
+  close (recorded as ``estale``). ``renameat2`` flags are refused (``EINVAL``), as by gcsfuse;
+  a folder holding a file not uploaded yet cannot be renamed (``ENOTSUP``) or removed
+  (``ENOTEMPTY``).
 - **Metadata**: ``utime`` (``touch``, ``cp -p``) sets the object's modification time, or the
   local copy's, uploaded with it; it is not a new generation, so no writer gets ``ESTALE`` for it.
   An unlinked open file leaves no object (libfuse's ``hard_remove``: its reads, writes and close
@@ -314,8 +319,8 @@ class VolumeMounts:
 
     Why per emulator and not per execution or per bucket: a mount costs a process start (about
     0.3 s, 20 MB) that would be added to every attempt or every bucket (the tests make a bucket per
-    test), and the semantics a worker must meet are per file handle (each open-for-write is its
-    own writer, so two tasks sharing a mount still see "first close wins" and ``ESTALE``); reads
+    test), and the semantics a worker must meet are per task (the file system keeps each task's
+    writers apart, so two tasks sharing a mount still see "first close wins" and ``ESTALE``); reads
     keep no cache across opens, so a shared mount hides no download. Volumes with different mount
     options (or strictness) get different mounts.
 
@@ -442,10 +447,12 @@ def event_line(ev: dict) -> str:
 # --------------------------------------------------------------------------------------------
 
 class _Writer:
-    """One open-for-write handle: its own local copy of the file (a staging file)."""
+    """A file open for writing on one task's mount (gcsfuse's inode): its local copy (a staging
+    file) and its state, shared by every handle that task opens on it while it is being written
+    (``refs``); another task's open of the same object is another writer (another mount)."""
 
     __slots__ = ("path", "fd", "temp", "base", "mode", "cause", "next_offset", "who", "finalized", "dirty",
-                 "unlinked", "reads", "opened_existing")
+                 "unlinked", "reads", "opened_existing", "refs")
 
     def __init__(self, path, fd, temp, base, who, opened_existing):
         self.path, self.fd, self.temp, self.base, self.who = path, fd, temp, base, who
@@ -457,6 +464,7 @@ class _Writer:
         self.unlinked = False
         self.reads = 0
         self.opened_existing = opened_existing
+        self.refs = 1
 
 
 class _Reader:
@@ -521,8 +529,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             self.rename_dir_limit = options.get("rename-dir-limit", 0)
             self.file_mode = options.get("file-mode", 0o644)
             self.dir_mode = options.get("dir-mode", 0o755)
-            self.uid = options.get("uid", os.getuid())
-            self.gid = options.get("gid", os.getgid())
+            self.uid = options.get("uid", -1) if options.get("uid", -1) >= 0 else os.getuid()
+            self.gid = options.get("gid", -1) if options.get("gid", -1) >= 0 else os.getgid()
             self._mu = threading.RLock()
             self.handles: dict = {}
             self.next_fh = 1
@@ -567,6 +575,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             return [h for h in self.handles.values() if isinstance(h, _Writer) and h.path == path
                     and not h.finalized and not h.unlinked]
 
+        def _mine(self, path: str, who: dict) -> list:
+            """Writers of ``path`` on the mount of ``who``'s task (see :func:`_task_of`)."""
+            task = _task_of(who)
+            return [w for w in self._writers(path) if _task_of(w.who) == task]
+
         def _temp(self) -> tuple:
             with self._mu:
                 self.counter += 1
@@ -602,6 +615,18 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                         os.ftruncate(w.fd, 0)
                         os.sendfile(w.fd, f.fileno(), 0, src[2]) if src[2] else None
             w.mode, w.cause = "staged", cause
+
+        def _begin_stream(self, w: _Writer, offset: int) -> None:
+            """The first write of a file that may stream: it streams unless streaming is off,
+            the task streams as many files as it may, or the write is not at offset 0."""
+            if not self.streaming:
+                self._stage(w, "streaming-disabled")
+            elif self._streaming_now(w.who) >= self.stream_limit:
+                self._stage(w, "streaming-limit")
+            elif offset != 0:
+                self._stage(w, "out-of-order-write")
+            else:
+                w.mode, w.cause, w.next_offset = "stream", None, 0
 
         def _finalize(self, w: _Writer, keep: bool = False) -> None:
             """Upload ``w``'s local copy as the object (a rename into the bucket folder); with
@@ -718,8 +743,19 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             except FileNotFoundError:
                 raise FuseOSError(errno.ENOENT) from None
 
+        def _local_files_under(self, path: str) -> list:
+            """Files below folder ``path`` being written that are no object yet (gcsfuse's
+            local files: a folder holding one cannot be removed or renamed)."""
+            prefix = path.rstrip("/") + "/"
+            with self._mu:
+                return [w.path for w in self.handles.values() if isinstance(w, _Writer) and not w.unlinked
+                        and w.path.startswith(prefix) and not w.opened_existing
+                        and not os.path.exists(self._real(w.path))]
+
         def rmdir(self, path):
             self._top(path)
+            if self._local_files_under(path):
+                raise FuseOSError(errno.ENOTEMPTY)
             try:
                 os.rmdir(self._real(path))
             except OSError as exc:
@@ -792,7 +828,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             self._copy_object(real_old, real_new)
             os.unlink(real_old)
             with self._mu:
-                self.last_write[new] = time.monotonic()
+                now = time.monotonic()
+                last = self.last_write.get(new)
+                if last is not None and now - last < REWRITE_INTERVAL_S:  # the copy writes that name
+                    self._record("throttled-rewrite", new, who, seconds=round(now - last, 3))
+                self.last_write[new] = now
                 after = _generation(real_new)
                 for w in moved:
                     # the handle now writes the renamed object: a write is a staged rewrite of it
@@ -818,10 +858,14 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
 
         def _rename_dir(self, old, new, who):
             real_old, real_new = self._real(old), self._real(new)
-            files = [os.path.join(d, f) for d, _, fs in os.walk(real_old) for f in fs]
-            if len(files) > self.rename_dir_limit:
+            if self._local_files_under(old):  # gcsfuse: ENOTSUP while a file in it is not uploaded
+                raise FuseOSError(errno.ENOTSUP)
+            walked = list(os.walk(real_old))
+            files = [os.path.join(d, f) for d, _, fs in walked for f in fs]
+            objects = len(files) + sum(len(ds) for _, ds, _ in walked)  # a folder is an object too
+            if objects > self.rename_dir_limit:
                 self._record("non-atomic-rename", old, who, to=new.lstrip("/"), directory=True,
-                             refused=f"EMFILE: {len(files)} objects > rename-dir-limit {self.rename_dir_limit}")
+                             refused=f"EMFILE: {objects} objects > rename-dir-limit {self.rename_dir_limit}")
                 raise FuseOSError(errno.EMFILE)
             if os.path.exists(real_new) and os.listdir(real_new):
                 raise FuseOSError(errno.ENOTEMPTY)
@@ -836,21 +880,29 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             self._record("non-atomic-rename", old, who, to=new.lstrip("/"), directory=True, bytes=total,
                          objects=len(files))
 
+        def _truncate_writer(self, w: _Writer, length: int) -> None:
+            """Cut or extend the file ``w`` writes to ``length`` bytes. Extending a file that
+            streams (or is new) only sets its size (gcsfuse's streaming writer remembers it);
+            cutting it, or changing an existing object, falls back to a staged write of the
+            object's bytes."""
+            size = os.fstat(w.fd).st_size if self._local(w) else (w.base[2] if w.base else 0)
+            if length == size:
+                return
+            extends = length > size and (w.mode == "stream" or w.mode is None and not w.opened_existing)
+            if w.mode != "staged" and not extends:
+                self._stage(w, "truncate")  # the object's bytes first, then cut or extended
+            os.ftruncate(w.fd, length)
+            w.dirty = True
+            w.next_offset = min(w.next_offset, length)  # a stream goes on where its bytes end
+
         def truncate(self, path, length, fh=None):
             with self._mu:
-                w = self.handles.get(fh) if fh else None
-                if not isinstance(w, _Writer):
-                    writers = self._writers(path)
+                w = self.handles.get(fh) if fh is not None else None
+                if not isinstance(w, _Writer) and path is not None:
+                    writers = self._mine(path, self._who())
                     w = writers[-1] if writers else None
-                if w is not None:
-                    size = os.fstat(w.fd).st_size if self._local(w) else (w.base[2] if w.base else 0)
-                    if length == size:
-                        return 0
-                    if w.mode != "staged" and (w.mode == "stream" or w.opened_existing):
-                        self._stage(w, "truncate")  # the object's bytes first, then cut or extended
-                    os.ftruncate(w.fd, length)
-                    w.dirty = True
-                    w.next_offset = length
+                if isinstance(w, _Writer):
+                    self._truncate_writer(w, length)
                     return 0
             if path is None:
                 raise FuseOSError(errno.EBADF)
@@ -890,33 +942,39 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
 
         def open(self, path, flags):
             real = self._real(path)
+            who = self._who()
             if flags & os.O_ACCMODE == os.O_RDONLY:
                 with self._mu:
-                    local = [w for w in self._writers(path) if self._local(w)]
+                    local = [w for w in self._mine(path, who) if self._local(w)]
                     for w in local:  # reading a file still streaming: finalized, then staged
                         if w.mode in (None, "stream"):
                             self._read_while_writing(w)
-                    writers = [w for w in self._writers(path) if self._local(w)]
+                    writers = [w for w in self._mine(path, who) if self._local(w)]
                     if writers:  # a staged local copy is what this mount shows
                         fd = os.open(writers[-1].temp, os.O_RDONLY)
-                        return self._add(_Reader(path, fd, self._who()))
+                        return self._add(_Reader(path, fd, who))
                 try:
                     fd = os.open(real, os.O_RDONLY)
                 except FileNotFoundError:
                     raise FuseOSError(errno.ENOENT) from None
-                return self._add(_Reader(path, fd, self._who()))
+                return self._add(_Reader(path, fd, who))
             with self._mu:
-                mine = [w for w in self._writers(path)]
-            if mine and not os.path.exists(real):
-                # reopening a file that is still a local file: a new writer on the same new file
+                mine = self._mine(path, who)
+                if mine:  # the task's file is open for writing already: one inode, one local copy
+                    w = mine[-1]
+                    if flags & os.O_TRUNC:
+                        self._truncate_writer(w, 0)
+                    w.refs += 1
+                    return self._add(w)
+                others = self._writers(path)
+            if others and not os.path.exists(real):
+                # another task's file not uploaded yet: a new file on this task's mount
                 temp, fd = self._temp()
-                w = _Writer(path, fd, temp, None, self._who(), opened_existing=False)
-                w.mode, w.cause = None, None
-                return self._add(w)
+                return self._add(_Writer(path, fd, temp, None, who, opened_existing=False))
             if not os.path.exists(real):
                 raise FuseOSError(errno.ENOENT)
             temp, fd = self._temp()
-            w = _Writer(path, fd, temp, _generation(real), self._who(), opened_existing=True)
+            w = _Writer(path, fd, temp, _generation(real), who, opened_existing=True)
             if flags & os.O_TRUNC and w.base is not None and w.base[2] > 0:
                 # truncating an existing object on open: a staged rewrite of it from empty
                 try:
@@ -973,29 +1031,24 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             if not isinstance(w, _Writer):
                 raise FuseOSError(errno.EBADF)
             with self._mu:
-                if w.finalized:
-                    cause = "write-after-rename" if w.cause == "write-after-rename" else "write-after-close"
-                    w.finalized = False
-                    w.mode, w.cause = None, None
-                    self._stage(w, cause)
-                    # the local copy was published by the close; write on a fresh copy
-                    if w.temp is None:
+                if w.finalized:  # uploaded by a close of one of its handles, or by a rename
+                    if w.temp is None:  # the close published the local copy itself: write on a copy
                         temp, fd = self._temp()
                         size = os.fstat(w.fd).st_size
                         os.sendfile(fd, w.fd, 0, size) if size else None
                         os.close(w.fd)
                         w.fd, w.temp = fd, temp
-                elif w.mode is None:
-                    if w.opened_existing:
-                        self._stage(w, "overwrite")
-                    elif not self.streaming:
-                        self._stage(w, "streaming-disabled")
-                    elif self._streaming_now(w.who) >= self.stream_limit:
-                        self._stage(w, "streaming-limit")
-                    elif offset != 0:
-                        self._stage(w, "out-of-order-write")
+                    if os.fstat(w.fd).st_size == 0:  # an empty object streams again (gcsfuse)
+                        self._begin_stream(w, offset)
                     else:
-                        w.mode = "stream"
+                        self._stage(w, "write-after-rename" if w.cause == "write-after-rename"
+                                    else "write-after-close", fetch=False)
+                    w.finalized = False  # only now: a refused write (strict) leaves the file as it was
+                elif w.mode is None:
+                    if w.opened_existing and not (w.base is not None and w.base[2] == 0):
+                        self._stage(w, "overwrite")
+                    else:  # a new file, or an existing empty object (gcsfuse streams both)
+                        self._begin_stream(w, offset)
                 elif w.mode == "stream" and offset != w.next_offset:
                     self._stage(w, "out-of-order-write")
                 w.dirty = True
@@ -1053,6 +1106,10 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     self._record("read", h.path, h.who, bytes=h.bytes)
                 os.close(h.fd)
                 return 0
+            with self._mu:
+                h.refs -= 1
+                if h.refs > 0:  # another handle of the task still has the file open
+                    return 0
             os.close(h.fd)
             self._drop(h)
             return 0
@@ -1062,7 +1119,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
 
 def _fast_fuse_class():
     """An ``mfusepy.FUSE`` whose read and write move bytes between the kernel's buffer and the
-    files without a Python ``bytes`` copy per call."""
+    files without a Python ``bytes`` copy per call, whose truncate gets the file handle, and
+    which refuses ``renameat2`` flags (``EINVAL``) rather than ignore them."""
     import ctypes
 
     import mfusepy
@@ -1077,6 +1135,19 @@ def _fast_fuse_class():
             fh = fip.contents.fh
             view = (ctypes.c_char * size).from_address(ctypes.cast(buf, ctypes.c_void_p).value)
             return self.operations.write_from(fh, memoryview(view).cast("B"), offset)
+
+        def truncate_fuse_3(self, path, length, fip):
+            # mfusepy drops the handle; ftruncate must cut the file of the handle it names
+            fh = fip.contents.fh if fip else None
+            return self.operations.truncate(None if path is None else path.decode(self.encoding, self.errors),
+                                            length, fh)
+
+        def rename_fuse_3(self, old, new, flags):
+            # mfusepy drops renameat2's flags (an exchange became a plain rename, losing a file);
+            # gcsfuse supports none of them
+            if flags:
+                return -errno.EINVAL
+            return self.rename_fuse_2(old, new)
 
     return FastFUSE
 

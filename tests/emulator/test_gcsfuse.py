@@ -189,25 +189,61 @@ def test_rewrite_within_a_second_is_recorded_as_throttled(mnt, fuse_bucket):
     assert len(_events(mnt, name, "throttled-rewrite")) == 1 and _events(mnt, name, "staged") == []
 
 
-@pytest.mark.parametrize("where", ["two mounts", "one mount"])
+_TASK_WRITER = ("import os,sys\nf=open(sys.argv[1],'wb',buffering=0)\nf.write(sys.argv[2].encode())\n"
+                "print('written',flush=True)\nsys.stdin.readline()\n"
+                "try:\n    f.close(); print('closed')\nexcept OSError as e:\n    print(e.errno)\n")
+
+
+def _task_env(execution, index=0):
+    return {**os.environ, "CLOUD_RUN_EXECUTION": execution, "CLOUD_RUN_TASK_INDEX": str(index),
+            "CLOUD_RUN_TASK_ATTEMPT": "0"}
+
+
+@pytest.mark.parametrize("where", ["two mounts", "two tasks on one mount"])
 def test_second_writer_of_one_object_gets_estale_at_close(mnt, other_mnt, fuse_bucket, where):
-    """Two mounts of one bucket write one object: the first close wins, the other gets ESTALE
-    (and so do two writers on one mount: each open-for-write is its own writer)."""
+    """Two mounts of one bucket write one object: the first close wins, the other gets ESTALE;
+    so do two tasks on the emulator's one mount (on Cloud Run each task has its own)."""
     name = _name()
     theirs = other_mnt if where == "two mounts" else mnt
+    env = _task_env("exec-first") if where == "two mounts" else _task_env("exec-second")
     first = open(mnt.mountpoint / name, "wb")
-    second = open(theirs.mountpoint / name, "wb")
+    second = subprocess.Popen([sys.executable, "-c", _TASK_WRITER, str(theirs.mountpoint / name), "second"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert second.stdout.readline().strip() == "written"
     first.write(b"first")
-    second.write(b"second")
     first.close()
-    with pytest.raises(OSError) as err:
-        second.close()
-    assert err.value.errno == errno.ESTALE
+    out, _ = second.communicate("\n", timeout=30)
+    assert out.strip() == str(errno.ESTALE)
     assert fuse_bucket.get_blob(name).download_as_bytes() == b"first"
     assert (theirs.mountpoint / name).read_bytes() == b"first"  # the loser's mount reads the winner's object
     assert len(_events(theirs, name, "estale")) == 1
     if theirs is not mnt:
         assert _events(mnt, name, "estale") == []  # recorded by the loser's mount only
+
+
+def test_handles_of_one_task_share_the_file_they_write(mnt, fuse_bucket):
+    """gcsfuse has one inode per file and mount: a second append handle of the same task goes on
+    where the first one's bytes end (no zeros, no ESTALE), and ftruncate cuts the file of the
+    handle it is called on."""
+    name = _name("log")
+    a = open(mnt.mountpoint / name, "ab", buffering=0)
+    a.write(b"line one\n")
+    b = open(mnt.mountpoint / name, "ab", buffering=0)
+    b.write(b"line two\n")
+    b.close()
+    a.close()
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"line one\nline two\n"
+    assert _events(mnt, name, "staged") == [] and _events(mnt, name, "estale") == []
+    other = _name()
+    _put(mnt, other, b"0123456789" * 2)
+    a = os.open(mnt.mountpoint / other, os.O_RDWR)
+    b = os.open(mnt.mountpoint / other, os.O_WRONLY)  # a concurrent opener (touch) of the same task
+    os.write(a, b"HEAD")
+    os.ftruncate(a, 4)
+    assert os.fstat(a).st_size == 4
+    os.close(a)
+    os.close(b)
+    assert fuse_bucket.get_blob(other).download_as_bytes() == b"HEAD"
 
 
 def test_killed_writer_leaves_a_short_object(mnt, fuse_bucket):
@@ -467,3 +503,75 @@ def test_only_dir_mounts_a_folder_of_the_bucket_and_each_mount_says_whether_it_i
         assert err.value.errno == errno.EIO
     finally:
         volumes.stop()
+
+
+def test_shell_redirection_and_empty_objects_stream(mnt, strict, fuse_bucket):
+    """``echo > f`` (bash dup2s the new file, then closes the first descriptor: an empty object is
+    uploaded, then written) and a write to an existing empty object stream, as in gcsfuse; so do
+    extending a new file with ftruncate and writing it from 0."""
+    for mount in (mnt, strict):
+        name = _name("redirect")
+        subprocess.run(["bash", "-c", f"echo hello > '{mount.mountpoint / name}'"], check=True)
+        assert fuse_bucket.get_blob(name).download_as_bytes() == b"hello\n"
+        assert _events(mount, name, "staged") == []
+        empty = _name("empty")
+        (mount.mountpoint / empty).touch()
+        with open(mount.mountpoint / empty, "r+b") as f:
+            f.write(b"now")
+        assert fuse_bucket.get_blob(empty).download_as_bytes() == b"now" and _events(mount, empty, "staged") == []
+        sized = _name("sized")
+        fd = os.open(mount.mountpoint / sized, os.O_WRONLY | os.O_CREAT)
+        os.ftruncate(fd, 8)
+        os.write(fd, b"ab")
+        os.write(fd, b"cd")
+        os.close(fd)
+        assert fuse_bucket.get_blob(sized).download_as_bytes() == b"abcd\0\0\0\0"
+        assert _events(mount, sized, "staged") == []
+
+
+def test_a_refused_write_leaves_the_file_as_it_was(strict, fuse_bucket):
+    name = _name()
+    fd = os.open(strict.mountpoint / name, os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"data")
+    dup = os.dup(fd)
+    os.close(fd)  # uploads it
+    with pytest.raises(OSError) as err:
+        os.write(dup, b"more")  # a write after close: staged, so EIO in strict mode
+    assert err.value.errno == errno.EIO
+    os.close(dup)  # no EINVAL, no second upload
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"data"
+    assert _events(strict, name, "throttled-rewrite") == []
+    assert "Traceback" not in strict.log_path.read_text()
+
+
+def test_rename_flags_are_refused_and_folders_with_files_not_uploaded_stay(mnt, fuse_bucket):
+    import ctypes
+
+    a, b = _name("a"), _name("b")
+    _put(mnt, a, b"AAAA")
+    _put(mnt, b, b"BBBB")
+    libc = ctypes.CDLL(None, use_errno=True)
+    exchange = 2  # RENAME_EXCHANGE
+    rc = libc.renameat2(-100, str(mnt.mountpoint / a).encode(), -100, str(mnt.mountpoint / b).encode(), exchange)
+    assert rc == -1 and ctypes.get_errno() == errno.EINVAL
+    assert fuse_bucket.get_blob(a).download_as_bytes() == b"AAAA"
+    assert fuse_bucket.get_blob(b).download_as_bytes() == b"BBBB"
+    folder = _name("dir")
+    os.mkdir(mnt.mountpoint / folder)
+    f = open(mnt.mountpoint / folder / "open", "wb")
+    for call, code in ((lambda: os.rename(mnt.mountpoint / folder, mnt.mountpoint / f"{folder}-moved"), errno.ENOTSUP),
+                       (lambda: os.rmdir(mnt.mountpoint / folder), errno.ENOTEMPTY)):
+        with pytest.raises(OSError) as err:
+            call()
+        assert err.value.errno == code
+    f.close()
+    assert fuse_bucket.get_blob(f"{folder}/open") is not None
+
+
+def test_renaming_onto_a_name_written_within_a_second_is_throttled(mnt, fuse_bucket):
+    name = _name("progress")
+    for i in range(3):
+        _put(mnt, f"{name}.tmp", str(i).encode())
+        os.rename(mnt.mountpoint / f"{name}.tmp", mnt.mountpoint / name)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"2"
+    assert len(_events(mnt, name, "throttled-rewrite")) == 2

@@ -20,7 +20,12 @@ ACCEPTED = [
                                                                   "type-cache-max-size-mb": 32}),
     (["file-mode=644", "dir-mode=0755"], {"file-mode": 0o644, "dir-mode": 0o755}),
     (["file-mode=777"], {"file-mode": 0o777}),
+    (["file-mode=1777"], {"file-mode": 0o1777}),  # gcsfuse reads the mode in base 8, special bits too
     (["uid=0", "gid=4294967294"], {"uid": 0, "gid": 4294967294}),
+    (["uid=-1", "gid=-1"], {"uid": -1, "gid": -1}),  # gcsfuse's default: the mounting user
+    (["implicit-dirs=True", "enable-streaming-writes=0"], {"implicit-dirs": True, "enable-streaming-writes": False}),
+    (["implicit-dirs=t"], {"implicit-dirs": True}),
+    (["metadata-cache-ttl-secs=9223372036"], {"metadata-cache-ttl-secs": 9223372036}),
     (["log-severity=WARNING"], {"log-severity": "warning"}),
     (["log-severity=off"], {"log-severity": "off"}),
     (["only-dir=runs/a/"], {"only-dir": "runs/a"}),
@@ -35,7 +40,7 @@ REFUSED = [
     (["cache-all"], "is not a Cloud Storage FUSE option Cloud Run accepts; allowed: dir-mode, "),
     ([7], "mount_options[0]: 7 must be a string"),
     (["implicit-dirs=yes"], "takes no value, or =true / =false"),
-    (["implicit-dirs=TRUE"], "takes no value, or =true / =false"),
+    (["implicit-dirs=tRuE"], "takes no value, or =true / =false"),  # ParseBool's spellings only
     (["rename-dir-limit"], "needs a value, e.g. rename-dir-limit=100"),
     (["rename-dir-limit=x"], "needs a non-negative integer in decimal digits"),
     (["rename-dir-limit=-1"], "needs a non-negative integer"),  # -1 is only "unlimited" for limits
@@ -44,13 +49,17 @@ REFUSED = [
     (["rename-dir-limit=5_0"], "needs a non-negative integer"),
     (["rename-dir-limit=\u0665"], "needs a non-negative integer"),  # an Arabic-Indic five
     (["rename-dir-limit=-0"], "needs a non-negative integer"),
+    (["rename-dir-limit=010"], "without leading zeros"),  # gcsfuse's parser: octal 8, not 10
+    (["metadata-cache-ttl-secs=9223372037"], "at most 9223372036"),
+    (["kernel-list-cache-ttl-secs=99999999999"], "at most 9223372036"),
+    (["stat-cache-max-size-mb=17592186044416"], "at most 17592186044415"),
     (["rename-dir-limit=9223372036854775808"], "at most 9223372036854775807"),
     (["write-global-max-blocks=-2"], "needs -1 (unlimited) or a non-negative integer"),
     (["uid=99999999999"], "at most 4294967294"),
-    (["gid=-1"], "at most 4294967294"),
-    (["file-mode=9"], "needs an octal file mode from 0 to 777"),
-    (["file-mode=1777"], "needs an octal file mode from 0 to 777"),
-    (["dir-mode=0o755"], "needs an octal file mode from 0 to 777"),
+    (["gid=-2"], "needs -1 (the mounting user) or a non-negative integer"),
+    (["file-mode=9"], "needs an octal file mode from 0 to 7777"),
+    (["file-mode=17777"], "needs an octal file mode from 0 to 7777"),
+    (["dir-mode=0o755"], "needs an octal file mode from 0 to 7777"),
     (["log-severity=loud"], "needs one of trace, debug, info, warning, error, off"),
     (["log-severity="], "needs a value"),
     (["only-dir=/abs"], "needs a folder of the bucket relative to its root"),
