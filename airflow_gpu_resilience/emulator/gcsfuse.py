@@ -83,7 +83,10 @@ Accepted mount options (gcsfuse flags without ``--``, validated with their value
 task sees that folder of the bucket), ``rename-dir-limit``, ``enable-streaming-writes``,
 ``write-global-max-blocks``, ``file-mode``, ``dir-mode``, ``uid`` and ``gid`` change what the
 emulated mount does. Not emulated: caches and their TTLs, HNS buckets, symbolic links,
-``readOnly``.
+``readOnly``. A limit of serving every task from one mount: the kernel keeps one size per file
+for all of them, so two tasks writing the same object at the same time can see each other's size
+(an append of one lands at the other's length, an ``O_TRUNC`` of one cuts the other's reads);
+separate mounts (two ``GcsFuseMount``\ s, or volumes with other mount options) do not share it.
 """
 
 from __future__ import annotations
@@ -580,6 +583,23 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             task = _task_of(who)
             return [w for w in self._writers(path) if _task_of(w.who) == task]
 
+        def _open_of(self, path: str, who: dict) -> list:
+            """Every writer of ``path`` ``who``'s task has open, also one a close has uploaded
+            while another handle keeps it open (gcsfuse's inode of that mount)."""
+            task = _task_of(who)
+            return [h for h in self.handles.values() if isinstance(h, _Writer) and h.path == path
+                    and not h.unlinked and _task_of(h.who) == task]
+
+        def _private_copy(self, w: _Writer) -> None:
+            """After a close published ``w``'s local copy itself (a streaming file), give ``w`` a
+            copy of those bytes to go on with."""
+            if w.temp is None:
+                temp, fd = self._temp()
+                size = os.fstat(w.fd).st_size
+                os.sendfile(fd, w.fd, 0, size) if size else None
+                os.close(w.fd)
+                w.fd, w.temp = fd, temp
+
         def _temp(self) -> tuple:
             with self._mu:
                 self.counter += 1
@@ -614,6 +634,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     with open(self._real(w.path), "rb") as f:
                         os.ftruncate(w.fd, 0)
                         os.sendfile(w.fd, f.fileno(), 0, src[2]) if src[2] else None
+                    w.reads += src[2]  # a download of the whole object
             w.mode, w.cause = "staged", cause
 
         def _begin_stream(self, w: _Writer, offset: int) -> None:
@@ -634,6 +655,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             a copy is published and the local copy stays ``w``'s.
 
             :raises FuseOSError: ``ESTALE`` when the object changed since ``w`` opened it."""
+            if w.unlinked:  # its task deleted it: nothing is uploaded
+                return
             real = self._real(w.path)
             current = _generation(real)
             if current != w.base:
@@ -704,7 +727,9 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 if path is None:
                     raise FuseOSError(errno.ENOENT)
                 shown = [w for w in self._writers(path) if self._local(w)]
-                if shown:  # what this file is to its writer: the local copy, size as written
+                if shown:  # what this file is to its task: the local copy, size as written
+                    shown = [w for w in self._mine(path, self._who()) if self._local(w)]
+                if shown:
                     return self._attrs(os.fstat(shown[-1].fd))
             try:
                 st = os.lstat(self._real(path))
@@ -722,10 +747,13 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 raise FuseOSError(errno.ENOENT) from None
             prefix = path.rstrip("/") + "/"
             with self._mu:
-                for h in self.handles.values():
-                    if isinstance(h, _Writer) and not h.finalized and not h.unlinked and h.path.startswith(prefix):
+                pending = [h for h in self.handles.values() if isinstance(h, _Writer) and not h.finalized
+                           and not h.unlinked and h.path.startswith(prefix)]
+                if pending:  # the caller's task's files not uploaded yet (another task's mount shows none)
+                    task = _task_of(self._who())
+                    for h in pending:
                         rest = h.path[len(prefix):]
-                        if "/" not in rest and rest not in names:
+                        if _task_of(h.who) == task and "/" not in rest and rest not in names:
                             names.append(rest)
             return [".", ".."] + names
 
@@ -763,7 +791,8 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
 
         def unlink(self, path):
             with self._mu:
-                pending = self._writers(path)
+                # the caller's task's writers upload nothing now; another task's get ESTALE at close
+                pending = self._open_of(path, self._who())
                 for w in pending:
                     w.unlinked = True
             try:
@@ -812,8 +841,10 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             real_old, real_new = self._real(old), self._real(new)
             who = self._who()
             with self._mu:
-                moved = self._writers(old)
-                for w in moved:  # a file still being written is uploaded first (its writer keeps it)
+                # the caller's task's file still being written is uploaded first (its writer keeps
+                # it); another task's writer of the old name gets ESTALE at close
+                moved = self._mine(old, who)
+                for w in moved:
                     if self._local(w):
                         self._finalize(w, keep=True)
                 before = _generation(real_old)
@@ -888,9 +919,14 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
             size = os.fstat(w.fd).st_size if self._local(w) else (w.base[2] if w.base else 0)
             if length == size:
                 return
-            extends = length > size and (w.mode == "stream" or w.mode is None and not w.opened_existing)
-            if w.mode != "staged" and not extends:
-                self._stage(w, "truncate")  # the object's bytes first, then cut or extended
+            if w.finalized:  # uploaded by a close of another handle: a staged rewrite, uploaded at close
+                self._private_copy(w)
+                self._stage(w, "truncate", fetch=False)
+                w.finalized = False
+            else:
+                extends = length > size and (w.mode == "stream" or w.mode is None and not w.opened_existing)
+                if w.mode != "staged" and not extends:
+                    self._stage(w, "truncate")  # the object's bytes first, then cut or extended
             os.ftruncate(w.fd, length)
             w.dirty = True
             w.next_offset = min(w.next_offset, length)  # a stream goes on where its bytes end
@@ -959,7 +995,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     raise FuseOSError(errno.ENOENT) from None
                 return self._add(_Reader(path, fd, who))
             with self._mu:
-                mine = self._mine(path, who)
+                mine = self._open_of(path, who)
                 if mine:  # the task's file is open for writing already: one inode, one local copy
                     w = mine[-1]
                     if flags & os.O_TRUNC:
@@ -1003,9 +1039,11 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     if not self._local(h):  # an existing object opened for writing, nothing written
                         try:
                             with open(self._real(h.path), "rb") as f:
-                                return os.pread(f.fileno(), size, offset)
+                                data = os.pread(f.fileno(), size, offset)
                         except FileNotFoundError:
                             return b""
+                        h.reads += len(data)  # read from the bucket, like a reading handle's
+                        return data
                     if h.mode in (None, "stream") and not h.finalized:
                         self._read_while_writing(h)
                 return os.pread(h.fd, size, offset)
@@ -1032,12 +1070,7 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                 raise FuseOSError(errno.EBADF)
             with self._mu:
                 if w.finalized:  # uploaded by a close of one of its handles, or by a rename
-                    if w.temp is None:  # the close published the local copy itself: write on a copy
-                        temp, fd = self._temp()
-                        size = os.fstat(w.fd).st_size
-                        os.sendfile(fd, w.fd, 0, size) if size else None
-                        os.close(w.fd)
-                        w.fd, w.temp = fd, temp
+                    self._private_copy(w)
                     if os.fstat(w.fd).st_size == 0:  # an empty object streams again (gcsfuse)
                         self._begin_stream(w, offset)
                     else:
@@ -1074,6 +1107,9 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     self._record("read", h.path, h.who, bytes=h.bytes)
                     h.bytes = 0
                 return 0
+            if isinstance(h, _Writer) and h.reads:  # what the handle downloaded (reads, a staged fetch)
+                self._record("read", h.path, h.who, bytes=h.reads)
+                h.reads = 0
             if not isinstance(h, _Writer) or h.finalized:
                 return 0
             with self._mu:

@@ -285,7 +285,7 @@ def test_job_attempt_records_and_logs_show_the_events_and_bad_mount_options_are_
     assert execution.succeeded_count == 1
     [attempt] = emulator.attempts(execution.name)
     kinds = {(e["kind"], e.get("cause")) for e in attempt["fuseEvents"]}
-    assert kinds == {("throttled-rewrite", None), ("staged", "overwrite")}
+    assert kinds == {("throttled-rewrite", None), ("staged", "overwrite"), ("read", None)}  # read: its fetch
     assert all(e["execution"] == execution.name.rsplit("/", 1)[-1] for e in attempt["fuseEvents"])
     log = _read(f"{emulator.endpoint}/_emulator/logs/{execution.name}").decode()
     assert "==> gcsfuse events <==" in log and f"gcsfuse throttled-rewrite: {bucket.name}/state.txt" in log
@@ -575,3 +575,72 @@ def test_renaming_onto_a_name_written_within_a_second_is_throttled(mnt, fuse_buc
         os.rename(mnt.mountpoint / f"{name}.tmp", mnt.mountpoint / name)
     assert fuse_bucket.get_blob(name).download_as_bytes() == b"2"
     assert len(_events(mnt, name, "throttled-rewrite")) == 2
+
+
+def test_a_handle_left_open_after_another_closed_goes_on_with_the_same_file(mnt, fuse_bucket):
+    """One task, two handles: after the first close uploads the file, a truncation or a write
+    through the other handle is a staged rewrite uploaded at its close, and a third open of the
+    task shares the file too (no ESTALE from itself)."""
+    name = _name()
+    _put(mnt, name)
+    a = os.open(mnt.mountpoint / name, os.O_RDWR)
+    b = os.open(mnt.mountpoint / name, os.O_RDWR)
+    os.write(a, b"AB")
+    os.close(a)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"AB23456789"
+    os.ftruncate(b, 3)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"AB23456789"  # not the object itself
+    c = os.open(mnt.mountpoint / name, os.O_WRONLY | os.O_APPEND)
+    os.write(c, b"CC")
+    os.close(b)
+    os.close(c)
+    assert fuse_bucket.get_blob(name).download_as_bytes() == b"AB2CC"
+    assert _events(mnt, name, "estale") == []
+    assert [e["cause"] for e in _events(mnt, name, "staged")][-1] == "truncate"
+
+
+def test_a_deleted_file_is_not_uploaded_by_a_read_or_fsync(mnt, fuse_bucket):
+    name = _name()
+    fd = os.open(mnt.mountpoint / name, os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"gone")
+    os.unlink(mnt.mountpoint / name)
+    os.pread(fd, 4, 0)
+    os.fsync(fd)
+    os.close(fd)
+    assert fuse_bucket.get_blob(name) is None
+
+
+def test_another_tasks_writes_are_its_own_until_closed(mnt, fuse_bucket):
+    """Task B's file not uploaded yet is not in task A's listing or stat; A renaming or deleting
+    an object B is writing leaves B's bytes out and gives B ESTALE (gcsfuse docs/semantics.md,
+    "File Renaming/Deletion During Write")."""
+    new, renamed, deleted = _name("new"), _name("renamed"), _name("deleted")
+    _put(mnt, renamed, b"orig")
+    _put(mnt, deleted, b"orig")
+    script = ("import os,sys\nfs=[os.open(sys.argv[1],os.O_WRONLY|os.O_CREAT)]+[os.open(p,os.O_RDWR) for p in sys.argv[2:]]\n"
+              "[os.write(f,b'task b') for f in fs]\nprint('written',flush=True)\nsys.stdin.readline()\n"
+              "for f in fs:\n    try:\n        os.close(f); print('ok')\n    except OSError as e:\n        print(e.errno)\n")
+    b = subprocess.Popen([sys.executable, "-c", script, *(str(mnt.mountpoint / n) for n in (new, renamed, deleted))],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_task_env("exec-b"))
+    assert b.stdout.readline().strip() == "written"
+    assert new not in os.listdir(mnt.mountpoint)
+    with pytest.raises(FileNotFoundError):
+        os.stat(mnt.mountpoint / new)
+    assert os.stat(mnt.mountpoint / renamed).st_size == 4
+    os.rename(mnt.mountpoint / renamed, mnt.mountpoint / f"{renamed}-moved")
+    os.unlink(mnt.mountpoint / deleted)
+    out, _ = b.communicate("\n", timeout=30)
+    assert out.split() == ["ok", str(errno.ESTALE), str(errno.ESTALE)]
+    assert fuse_bucket.get_blob(new).download_as_bytes() == b"task b"
+    assert fuse_bucket.get_blob(f"{renamed}-moved").download_as_bytes() == b"orig"
+    assert fuse_bucket.get_blob(renamed) is None and fuse_bucket.get_blob(deleted) is None
+
+
+def test_reads_through_a_write_handle_and_a_staged_fetch_are_counted(mnt, fuse_bucket):
+    name = _name()
+    fuse_bucket.blob(name).upload_from_string(b"r" * 100_000)
+    with open(mnt.mountpoint / name, "r+b") as f:
+        assert len(f.read()) == 100_000
+    with open(mnt.mountpoint / name, "r+b") as f:
+        f.write(b"w")  # the staged write downloads the object first
+    assert mnt.stats()["bytesRead"][name] == 200_000
