@@ -105,17 +105,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from airflow_gpu_resilience.mount_options import (
-    EMULATOR_MOUNT_OPTIONS,
-    GCSFUSE_MOUNT_OPTIONS,
-    mount_key,
-    parse_mount_options,
-)
+from airflow_gpu_resilience.mount_options import mount_key, parse_mount_options
 
-#: gcsfuse flags a volume may carry and the emulator-only ones (validated by
-#: :func:`~airflow_gpu_resilience.mount_options.parse_mount_options`).
-MOUNT_OPTIONS = GCSFUSE_MOUNT_OPTIONS
-EMULATOR_OPTIONS = EMULATOR_MOUNT_OPTIONS
 #: Files that may stream at once before writes fall back to staging (gcsfuse's low-spec default).
 DEFAULT_STREAMING_FILES = 4
 #: Seconds between two writes of one object name below which a rewrite counts as throttled.

@@ -14,7 +14,7 @@ from its documentation, not confirmed):
 - project ids (6-30 lowercase letters, digits, hyphens; or a project number) and regions in
   names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
 - every GCS volume's bucket exists and its ``mountOptions`` are gcsfuse flags the emulator knows
-  (see :data:`.gcsfuse.MOUNT_OPTIONS`); every volume mount names a declared volume; a
+  (see :data:`airflow_gpu_resilience.mount_options.GCSFUSE_MOUNT_OPTIONS`); every volume mount names a declared volume; a
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
   without ``..``; an env value, arg or command element under a GCS mount path does not lead out
   of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
