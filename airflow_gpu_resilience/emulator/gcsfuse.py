@@ -86,7 +86,7 @@ emulated mount does. Not emulated: caches and their TTLs, HNS buckets, symbolic 
 ``readOnly``. A limit of serving every task from one mount: the kernel keeps one size per file
 for all of them, so two tasks writing the same object at the same time can see each other's size
 (an append of one lands at the other's length, an ``O_TRUNC`` of one cuts the other's reads);
-separate mounts (two ``GcsFuseMount``\ s, or volumes with other mount options) do not share it.
+separate mounts (two ``GcsFuseMount`` objects, or volumes with other mount options) do not share it.
 """
 
 from __future__ import annotations
