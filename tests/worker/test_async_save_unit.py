@@ -111,3 +111,136 @@ def test_trainer_goes_on_after_a_failed_save_and_stops_after_three_in_a_row() ->
     with pytest.raises(CheckpointSaveError):
         trainer._save(manager, parts, MAX_FAILED_SAVES_IN_A_ROW)
     assert [r["failed_in_a_row"] for r in log.records if r["message"].startswith("checkpoint save failed")] == [1, 2, 3]
+
+
+# --- tensors an optimizer steps are written from live memory (gpu_resilience_worker.stepguard) ---
+
+
+def _model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(torch.randn(4, 8)).square().mean().backward()  # changes batch-norm statistics too
+    optimizer.step()
+
+
+def _torch_manager(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   storage: LocalStorage, log: ListLog | None = None,
+                   should_stop: object = None) -> CheckpointManager:
+    config = CheckpointConfig(folder=str(folder), interval=10, async_mode=AsyncMode.ASYNC)
+    return CheckpointManager(config, {"model": model, "optimizer": optimizer}, storage=storage,
+                             logger=StructuredLogger(log or ListLog()), should_stop=should_stop)
+
+
+def _saved(folder: Path, step: int) -> dict:
+    model, optimizer = _model_and_optimizer(seed=99)
+    with _torch_manager(folder, model, optimizer, LocalStorage()) as manager:
+        assert manager.load(step)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def _same(saved: dict, expected: dict) -> bool:
+    from gpu_resilience_worker.state import state_digest
+
+    return state_digest(saved) == state_digest(expected)
+
+
+def test_optimizer_tensors_are_written_live_and_the_next_step_waits(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer)  # the optimizer has its moments now
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optimizer": __import__("copy").deepcopy(optimizer.state_dict())}
+    with _torch_manager(tmp_path, model, optimizer, storage) as manager:
+        assert manager.save(10) is True and manager.in_flight
+        # only what the optimizer does not step was copied: the batch-norm buffers
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        assert manager._snapshots.nbytes == buffers
+        stepped = threading.Event()
+        trainer = threading.Thread(target=lambda: (_train_step(model, optimizer), stepped.set()))
+        trainer.start()
+        assert not stepped.wait(0.5)  # optimizer.step() waits for the save to read its tensors
+        storage.gate.set()
+        assert stepped.wait(10)
+        trainer.join()
+        manager.wait_until_finished()
+        assert manager.stats.blocking[-1] >= 0.4  # the wait counts as the save's blocking time
+    # the checkpoint holds the state at the save, not the step after it (nor its batch-norm update)
+    assert _same(_saved(tmp_path, 10), expected)
+    assert not _same(_saved(tmp_path, 10), {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def test_an_in_place_change_outside_step_fails_the_save_and_later_saves_copy(tmp_path: Path) -> None:
+    storage, log = GatedStorage(), ListLog()
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer)
+    with _torch_manager(tmp_path, model, optimizer, storage, log) as manager:
+        manager.save(10)
+        with torch.no_grad():  # e.g. the first half of a sharpness-aware minimization step
+            model[0].weight.add_(1.0)
+        storage.gate.set()
+        with pytest.raises(CheckpointSaveError, match=r"outside optimizer\.step\(\)"):
+            manager.wait_until_finished()
+        assert manager.present_steps() == [] and manager.latest_step() is None  # nothing mixed kept
+        storage.gate.clear()
+        manager.save(20)
+        assert manager._snapshots.nbytes > sum(b.numel() * b.element_size() for b in model.buffers())
+        expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "optimizer": __import__("copy").deepcopy(optimizer.state_dict())}
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # a copy was taken: this no longer matters
+        storage.gate.set()
+        manager.wait_until_finished()
+    assert _same(_saved(tmp_path, 20), expected)
+    failed = [r for r in log.records if r["message"] == "background checkpoint save failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 10
+
+
+def test_a_stop_lets_a_waiting_step_go_on_and_the_save_in_flight_is_dropped(tmp_path: Path) -> None:
+    storage, stop = GatedStorage(), threading.Event()
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer)
+    with _torch_manager(tmp_path, model, optimizer, storage, should_stop=stop.is_set) as manager:
+        manager.save(10)
+        stepped = threading.Event()
+        trainer = threading.Thread(target=lambda: (_train_step(model, optimizer), stepped.set()))
+        trainer.start()
+        assert not stepped.wait(0.3)
+        stop.set()  # SIGTERM: the attempt must not sit in optimizer.step() past its grace period
+        assert stepped.wait(2)
+        trainer.join()
+        storage.gate.set()
+        with pytest.raises(CheckpointSaveError, match="outside optimizer"):
+            manager.wait_until_finished()
+        assert manager.latest_step() is None
+
+
+def test_without_an_optimizer_among_the_states_everything_is_copied(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    model, optimizer = _model_and_optimizer()
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, async_mode=AsyncMode.ASYNC)
+    with CheckpointManager(config, {"model": model}, storage=storage, logger=StructuredLogger(ListLog())) as manager:
+        manager.save(10)
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values()
+                   if t.dtype.is_floating_point)
+        assert manager._snapshots.nbytes >= size
+        _train_step(model, optimizer)  # not waited for: nothing guards it, the copy is safe
+        storage.gate.set()
+        manager.wait_until_finished()
+        assert manager.latest_step() == 10
+
+
+def test_close_removes_the_step_hooks(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.set()
+    model, optimizer = _model_and_optimizer()
+    hooks = len(optimizer._optimizer_step_pre_hooks)
+    with _torch_manager(tmp_path, model, optimizer, storage) as manager:
+        assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1
+        manager.save(10)
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks

@@ -23,6 +23,7 @@ from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
     TimeIntervalPolicy, YoungDalyPolicy,
 )
+from gpu_resilience_worker.stepguard import StepGuard
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 MODEL = "model"
@@ -102,8 +103,11 @@ class CheckpointManager:
     Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
     the caller blocks only while the state is copied into reused host buffers (pinned when the
     state is on CUDA); serialization, hashing, the write and the commit run on one background
-    thread. Forced saves (final, preemption) are synchronous. Use it as a context manager;
-    :meth:`close` waits for the save in flight.
+    thread. CPU tensors that a ``torch.optim.Optimizer`` among ``states`` steps are not copied:
+    the save writes them from live memory and that optimizer's next ``step()`` waits until the
+    save has read them (:mod:`gpu_resilience_worker.stepguard`, which also says what fails such
+    a save). Forced saves (final, preemption) are synchronous. Use it as a context manager;
+    :meth:`close` waits for the save in flight and removes the optimizers' step hooks.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
@@ -136,6 +140,8 @@ class CheckpointManager:
         self._keep_policy = KeepLatestN(config.keep_latest_k)
         self._snapshots = SnapshotBuffers()
         self.stats = SaveStats()
+        self._guard = StepGuard(self._states, should_stop=self._should_stop, on_wait=self._add_blocking,
+                                clock=clock)
         self._last_save_at = clock()
         self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
@@ -249,10 +255,13 @@ class CheckpointManager:
             self.cleanup_stale()
         started = self._last_save_at = self._clock()
         if self.config.async_mode is AsyncMode.ASYNC and not force:
-            snapshot = self._snapshots.copy(self._state_dicts())
+            live: list[Any] = []
+            snapshot = self._snapshots.copy(self._state_dicts(), self._guard.live_storages(), live)
+            if live:
+                self._guard.hold(live)
             self.stats.blocking.append(self._clock() - started)
             self._thread = threading.Thread(
-                target=self._save_in_background, args=(step, snapshot, started),
+                target=self._save_in_background, args=(step, snapshot, started, bool(live)),
                 name=f"checkpoint-{step}", daemon=True,
             )
             self._thread.start()
@@ -269,19 +278,34 @@ class CheckpointManager:
     def _state_dicts(self) -> dict[str, Any]:
         return {key: obj.state_dict() for key, obj in self._states.items()}
 
-    def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
+    def _add_blocking(self, seconds: float) -> None:
+        """An optimizer step waited ``seconds`` for the save in flight: part of its blocking cost."""
+        if self.stats.blocking:
+            self.stats.blocking[-1] += seconds
+
+    def _serialized(self) -> None:
+        try:
+            self._guard.check()
+        finally:
+            self._guard.release()
+
+    def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float, live: bool) -> None:
         # at the process's own priority: at nice 10 it was starved on busy cores until the next
         # save had to wait for it, and the training loop with it (worker/README.md, "End to end")
         try:
-            self._commit(step, snapshot, started)
+            self._commit(step, snapshot, started, serialized=self._serialized if live else None)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
             self.failed_saves += 1
             self._error = exc
             self._log.error("background checkpoint save failed", step=step, error=repr(exc),
                             file=self.path(step))
+        finally:
+            if live:
+                self._guard.release()
 
-    def _commit(self, step: int, state: dict[str, Any], started: float) -> None:
-        record = self._store.write(step, state)
+    def _commit(self, step: int, state: dict[str, Any], started: float,
+                serialized: Callable[[], None] | None = None) -> None:
+        record = self._store.write(step, state, serialized=serialized)
         seconds = self._clock() - started
         self.stats.durations.append(seconds)
         self.stats.sizes.append(record.size)
@@ -412,4 +436,7 @@ class CheckpointManager:
         """Finish the save in flight (re-raising its error); do not use the manager afterwards."""
         if not self._closed:
             self._closed = True
-            self.wait_until_finished()
+            try:
+                self.wait_until_finished()
+            finally:
+                self._guard.close()

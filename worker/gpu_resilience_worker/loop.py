@@ -102,7 +102,11 @@ class ResilientLoop:
     :param mtbi_seconds: mean time between interruptions for ``auto_interval``, seconds; default 3600.
     :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
     :param async_save: interval saves on a background thread (default) or on the training
-        thread; saves at a stop and at the end are always synchronous.
+        thread; saves at a stop and at the end are always synchronous. In the background, the
+        CPU tensors of an optimizer among ``states`` are written from live memory and its next
+        ``step()`` waits until they are read; code changing parameters in place outside
+        ``step()`` through ``.data`` should pass ``False`` (see
+        :mod:`gpu_resilience_worker.stepguard`).
     :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
     :param settings: the hyper-parameters a checkpoint must have been written with to be
         resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.

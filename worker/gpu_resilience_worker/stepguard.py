@@ -1,0 +1,141 @@
+"""Background saves that write an optimizer's tensors from live memory instead of a host copy.
+
+A training step changes the parameters and the optimizer state only in ``optimizer.step()``
+(forward and backward read them; ``zero_grad`` and gradient clipping touch gradients, which a
+checkpoint does not hold). So a background save can serialize those tensors where they are,
+while the next step's forward and backward run, provided the next ``optimizer.step()`` waits
+until the save has read them: the snapshot idea of CheckFreq (Mohan et al., FAST 2021), with
+the wait in a step pre-hook (``Optimizer.register_step_pre_hook``, torch >= 2.0).
+
+On CPU this saves what the host copy costs, a pass over the whole state at memory speed on the
+training thread, and the memory of a second state. CUDA tensors are still copied, into pinned
+host buffers: the write needs host bytes either way, and that copy is fast.
+
+What is written live: CPU tensors (strided, not quantized) whose storage is a parameter of, or
+a state tensor held by, a ``torch.optim.Optimizer`` passed to the manager among its states.
+Everything else is copied as before (buffers such as batch-norm statistics, which the forward
+pass changes; frozen parameters; RNG states; tensors of other objects).
+
+A tensor changed in place outside ``optimizer.step()`` while the save reads it (a
+sharpness-aware minimization's first step, a manual ``param.add_()``) would make the checkpoint
+a mix of two steps. The save records each live tensor's version counter (the one autograd
+keeps, bumped by every in-place operation) and checks it after the write: a changed one fails
+that save before its commit record exists, and :class:`StepGuard` copies everything from then
+on. Changes through ``tensor.data`` do not bump the counter; code that edits parameters that
+way outside ``step()`` must save with ``async_mode=AsyncMode.DISABLED``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+
+class LiveTensorChanged(RuntimeError):
+    """A tensor written from live memory changed while a background save read it."""
+
+
+class StepGuard:
+    """Holds the next ``optimizer.step()`` of the optimizers among ``states`` while a background
+    save reads their tensors.
+
+    :param states: the manager's states; every ``torch.optim.Optimizer`` among the values gets
+        a step pre-hook (removed by :meth:`close`).
+    :param should_stop: polled every 50 ms while ``step()`` waits; when it returns true (a
+        SIGTERM, the task deadline) the step goes on at once, so that the attempt can still stop
+        within its grace period: the step's in-place updates then fail the save in flight by
+        :meth:`check`, and no mixed checkpoint is committed. Default: never.
+    :param on_wait: called with the seconds each ``step()`` waited.
+    :param clock: monotonic clock in seconds.
+    """
+
+    def __init__(self, states: Mapping[str, Any], *, should_stop: Callable[[], bool] | None = None,
+                 on_wait: Callable[[float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        import torch
+
+        self._clock = clock
+        self._should_stop = should_stop or (lambda: False)
+        self._on_wait = on_wait or (lambda seconds: None)
+        self._optimizers = [obj for obj in states.values() if isinstance(obj, torch.optim.Optimizer)]
+        self._released = threading.Event()
+        self._released.set()
+        self._handles = [opt.register_step_pre_hook(self._before_step) for opt in self._optimizers]
+        self._versions: list[tuple[Any, int]] = []
+        #: Set when a live tensor changed outside ``step()``: every later save copies.
+        self.copy_all = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a save may write tensors live: an optimizer is guarded and nothing has
+        changed a live tensor outside its ``step()`` so far."""
+        return bool(self._optimizers) and not self.copy_all
+
+    def live_storages(self) -> set[int]:
+        """:return: the storage addresses of the CPU tensors the guarded optimizers step (their
+        parameters and state tensors); empty when not :attr:`active`."""
+        if not self.active:
+            return set()
+        import torch
+
+        found: set[int] = set()
+
+        def add(tensor: Any) -> None:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout is torch.strided:
+                address = tensor.untyped_storage().data_ptr()
+                if address:
+                    found.add(address)
+
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    add(param)
+            for per_param in optimizer.state.values():
+                for value in per_param.values() if isinstance(per_param, dict) else ():
+                    add(value)
+        return found
+
+    def hold(self, live: list[Any]) -> None:
+        """Make the next ``step()`` wait until :meth:`release`; remember ``live``'s versions."""
+        self._versions = [(tensor, tensor._version) for tensor in live]
+        self._released.clear()
+
+    def check(self) -> None:
+        """Called by the saving thread once it has read every live tensor.
+
+        :raises LiveTensorChanged: when one changed in place since :meth:`hold` (every later
+            save then copies).
+        """
+        changed = sum(1 for tensor, version in self._versions if tensor._version != version)
+        if changed:
+            self.copy_all = True
+            raise LiveTensorChanged(
+                f"{changed} tensor(s) an optimizer steps changed in place outside optimizer.step() while "
+                "the background save read them; this checkpoint is discarded and later saves copy the state"
+            )
+
+    def release(self) -> None:
+        """Let a waiting ``step()`` go on (always called, also when the save failed)."""
+        self._versions = []
+        self._released.set()
+
+    def wait(self) -> None:
+        """Block until the save in flight has read the live tensors, or a stop is requested."""
+        if self._released.is_set():
+            return
+        started = self._clock()
+        while not self._released.wait(0.05):
+            if self._should_stop():
+                break
+        self._on_wait(self._clock() - started)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait()
+
+    def close(self) -> None:
+        """Remove the step pre-hooks (after the save in flight released them)."""
+        self._released.set()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
