@@ -64,6 +64,31 @@ def _state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
     return make_state(size_bytes, seed)
 
 
+def _stepped_state(size_bytes: int) -> dict[str, Any]:
+    """:return: the :func:`_state` tensors as a ``model`` (a third: the parameters) and a
+    ``torch.optim.Optimizer`` over them holding the other two thirds as per-parameter moments,
+    whose ``step()`` changes one parameter and one moment in place: the state a training loop
+    steps, with the cost of a step left to the compute. Being an optimizer's tensors, a
+    background save writes them from live memory (``gpu_resilience_worker.stepguard``)."""
+    import torch
+
+    bags = _state(size_bytes)
+    params, moments = list(bags["model"].tensors.values()), list(bags["optimizer"].tensors.values())
+
+    class Touch(torch.optim.Optimizer):
+        def __init__(self) -> None:
+            super().__init__(params, {})
+            for index, param in enumerate(params):
+                self.state[param] = {f"m{k}": moment for k, moment in enumerate(moments[index::len(params)])}
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            params[0].add_(1e-6)
+            next(iter(self.state[params[0]].values())).add_(1e-6)
+
+    return {"model": bags["model"], "optimizer": Touch()}
+
+
 def _torch_state(size_bytes: int, seed: int | None = 0) -> dict[str, Any]:
     """:return: ``model`` (an ``nn.Module`` of 64 MiB float32 parameters, a third of
     ``size_bytes``) and ``optimizer`` (``torch.optim.Adam`` over it). With a ``seed`` the
@@ -118,7 +143,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    states = _state(args.size_mib * MIB)
+    states = _stepped_state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
     mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
@@ -127,8 +152,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     if mode is None:
         for _ in range(args.steps):
             step()
-            for bag in states.values():  # the optimizer touches its state every step
-                next(iter(bag.tensors.values())).add_(1e-6)
+            states["optimizer"].step()
         saves, written = 0, 0
     else:
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
@@ -137,8 +161,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
                 manager._store.digest = args.digest
             for number in range(1, args.steps + 1):
                 step()
-                for bag in states.values():
-                    next(iter(bag.tensors.values())).add_(1e-6)
+                states["optimizer"].step()
                 manager.save(number)
         saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
     wall = time.perf_counter() - started
