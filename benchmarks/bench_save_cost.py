@@ -146,14 +146,14 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     states = _stepped_state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
-    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
+    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC, "copy": AsyncMode.COPY}[args.mode]
     logger = StructuredLogger(open(os.devnull, "w"))
     started = time.perf_counter()
     if mode is None:
         for _ in range(args.steps):
             step()
             states["optimizer"].step()
-        saves, written = 0, 0
+        saves, written, live = 0, 0, 0
     else:
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
         with CheckpointManager(config, states, logger=logger) as manager:
@@ -164,11 +164,13 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
                 states["optimizer"].step()
                 manager.save(number)
         saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
+        live = sum(1 for size in manager.stats.live if size)
     wall = time.perf_counter() - started
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
-    return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
+    return {"wall_s": wall, "saves": saves, "live_saves": live, "bytes_written": written,
+            "peak_rss_bytes": _rss_peak_bytes(),
             "threads": torch.get_num_threads()}
 
 
@@ -177,6 +179,7 @@ E2E_MODES: dict[str, tuple[str, str]] = {
     "none": ("none", "default"),
     "sync": ("sync", "default"),
     "async": ("async", "default"),
+    "async-copy": ("copy", "default"),
     "sync (sha256, old)": ("sync", "sha256"),
     "async (sha256, old)": ("async", "sha256"),
 }
@@ -458,7 +461,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
                      " (bytes / raw write bandwidth), target <= 1.2; raw MB/s: the median of one probe a round")
-        modes = [name for name in ("sync", "async", "auto") if any(name in p["runs"] for p in result["grid"])]
+        modes = [name for name in ("sync", "async", "async-copy", "auto") if any(name in p["runs"] for p in result["grid"])]
         lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'raw MB/s':>8s} {'none':>13s} "
                      + " ".join(f"{name:>17s}" for name in modes) + " "
                      + " ".join(f"{name + ' ratio':>11s}" for name in modes) + "  async <= sync (fastest, median)")
@@ -537,11 +540,13 @@ def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
             run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
             samples.setdefault(name, []).append(run)
             print(f"{repeat}: {args.size_mib} MiB every {args.every} threads {args.threads or 'default'}: "
-                  f"{name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
+                  f"{name}: {run['wall_s']:.2f} s" + (f" ({run['live_saves']} of {run['saves']} saves live)"
+                                                     if run.get("live_saves") else ""), file=sys.stderr, flush=True)
     runs: dict[str, Any] = {}
     for name, got in samples.items():
         walls = sorted(r["wall_s"] for r in got)
         runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
+                      "live_saves_all": [r.get("live_saves", 0) for r in got],
                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
     return runs, probes
 

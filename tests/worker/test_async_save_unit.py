@@ -115,10 +115,12 @@ def test_trainer_goes_on_after_a_failed_save_and_stops_after_three_in_a_row() ->
 
 # --- tensors an optimizer steps are written from live memory (gpu_resilience_worker.stepguard) ---
 
+WIDE = 1024 * 512 * 4  # bytes of the second layer's weight: the only tensor over LIVE_MIN_BYTES
+
 
 def _model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 512))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, optimizer
 
@@ -137,11 +139,35 @@ def _torch_manager(folder: Path, model: torch.nn.Module, optimizer: torch.optim.
                              logger=StructuredLogger(log or ListLog()), should_stop=should_stop)
 
 
+def _prime(manager: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           storage: GatedStorage, *, copy_rate: float = 1.0) -> None:
+    """A first save (a copy: nothing is measured before it), a step after it (the window), then
+    a copy rate so slow that writing live pays; the gate closed again."""
+    storage.gate.set()
+    manager.save(10)
+    manager.wait_until_finished()
+    _train_step(model, optimizer)
+    assert manager.stats.copy_rates and manager.stats.serialize
+    manager.stats.copy_rates.append(copy_rate)
+    storage.gate.clear()
+
+
+def _saved_live_bytes(log: ListLog) -> list[int]:
+    return [r["live_bytes"] for r in log.records if r["message"] == "checkpoint saved" and r.get("mode") == "async"]
+
+
 def _saved(folder: Path, step: int) -> dict:
     model, optimizer = _model_and_optimizer(seed=99)
     with _torch_manager(folder, model, optimizer, LocalStorage()) as manager:
         assert manager.load(step)
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def _current(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    import copy
+
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(optimizer.state_dict())}
 
 
 def _same(saved: dict, expected: dict) -> bool:
@@ -150,17 +176,33 @@ def _same(saved: dict, expected: dict) -> bool:
     return state_digest(saved) == state_digest(expected)
 
 
+@pytest.mark.parametrize(
+    ("serialize", "window", "live_bytes", "copy_rate", "expected"),
+    [
+        (None, 0.5, 100, 10.0, False),  # the first save: nothing measured
+        (2.0, None, 100, 10.0, False),  # no step seen after a save yet
+        (2.0, 0.5, 100, None, False),  # no copy measured
+        (2.0, 0.5, 0, 10.0, False),  # nothing to write live
+        (2.0, 0.5, 100, 10.0, True),  # waits 1.5 s against a 10 s copy
+        (12.0, 0.5, 100, 10.0, False),  # slow storage: waits 11.5 s against 10 s
+        (10.5, 0.5, 100, 10.0, False),  # a tie copies
+        (0.1, 0.5, 100, 1e9, True),  # written within the window: no wait at all
+    ],
+)
+def test_live_write_pays(serialize: float | None, window: float | None, live_bytes: int,
+                         copy_rate: float | None, expected: bool) -> None:
+    from gpu_resilience_worker.stepguard import live_write_pays
+
+    assert live_write_pays(serialize, window, live_bytes, copy_rate) is expected
+
+
 def test_optimizer_tensors_are_written_live_and_the_next_step_waits(tmp_path: Path) -> None:
-    storage = GatedStorage()
+    storage, log = GatedStorage(), ListLog()
     model, optimizer = _model_and_optimizer()
-    _train_step(model, optimizer)  # the optimizer has its moments now
-    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                "optimizer": __import__("copy").deepcopy(optimizer.state_dict())}
-    with _torch_manager(tmp_path, model, optimizer, storage) as manager:
-        assert manager.save(10) is True and manager.in_flight
-        # only what the optimizer does not step was copied: the batch-norm buffers
-        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        assert manager._snapshots.nbytes == buffers
+    with _torch_manager(tmp_path, model, optimizer, storage, log) as manager:
+        _prime(manager, model, optimizer, storage)
+        expected = _current(model, optimizer)
+        assert manager.save(20) is True and manager.in_flight
         stepped = threading.Event()
         trainer = threading.Thread(target=lambda: (_train_step(model, optimizer), stepped.set()))
         trainer.start()
@@ -170,43 +212,57 @@ def test_optimizer_tensors_are_written_live_and_the_next_step_waits(tmp_path: Pa
         trainer.join()
         manager.wait_until_finished()
         assert manager.stats.blocking[-1] >= 0.4  # the wait counts as the save's blocking time
+    # the first save copied everything; the second wrote the wide weight and its two moments live
+    assert _saved_live_bytes(log) == [0, 3 * WIDE]
     # the checkpoint holds the state at the save, not the step after it (nor its batch-norm update)
-    assert _same(_saved(tmp_path, 10), expected)
-    assert not _same(_saved(tmp_path, 10), {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert _same(_saved(tmp_path, 20), expected)
+    assert not _same(_saved(tmp_path, 20), _current(model, optimizer))
+
+
+def test_slow_storage_copies_instead_of_holding_the_step(tmp_path: Path) -> None:
+    storage, log = GatedStorage(), ListLog()
+    model, optimizer = _model_and_optimizer()
+    with _torch_manager(tmp_path, model, optimizer, storage, log) as manager:
+        _prime(manager, model, optimizer, storage, copy_rate=1e12)  # a copy costs nothing
+        manager.stats.serialize.append(30.0)  # and the last write took 30 s
+        manager.save(20)
+        _train_step(model, optimizer)  # not held: the save has its own copy
+        storage.gate.set()
+    assert _saved_live_bytes(log) == [0, 0]
 
 
 def test_an_in_place_change_outside_step_fails_the_save_and_later_saves_copy(tmp_path: Path) -> None:
     storage, log = GatedStorage(), ListLog()
     model, optimizer = _model_and_optimizer()
-    _train_step(model, optimizer)
     with _torch_manager(tmp_path, model, optimizer, storage, log) as manager:
-        manager.save(10)
+        _prime(manager, model, optimizer, storage)
+        manager.save(20)
         with torch.no_grad():  # e.g. the first half of a sharpness-aware minimization step
-            model[0].weight.add_(1.0)
+            model[2].weight.add_(1.0)
         storage.gate.set()
         with pytest.raises(CheckpointSaveError, match=r"outside optimizer\.step\(\)"):
             manager.wait_until_finished()
-        assert manager.present_steps() == [] and manager.latest_step() is None  # nothing mixed kept
+        assert manager.valid_steps() == [10]  # nothing mixed is kept
         storage.gate.clear()
-        manager.save(20)
-        assert manager._snapshots.nbytes > sum(b.numel() * b.element_size() for b in model.buffers())
-        expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                    "optimizer": __import__("copy").deepcopy(optimizer.state_dict())}
+        manager.stats.copy_rates.append(1.0)  # live would pay, but it is off for this manager now
+        manager.save(30)
+        expected = _current(model, optimizer)
         with torch.no_grad():
-            model[0].weight.add_(1.0)  # a copy was taken: this no longer matters
+            model[2].weight.add_(1.0)  # a copy was taken: this no longer matters
         storage.gate.set()
         manager.wait_until_finished()
-    assert _same(_saved(tmp_path, 20), expected)
+    assert _same(_saved(tmp_path, 30), expected)
+    assert _saved_live_bytes(log) == [0, 0]  # the failed save logged no "checkpoint saved"
     failed = [r for r in log.records if r["message"] == "background checkpoint save failed"]
-    assert len(failed) == 1 and failed[0]["step"] == 10
+    assert len(failed) == 1 and failed[0]["step"] == 20
 
 
 def test_a_stop_lets_a_waiting_step_go_on_and_the_save_in_flight_is_dropped(tmp_path: Path) -> None:
     storage, stop = GatedStorage(), threading.Event()
     model, optimizer = _model_and_optimizer()
-    _train_step(model, optimizer)
     with _torch_manager(tmp_path, model, optimizer, storage, should_stop=stop.is_set) as manager:
-        manager.save(10)
+        _prime(manager, model, optimizer, storage)
+        manager.save(20)
         stepped = threading.Event()
         trainer = threading.Thread(target=lambda: (_train_step(model, optimizer), stepped.set()))
         trainer.start()
@@ -217,22 +273,37 @@ def test_a_stop_lets_a_waiting_step_go_on_and_the_save_in_flight_is_dropped(tmp_
         storage.gate.set()
         with pytest.raises(CheckpointSaveError, match="outside optimizer"):
             manager.wait_until_finished()
-        assert manager.latest_step() is None
-
-
-def test_without_an_optimizer_among_the_states_everything_is_copied(tmp_path: Path) -> None:
-    storage = GatedStorage()
-    model, optimizer = _model_and_optimizer()
-    config = CheckpointConfig(folder=str(tmp_path), interval=10, async_mode=AsyncMode.ASYNC)
-    with CheckpointManager(config, {"model": model}, storage=storage, logger=StructuredLogger(ListLog())) as manager:
-        manager.save(10)
-        size = sum(t.numel() * t.element_size() for t in model.state_dict().values()
-                   if t.dtype.is_floating_point)
-        assert manager._snapshots.nbytes >= size
-        _train_step(model, optimizer)  # not waited for: nothing guards it, the copy is safe
-        storage.gate.set()
-        manager.wait_until_finished()
         assert manager.latest_step() == 10
+
+
+def test_copy_mode_and_states_without_an_optimizer_copy_everything(tmp_path: Path) -> None:
+    for mode, states in ((AsyncMode.COPY, "both"), (AsyncMode.ASYNC, "model only")):
+        storage, log = GatedStorage(), ListLog()
+        model, optimizer = _model_and_optimizer()
+        config = CheckpointConfig(folder=str(tmp_path / mode.value / states.replace(" ", "-")),
+                                  interval=10, async_mode=mode)
+        objects = {"model": model, "optimizer": optimizer} if states == "both" else {"model": model}
+        with CheckpointManager(config, objects, storage=storage, logger=StructuredLogger(log)) as manager:
+            _prime(manager, model, optimizer, storage)
+            manager.save(20)
+            _train_step(model, optimizer)  # not waited for: the save has a copy
+            storage.gate.set()
+        assert _saved_live_bytes(log) == [0, 0], (mode, states)
+
+
+def test_an_optimizer_holding_a_tensor_off_the_cpu_is_never_written_live() -> None:
+    from gpu_resilience_worker.stepguard import LIVE_MIN_BYTES, StepGuard
+
+    cpu = torch.nn.Parameter(torch.zeros(LIVE_MIN_BYTES // 4))
+    alone = StepGuard({"optimizer": torch.optim.SGD([cpu], lr=0.1)})
+    assert list(alone.live_storages().values()) == [LIVE_MIN_BYTES]
+    other = torch.nn.Parameter(torch.zeros(4, device="meta"))  # stands in for a CUDA tensor
+    mixed = StepGuard({"optimizer": torch.optim.SGD([cpu, other], lr=0.1)})
+    assert mixed.live_storages() == {}
+    small = StepGuard({"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(8))], lr=0.1)})
+    assert small.live_storages() == {}
+    for guard in (alone, mixed, small):
+        guard.close()
 
 
 def test_close_removes_the_step_hooks(tmp_path: Path) -> None:

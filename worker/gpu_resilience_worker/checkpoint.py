@@ -23,7 +23,7 @@ from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
     TimeIntervalPolicy, YoungDalyPolicy,
 )
-from gpu_resilience_worker.stepguard import StepGuard
+from gpu_resilience_worker.stepguard import StepGuard, live_write_pays
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 MODEL = "model"
@@ -103,10 +103,11 @@ class CheckpointManager:
     Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
     the caller blocks only while the state is copied into reused host buffers (pinned when the
     state is on CUDA); serialization, hashing, the write and the commit run on one background
-    thread. CPU tensors that a ``torch.optim.Optimizer`` among ``states`` steps are not copied:
-    the save writes them from live memory and that optimizer's next ``step()`` waits until the
-    save has read them (:mod:`gpu_resilience_worker.stepguard`, which also says what fails such
-    a save). Forced saves (final, preemption) are synchronous. Use it as a context manager;
+    thread. In :attr:`AsyncMode.ASYNC`, the CPU tensors that a ``torch.optim.Optimizer`` among
+    ``states`` steps are not copied when measurements say a wait costs less than the copy: the
+    save writes them from live memory and that optimizer's next ``step()`` waits until the save
+    has read them (:mod:`gpu_resilience_worker.stepguard` says when, and what fails such a
+    save). Forced saves (final, preemption) are synchronous. Use it as a context manager;
     :meth:`close` waits for the save in flight and removes the optimizers' step hooks.
 
     :param config: the checkpoint configuration.
@@ -254,12 +255,22 @@ class CheckpointManager:
         if not self._cleaned:  # this manager writes from now on: clear what a killed one left
             self.cleanup_stale()
         started = self._last_save_at = self._clock()
-        if self.config.async_mode is AsyncMode.ASYNC and not force:
+        if self.config.async_mode is not AsyncMode.DISABLED and not force:
+            candidates = self._guard.live_storages() if self.config.async_mode is AsyncMode.ASYNC else {}
             live: list[Any] = []
-            snapshot = self._snapshots.copy(self._state_dicts(), self._guard.live_storages(), live)
+            stats = self.stats
+            pays = live_write_pays(stats.serialize[-1] if stats.serialize else None, self._guard.window(),
+                                   sum(candidates.values()), stats.copy_rates[-1] if stats.copy_rates else None)
+            chosen = set(candidates) if pays else set()
+            snapshot = self._snapshots.copy(self._state_dicts(), chosen, live)
+            blocking = self._clock() - started
             if live:
                 self._guard.hold(live)
-            self.stats.blocking.append(self._clock() - started)
+            elif self._snapshots.copied >= 1 << 20 and blocking > 0:
+                self.stats.copy_rates.append(self._snapshots.copied / blocking)
+            self.stats.live.append(sum(candidates[a] for a in chosen))
+            self.stats.blocking.append(blocking)
+            self._guard.mark()
             self._thread = threading.Thread(
                 target=self._save_in_background, args=(step, snapshot, started, bool(live)),
                 name=f"checkpoint-{step}", daemon=True,
@@ -283,17 +294,21 @@ class CheckpointManager:
         if self.stats.blocking:
             self.stats.blocking[-1] += seconds
 
-    def _serialized(self) -> None:
-        try:
-            self._guard.check()
-        finally:
-            self._guard.release()
-
     def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float, live: bool) -> None:
         # at the process's own priority: at nice 10 it was starved on busy cores until the next
         # save had to wait for it, and the training loop with it (worker/README.md, "End to end")
+        began = self._clock()
+
+        def serialized() -> None:
+            self.stats.serialize.append(self._clock() - began)
+            if live:
+                try:
+                    self._guard.check()
+                finally:
+                    self._guard.release()
+
         try:
-            self._commit(step, snapshot, started, serialized=self._serialized if live else None)
+            self._commit(step, snapshot, started, serialized=serialized)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
             self.failed_saves += 1
             self._error = exc
@@ -312,7 +327,7 @@ class CheckpointManager:
         self.last_saved_step = step
         mode = "async" if threading.current_thread() is self._thread else "sync"
         self._log.info("checkpoint saved", step=step, bytes=record.size, seconds=round(seconds, 4),
-                       file=self.path(step), mode=mode)
+                       file=self.path(step), mode=mode, **({"live_bytes": self.stats.live[-1]} if mode == "async" else {}))
         for doomed in self._keep_policy.to_delete(self.present_steps(), self._store.committed_steps()):
             self._store.delete(doomed)
         self._log_auto_interval()

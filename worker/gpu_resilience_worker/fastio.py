@@ -597,6 +597,8 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
+        #: Bytes the last :meth:`copy` copied.
+        self.copied = 0
 
     def copy(self, obj: Any, live: set[int] | frozenset[int] = frozenset(),
              taken: list[Any] | None = None) -> Any:
@@ -613,6 +615,7 @@ class SnapshotBuffers:
 
         devices: set[Any] = set()
         through = taken if taken is not None else []
+        self.copied = 0
         result = self._copy(obj, (), devices, torch, live, through)
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
@@ -634,6 +637,7 @@ class SnapshotBuffers:
         return obj
 
     def _tensor(self, tensor: Any, key: tuple[Any, ...], devices: set[Any], torch: Any) -> Any:
+        self.copied += tensor.numel() * tensor.element_size()
         if tensor.layout is not torch.strided or tensor.is_quantized:
             return tensor.to("cpu", copy=True)
         buffer = self._buffers.get(key)

@@ -8,13 +8,19 @@ until the save has read them: the snapshot idea of CheckFreq (Mohan et al., FAST
 the wait in a step pre-hook (``Optimizer.register_step_pre_hook``, torch >= 2.0).
 
 On CPU this saves what the host copy costs, a pass over the whole state at memory speed on the
-training thread, and the memory of a second state. CUDA tensors are still copied, into pinned
-host buffers: the write needs host bytes either way, and that copy is fast.
+training thread, and the memory of a second state. It costs a wait in ``step()`` when the write
+takes longer than the next forward and backward: on slow storage far more than the copy. So the
+manager chooses per save, by measurement: live when the last save's serialization time less the
+last windows (from a save to the next ``step()``, the median of the last five) is shorter than
+the copy of those tensors would take at the last copy's measured rate; a copy otherwise, and
+always for the first save (nothing is measured yet).
 
-What is written live: CPU tensors (strided, not quantized) whose storage is a parameter of, or
-a state tensor held by, a ``torch.optim.Optimizer`` passed to the manager among its states.
-Everything else is copied as before (buffers such as batch-norm statistics, which the forward
-pass changes; frozen parameters; RNG states; tensors of other objects).
+What may be written live: CPU tensors (strided, not quantized, at least :data:`LIVE_MIN_BYTES`)
+whose storage is a parameter of, or a state tensor held by, a ``torch.optim.Optimizer`` passed
+to the manager among its states, when none of those optimizers holds a tensor on another
+device (a GPU state is copied into pinned host buffers, fast, and the background write never
+holds up a step). Everything else is copied as before (buffers such as batch-norm statistics,
+which the forward pass changes; frozen parameters; RNG states; tensors of other objects).
 
 A tensor changed in place outside ``optimizer.step()`` while the save reads it (a
 sharpness-aware minimization's first step, a manual ``param.add_()``) would make the checkpoint
@@ -29,7 +35,32 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Mapping
+
+#: Smaller tensors are always copied: the copy costs nothing, the version check is skipped.
+LIVE_MIN_BYTES = 1 << 20
+
+
+def live_write_pays(serialize_seconds: float | None, window_seconds: float | None, live_bytes: int,
+                    copy_bytes_per_second: float | None) -> bool:
+    """Whether writing ``live_bytes`` from live memory is expected to hold a training loop up for
+    less than copying them first.
+
+    A live write holds the next ``step()`` for what the serialization takes beyond the window
+    before it; a copy holds the loop for the copy.
+
+    :param serialize_seconds: the last background save's serialization time, seconds.
+    :param window_seconds: the time from a save to the next ``step()``, seconds.
+    :param live_bytes: the bytes that would be written live.
+    :param copy_bytes_per_second: the last measured host copy rate.
+    :return: ``serialize - window < live_bytes / copy rate``; ``False`` while a measure is
+        missing (``None``) or there is nothing to write live.
+    """
+    if live_bytes <= 0 or None in (serialize_seconds, window_seconds, copy_bytes_per_second):
+        return False
+    assert serialize_seconds is not None and window_seconds is not None and copy_bytes_per_second
+    return serialize_seconds - window_seconds < live_bytes / copy_bytes_per_second
 
 
 class LiveTensorChanged(RuntimeError):
@@ -63,6 +94,8 @@ class StepGuard:
         self._released.set()
         self._handles = [opt.register_step_pre_hook(self._before_step) for opt in self._optimizers]
         self._versions: list[tuple[Any, int]] = []
+        self._marked: float | None = None
+        self._windows: deque[float] = deque(maxlen=5)
         #: Set when a live tensor changed outside ``step()``: every later save copies.
         self.copy_all = False
 
@@ -72,29 +105,40 @@ class StepGuard:
         changed a live tensor outside its ``step()`` so far."""
         return bool(self._optimizers) and not self.copy_all
 
-    def live_storages(self) -> set[int]:
-        """:return: the storage addresses of the CPU tensors the guarded optimizers step (their
-        parameters and state tensors); empty when not :attr:`active`."""
+    def live_storages(self) -> dict[int, int]:
+        """:return: storage address -> bytes of the tensors that may be written live (see the
+        module docs); empty when not :attr:`active` or when an optimizer holds a tensor on
+        another device than the CPU."""
         if not self.active:
-            return set()
+            return {}
         import torch
 
-        found: set[int] = set()
-
-        def add(tensor: Any) -> None:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout is torch.strided:
-                address = tensor.untyped_storage().data_ptr()
-                if address:
-                    found.add(address)
-
-        for optimizer in self._optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    add(param)
-            for per_param in optimizer.state.values():
-                for value in per_param.values() if isinstance(per_param, dict) else ():
-                    add(value)
+        found: dict[int, int] = {}
+        tensors = [param for optimizer in self._optimizers for group in optimizer.param_groups
+                   for param in group["params"]]
+        tensors += [value for optimizer in self._optimizers for per_param in optimizer.state.values()
+                    if isinstance(per_param, dict) for value in per_param.values()
+                    if isinstance(value, torch.Tensor)]
+        for tensor in tensors:
+            if tensor.device.type != "cpu":
+                return {}
+            if tensor.layout is torch.strided and not tensor.is_quantized:
+                storage = tensor.untyped_storage()
+                if storage.nbytes() >= LIVE_MIN_BYTES and storage.data_ptr():
+                    found[storage.data_ptr()] = storage.nbytes()
         return found
+
+    def mark(self) -> None:
+        """A save returned: the next ``step()`` closes a window (see :meth:`window`)."""
+        self._marked = self._clock()
+
+    def window(self) -> float | None:
+        """:return: the median of the last five windows from a save to the next ``step()``
+        (seconds: what a live write overlaps), or ``None`` before one was seen."""
+        if not self._windows:
+            return None
+        ordered = sorted(self._windows)
+        return ordered[len(ordered) // 2]
 
     def hold(self, live: list[Any]) -> None:
         """Make the next ``step()`` wait until :meth:`release`; remember ``live``'s versions."""
@@ -131,6 +175,9 @@ class StepGuard:
         self._on_wait(self._clock() - started)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._marked is not None:
+            self._windows.append(self._clock() - self._marked)
+            self._marked = None
         self.wait()
 
     def close(self) -> None:
