@@ -15,7 +15,8 @@ last windows (from a save to the next ``step()``, the median of the last five) i
 the copy of those tensors would take at the last copy's measured rate; a copy otherwise, and
 always for the first save (nothing is measured yet).
 
-What may be written live: CPU tensors (strided, not quantized, at least :data:`LIVE_MIN_BYTES`)
+What may be written live: CPU tensors (strided, not quantized, not inference tensors, which keep
+no version counter; at least :data:`LIVE_MIN_BYTES`)
 whose storage is a parameter of, or a state tensor held by, a ``torch.optim.Optimizer`` passed
 to the manager among its states, when none of those optimizers holds a tensor on another
 device (a GPU state is copied into pinned host buffers, fast, and the background write never
@@ -28,7 +29,7 @@ a mix of two steps. The save records each live tensor's version counter (the one
 keeps, bumped by every in-place operation) and checks it after the write: a changed one fails
 that save before its commit record exists, and :class:`StepGuard` copies everything from then
 on. Changes through ``tensor.data`` do not bump the counter; code that edits parameters that
-way outside ``step()`` must save with ``async_mode=AsyncMode.DISABLED``.
+way outside ``step()`` saves with ``async_mode=AsyncMode.COPY`` (or ``DISABLED``).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class StepGuard:
         for tensor in tensors:
             if tensor.device.type != "cpu":
                 return {}
-            if tensor.layout is torch.strided and not tensor.is_quantized:
+            if tensor.layout is torch.strided and not tensor.is_quantized and not tensor.is_inference():
                 storage = tensor.untyped_storage()
                 if storage.nbytes() >= LIVE_MIN_BYTES and storage.data_ptr():
                     found[storage.data_ptr()] = storage.nbytes()
