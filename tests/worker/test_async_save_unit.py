@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,13 +142,14 @@ def _torch_manager(folder: Path, model: torch.nn.Module, optimizer: torch.optim.
 
 def _prime(manager: CheckpointManager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            storage: GatedStorage, *, copy_rate: float = 1.0) -> None:
-    """A first save (a copy: nothing is measured before it), a step after it (the window), then
-    a copy rate so slow that writing live pays; the gate closed again."""
+    """A first save (a copy: nothing is measured before it, and its copy allocates, so it gives
+    no copy rate), a step after it (the window), then a copy rate so slow that writing live
+    pays; the gate closed again."""
     storage.gate.set()
     manager.save(10)
     manager.wait_until_finished()
     _train_step(model, optimizer)
-    assert manager.stats.copy_rates and manager.stats.serialize
+    assert manager.stats.serialize and not manager.stats.copy_rates
     manager.stats.copy_rates.append(copy_rate)
     storage.gate.clear()
 
@@ -271,7 +273,7 @@ def test_a_stop_lets_a_waiting_step_go_on_and_the_save_in_flight_is_dropped(tmp_
         assert stepped.wait(2)
         trainer.join()
         storage.gate.set()
-        with pytest.raises(CheckpointSaveError, match="outside optimizer"):
+        with pytest.raises(CheckpointSaveError, match="a stop let optimizer.step"):
             manager.wait_until_finished()
         assert manager.latest_step() == 10
 
@@ -341,7 +343,99 @@ def test_a_run_writing_live_resumes_bit_identically(tmp_path: Path, monkeypatch:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, manager.stats.live
 
     reference, live = train(tmp_path / "reference", range(12), resume=False)
-    assert live[0] == 0 and all(size == 3 * WIDE for size in live[1:])
+    assert live == [3 * WIDE] * 6  # every save, the first too (the decision is forced)
     train(tmp_path / "stopped", range(7), resume=False)  # its newest checkpoint: step 6
     resumed, _ = train(tmp_path / "stopped", range(6, 12), resume=True)
     assert state_digest(resumed) == state_digest(reference)
+
+
+class DataSGD(torch.optim.SGD):
+    """An optimizer whose step writes through ``.data``, as custom and C++ kernels do: no
+    version counter sees it."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.data.add_(param.grad.data, alpha=-group["lr"])
+
+
+def test_a_stop_fails_the_save_in_flight_even_when_the_step_writes_through_data(tmp_path: Path) -> None:
+    storage, stop = GatedStorage(), threading.Event()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.Linear(1024, 512))
+    optimizer = DataSGD(model.parameters(), lr=0.1)
+    with _torch_manager(tmp_path, model, optimizer, storage, should_stop=stop.is_set) as manager:
+        _prime(manager, model, optimizer, storage)
+        manager.save(20)
+        trainer = threading.Thread(target=_train_step, args=(model, optimizer))
+        trainer.start()
+        time.sleep(0.2)
+        stop.set()
+        trainer.join(2)
+        assert not trainer.is_alive()
+        storage.gate.set()
+        with pytest.raises(CheckpointSaveError, match="a stop let optimizer.step"):
+            manager.wait_until_finished()
+        assert manager.valid_steps() == [10]
+
+
+def test_a_failing_stop_check_counts_as_a_stop(tmp_path: Path) -> None:
+    storage = GatedStorage()
+
+    def unreachable() -> bool:
+        raise OSError("deadline service unreachable")
+
+    model, optimizer = _model_and_optimizer()
+    with _torch_manager(tmp_path, model, optimizer, storage, should_stop=unreachable) as manager:
+        _prime(manager, model, optimizer, storage)
+        manager.save(20)
+        _train_step(model, optimizer)  # goes on, does not raise
+        storage.gate.set()
+        with pytest.raises(CheckpointSaveError, match="a stop let optimizer.step"):
+            manager.wait_until_finished()
+
+
+def test_a_save_thread_that_cannot_start_releases_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = GatedStorage()
+    model, optimizer = _model_and_optimizer()
+    with _torch_manager(tmp_path, model, optimizer, storage) as manager:
+        _prime(manager, model, optimizer, storage)
+
+        def refuse(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(CheckpointSaveError, match="could not start"):
+            manager.save(20)
+        monkeypatch.undo()
+        done = threading.Event()
+        threading.Thread(target=lambda: (_train_step(model, optimizer), done.set()), daemon=True).start()
+        assert done.wait(5)  # not held by a save that never ran
+        storage.gate.set()
+        assert manager.save(30) is True
+        manager.wait_until_finished()
+        assert manager.valid_steps() == [30, 10] and manager.failed_saves == 1
+
+
+def test_frozen_parameters_and_storages_outside_the_states_are_not_counted_live() -> None:
+    from gpu_resilience_worker.stepguard import LIVE_MIN_BYTES, StepGuard
+
+    trained = torch.nn.Parameter(torch.zeros(LIVE_MIN_BYTES // 4))
+    frozen = torch.nn.Parameter(torch.zeros(LIVE_MIN_BYTES // 4), requires_grad=False)
+    guard = StepGuard({"optimizer": torch.optim.SGD([trained, frozen], lr=0.1)})
+    assert set(guard.live_storages()) == {trained.untyped_storage().data_ptr()}
+    guard.close()
+
+
+def test_live_bytes_count_what_the_states_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpu_resilience_worker.checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "live_write_pays", lambda *args: True)
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer)
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, async_mode=AsyncMode.ASYNC)
+    with CheckpointManager(config, {"optimizer": optimizer}, logger=StructuredLogger(ListLog())) as manager:
+        manager.save(10)  # the parameters are not among the states: only the two moments are written
+    assert manager.stats.live == [2 * WIDE]

@@ -266,16 +266,24 @@ class CheckpointManager:
             blocking = self._clock() - started
             if live:
                 self._guard.hold(live)
-            elif self._snapshots.copied >= 1 << 20 and blocking > 0:
+            elif self._snapshots.copied >= 1 << 20 and blocking > 0 and not self._snapshots.allocated:
+                # a copy into buffers allocated now also faults their pages in: no copy rate
                 self.stats.copy_rates.append(self._snapshots.copied / blocking)
-            self.stats.live.append(sum(candidates[a] for a in chosen))
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+            self.stats.live.append(sum(storages.values()))
             self.stats.blocking.append(blocking)
             self._guard.mark()
             self._thread = threading.Thread(
                 target=self._save_in_background, args=(step, snapshot, started, bool(live)),
                 name=f"checkpoint-{step}", daemon=True,
             )
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException as exc:
+                self._thread = None
+                self._guard.release()  # else the next step() would wait for a save that never runs
+                self.failed_saves += 1
+                raise CheckpointSaveError(f"checkpoint save of step {step} could not start: {exc!r}") from exc
             return True
         try:
             self._commit(step, self._state_dicts(), started)

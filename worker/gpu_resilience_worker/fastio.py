@@ -599,6 +599,8 @@ class SnapshotBuffers:
         self._buffers: dict[tuple[Any, ...], Any] = {}
         #: Bytes the last :meth:`copy` copied.
         self.copied = 0
+        #: Whether the last :meth:`copy` allocated a buffer (its rate is then no copy rate).
+        self.allocated = False
 
     def copy(self, obj: Any, live: set[int] | frozenset[int] = frozenset(),
              taken: list[Any] | None = None) -> Any:
@@ -615,7 +617,7 @@ class SnapshotBuffers:
 
         devices: set[Any] = set()
         through = taken if taken is not None else []
-        self.copied = 0
+        self.copied, self.allocated = 0, False
         result = self._copy(obj, (), devices, torch, live, through)
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
@@ -645,6 +647,7 @@ class SnapshotBuffers:
             pinned = tensor.is_cuda
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self._buffers[key] = buffer
+            self.allocated = True
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if tensor.is_cuda:
             devices.add(tensor.device)

@@ -17,19 +17,24 @@ always for the first save (nothing is measured yet).
 
 What may be written live: CPU tensors (strided, not quantized, not inference tensors, which keep
 no version counter; at least :data:`LIVE_MIN_BYTES`)
-whose storage is a parameter of, or a state tensor held by, a ``torch.optim.Optimizer`` passed
-to the manager among its states, when none of those optimizers holds a tensor on another
+whose storage is a trainable parameter of, or a state tensor held by, a ``torch.optim.Optimizer``
+passed to the manager among its states, when none of those optimizers holds a tensor on another
 device (a GPU state is copied into pinned host buffers, fast, and the background write never
 holds up a step). Everything else is copied as before (buffers such as batch-norm statistics,
-which the forward pass changes; frozen parameters; RNG states; tensors of other objects).
+which the forward pass changes; frozen parameters, ``requires_grad=False``, even in an
+optimizer; RNG states; tensors of other objects).
 
 A tensor changed in place outside ``optimizer.step()`` while the save reads it (a
-sharpness-aware minimization's first step, a manual ``param.add_()``) would make the checkpoint
-a mix of two steps. The save records each live tensor's version counter (the one autograd
-keeps, bumped by every in-place operation) and checks it after the write: a changed one fails
-that save before its commit record exists, and :class:`StepGuard` copies everything from then
-on. Changes through ``tensor.data`` do not bump the counter; code that edits parameters that
-way outside ``step()`` saves with ``async_mode=AsyncMode.COPY`` (or ``DISABLED``).
+sharpness-aware minimization's first step, a manual ``param.add_()``, the forward pass of an
+``nn.Embedding`` with ``max_norm``, which renormalizes its rows) would make the checkpoint a mix
+of two steps. The save records each live tensor's version counter (the one autograd keeps,
+bumped by every in-place operation) and checks it after the write: a changed one fails that
+save before its commit record exists, and :class:`StepGuard` copies everything from then on.
+The check is best-effort for changes outside ``step()``: changes through ``tensor.data`` or
+raw kernels do not bump the counter, and an in-place kernel still running when the check comes
+has not bumped it yet. Code that changes parameters in place outside ``step()`` saves with
+``async_mode=AsyncMode.COPY`` (or ``DISABLED``). Within ``step()`` nothing is left to chance: a
+step runs only after the save has read the tensors, or after a stop, which fails the save.
 """
 
 from __future__ import annotations
@@ -74,10 +79,10 @@ class StepGuard:
 
     :param states: the manager's states; every ``torch.optim.Optimizer`` among the values gets
         a step pre-hook (removed by :meth:`close`).
-    :param should_stop: polled every 50 ms while ``step()`` waits; when it returns true (a
-        SIGTERM, the task deadline) the step goes on at once, so that the attempt can still stop
-        within its grace period: the step's in-place updates then fail the save in flight by
-        :meth:`check`, and no mixed checkpoint is committed. Default: never.
+    :param should_stop: polled every 50 ms while ``step()`` waits; when it returns true or
+        raises (a SIGTERM, the task deadline) the step goes on at once, so that the attempt can
+        still stop within its grace period, and the save in flight fails in :meth:`check`
+        whatever the step writes: no mixed checkpoint is committed. Default: never.
     :param on_wait: called with the seconds each ``step()`` waited.
     :param clock: monotonic clock in seconds.
     """
@@ -95,6 +100,7 @@ class StepGuard:
         self._released.set()
         self._handles = [opt.register_step_pre_hook(self._before_step) for opt in self._optimizers]
         self._versions: list[tuple[Any, int]] = []
+        self._overran = False
         self._marked: float | None = None
         self._windows: deque[float] = deque(maxlen=5)
         #: Set when a live tensor changed outside ``step()``: every later save copies.
@@ -116,7 +122,7 @@ class StepGuard:
 
         found: dict[int, int] = {}
         tensors = [param for optimizer in self._optimizers for group in optimizer.param_groups
-                   for param in group["params"]]
+                   for param in group["params"] if param.requires_grad]
         tensors += [value for optimizer in self._optimizers for per_param in optimizer.state.values()
                     if isinstance(per_param, dict) for value in per_param.values()
                     if isinstance(value, torch.Tensor)]
@@ -144,6 +150,7 @@ class StepGuard:
     def hold(self, live: list[Any]) -> None:
         """Make the next ``step()`` wait until :meth:`release`; remember ``live``'s versions."""
         self._versions = [(tensor, tensor._version) for tensor in live]
+        self._overran = False
         self._released.clear()
 
     def check(self) -> None:
@@ -152,6 +159,12 @@ class StepGuard:
         :raises LiveTensorChanged: when one changed in place since :meth:`hold` (every later
             save then copies).
         """
+        if self._overran:
+            self.copy_all = True
+            raise LiveTensorChanged(
+                "a stop let optimizer.step() run while the background save read its tensors; this checkpoint "
+                "is discarded (the step may write through .data or a kernel no version counter sees)"
+            )
         changed = sum(1 for tensor, version in self._versions if tensor._version != version)
         if changed:
             self.copy_all = True
@@ -171,7 +184,12 @@ class StepGuard:
             return
         started = self._clock()
         while not self._released.wait(0.05):
-            if self._should_stop():
+            try:
+                stop = self._should_stop()
+            except Exception:  # noqa: BLE001 - a stop check that fails counts as a stop: never hang here
+                stop = True
+            if stop:
+                self._overran = True  # the save in flight fails in check(), however the step writes
                 break
         self._on_wait(self._clock() - started)
 
