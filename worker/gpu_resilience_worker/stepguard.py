@@ -13,7 +13,8 @@ takes longer than the next forward and backward: on slow storage far more than t
 manager chooses per save, by measurement: live when the last save's serialization time less the
 last windows (from a save to the next ``step()``, the median of the last five) is shorter than
 the copy of those tensors would take at the last copy's measured rate; a copy otherwise, and
-always for the first save (nothing is measured yet).
+always for the first two saves (the first copy allocates its buffers, so the second is the
+first whose rate is a copy rate).
 
 What may be written live: CPU tensors (strided, not quantized, not inference tensors, which keep
 no version counter; at least :data:`LIVE_MIN_BYTES`)
