@@ -64,31 +64,6 @@ def _state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
     return make_state(size_bytes, seed)
 
 
-def _stepped_state(size_bytes: int) -> dict[str, Any]:
-    """:return: the :func:`_state` tensors as a ``model`` (a third: the parameters) and a
-    ``torch.optim.Optimizer`` over them holding the other two thirds as per-parameter moments,
-    whose ``step()`` changes one parameter and one moment in place: the state a training loop
-    steps, with the cost of a step left to the compute. Being an optimizer's tensors, a
-    background save writes them from live memory (``gpu_resilience_worker.stepguard``)."""
-    import torch
-
-    bags = _state(size_bytes)
-    params, moments = list(bags["model"].tensors.values()), list(bags["optimizer"].tensors.values())
-
-    class Touch(torch.optim.Optimizer):
-        def __init__(self) -> None:
-            super().__init__(params, {})
-            for index, param in enumerate(params):
-                self.state[param] = {f"m{k}": moment for k, moment in enumerate(moments[index::len(params)])}
-
-        @torch.no_grad()
-        def step(self, closure: Any = None) -> None:
-            params[0].add_(1e-6)
-            next(iter(self.state[params[0]].values())).add_(1e-6)
-
-    return {"model": bags["model"], "optimizer": Touch()}
-
-
 def _torch_state(size_bytes: int, seed: int | None = 0) -> dict[str, Any]:
     """:return: ``model`` (an ``nn.Module`` of 64 MiB float32 parameters, a third of
     ``size_bytes``) and ``optimizer`` (``torch.optim.Adam`` over it). With a ``seed`` the
@@ -143,17 +118,18 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    states = _stepped_state(args.size_mib * MIB)
+    states = _state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
-    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC, "copy": AsyncMode.COPY}[args.mode]
+    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
     logger = StructuredLogger(open(os.devnull, "w"))
     started = time.perf_counter()
     if mode is None:
         for _ in range(args.steps):
             step()
-            states["optimizer"].step()
-        saves, written, live = 0, 0, 0
+            for bag in states.values():  # the optimizer touches its state every step
+                next(iter(bag.tensors.values())).add_(1e-6)
+        saves, written = 0, 0
     else:
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
         with CheckpointManager(config, states, logger=logger) as manager:
@@ -161,16 +137,15 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
                 manager._store.digest = args.digest
             for number in range(1, args.steps + 1):
                 step()
-                states["optimizer"].step()
+                for bag in states.values():
+                    next(iter(bag.tensors.values())).add_(1e-6)
                 manager.save(number)
         saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
-        live = sum(1 for size in manager.stats.live if size)
     wall = time.perf_counter() - started
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
-    return {"wall_s": wall, "saves": saves, "live_saves": live, "bytes_written": written,
-            "peak_rss_bytes": _rss_peak_bytes(),
+    return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
             "threads": torch.get_num_threads()}
 
 
@@ -179,7 +154,6 @@ E2E_MODES: dict[str, tuple[str, str]] = {
     "none": ("none", "default"),
     "sync": ("sync", "default"),
     "async": ("async", "default"),
-    "async-copy": ("copy", "default"),
     "sync (sha256, old)": ("sync", "sha256"),
     "async (sha256, old)": ("async", "sha256"),
 }
@@ -461,7 +435,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
                      " (bytes / raw write bandwidth), target <= 1.2; raw MB/s: the median of one probe a round")
-        modes = [name for name in ("sync", "async", "async-copy", "auto") if any(name in p["runs"] for p in result["grid"])]
+        modes = [name for name in ("sync", "async", "auto") if any(name in p["runs"] for p in result["grid"])]
         lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'raw MB/s':>8s} {'none':>13s} "
                      + " ".join(f"{name:>17s}" for name in modes) + " "
                      + " ".join(f"{name + ' ratio':>11s}" for name in modes) + "  async <= sync (fastest, median)")
@@ -540,13 +514,11 @@ def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
             run = _child(["--child", "train", "--mode", mode, "--digest", digest], args)
             samples.setdefault(name, []).append(run)
             print(f"{repeat}: {args.size_mib} MiB every {args.every} threads {args.threads or 'default'}: "
-                  f"{name}: {run['wall_s']:.2f} s" + (f" ({run['live_saves']} of {run['saves']} saves live)"
-                                                     if run.get("live_saves") else ""), file=sys.stderr, flush=True)
+                  f"{name}: {run['wall_s']:.2f} s", file=sys.stderr, flush=True)
     runs: dict[str, Any] = {}
     for name, got in samples.items():
         walls = sorted(r["wall_s"] for r in got)
         runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
-                      "live_saves_all": [r.get("live_saves", 0) for r in got],
                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
     return runs, probes
 

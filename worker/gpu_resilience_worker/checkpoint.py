@@ -23,7 +23,6 @@ from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
     TimeIntervalPolicy, YoungDalyPolicy,
 )
-from gpu_resilience_worker.stepguard import StepGuard, live_write_pays
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 MODEL = "model"
@@ -103,12 +102,8 @@ class CheckpointManager:
     Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
     the caller blocks only while the state is copied into reused host buffers (pinned when the
     state is on CUDA); serialization, hashing, the write and the commit run on one background
-    thread. In :attr:`AsyncMode.ASYNC`, the CPU tensors that a ``torch.optim.Optimizer`` among
-    ``states`` steps are not copied when measurements say a wait costs less than the copy: the
-    save writes them from live memory and that optimizer's next ``step()`` waits until the save
-    has read them (:mod:`gpu_resilience_worker.stepguard` says when, and what fails such a
-    save). Forced saves (final, preemption) are synchronous. Use it as a context manager;
-    :meth:`close` waits for the save in flight and removes the optimizers' step hooks.
+    thread. Forced saves (final, preemption) are synchronous. Use it as a context manager;
+    :meth:`close` waits for the save in flight.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).
@@ -141,8 +136,6 @@ class CheckpointManager:
         self._keep_policy = KeepLatestN(config.keep_latest_k)
         self._snapshots = SnapshotBuffers()
         self.stats = SaveStats()
-        self._guard = StepGuard(self._states, should_stop=self._should_stop, on_wait=self._add_blocking,
-                                clock=clock)
         self._last_save_at = clock()
         self._logged_interval: float | None = None
         self.last_saved_step: int | None = None
@@ -255,35 +248,14 @@ class CheckpointManager:
         if not self._cleaned:  # this manager writes from now on: clear what a killed one left
             self.cleanup_stale()
         started = self._last_save_at = self._clock()
-        if self.config.async_mode is not AsyncMode.DISABLED and not force:
-            candidates = self._guard.live_storages() if self.config.async_mode is AsyncMode.ASYNC else {}
-            live: list[Any] = []
-            stats = self.stats
-            pays = live_write_pays(stats.serialize[-1] if stats.serialize else None, self._guard.window(),
-                                   sum(candidates.values()), stats.copy_rates[-1] if stats.copy_rates else None)
-            chosen = set(candidates) if pays else set()
-            snapshot = self._snapshots.copy(self._state_dicts(), chosen, live)
-            blocking = self._clock() - started
-            if live:
-                self._guard.hold(live)
-            elif self._snapshots.copied >= 1 << 20 and blocking > 0 and not self._snapshots.allocated:
-                # a copy into buffers allocated now also faults their pages in: no copy rate
-                self.stats.copy_rates.append(self._snapshots.copied / blocking)
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
-            self.stats.live.append(sum(storages.values()))
-            self.stats.blocking.append(blocking)
-            self._guard.mark()
+        if self.config.async_mode is AsyncMode.ASYNC and not force:
+            snapshot = self._snapshots.copy(self._state_dicts())
+            self.stats.blocking.append(self._clock() - started)
             self._thread = threading.Thread(
-                target=self._save_in_background, args=(step, snapshot, started, bool(live)),
+                target=self._save_in_background, args=(step, snapshot, started),
                 name=f"checkpoint-{step}", daemon=True,
             )
-            try:
-                self._thread.start()
-            except BaseException as exc:
-                self._thread = None
-                self._guard.release()  # else the next step() would wait for a save that never runs
-                self.failed_saves += 1
-                raise CheckpointSaveError(f"checkpoint save of step {step} could not start: {exc!r}") from exc
+            self._thread.start()
             return True
         try:
             self._commit(step, self._state_dicts(), started)
@@ -297,45 +269,26 @@ class CheckpointManager:
     def _state_dicts(self) -> dict[str, Any]:
         return {key: obj.state_dict() for key, obj in self._states.items()}
 
-    def _add_blocking(self, seconds: float) -> None:
-        """An optimizer step waited ``seconds`` for the save in flight: part of its blocking cost."""
-        if self.stats.blocking:
-            self.stats.blocking[-1] += seconds
-
-    def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float, live: bool) -> None:
+    def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
         # at the process's own priority: at nice 10 it was starved on busy cores until the next
         # save had to wait for it, and the training loop with it (worker/README.md, "End to end")
-        began = self._clock()
-
-        def serialized() -> None:
-            self.stats.serialize.append(self._clock() - began)
-            if live:
-                try:
-                    self._guard.check()
-                finally:
-                    self._guard.release()
-
         try:
-            self._commit(step, snapshot, started, serialized=serialized)
+            self._commit(step, snapshot, started)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
             self.failed_saves += 1
             self._error = exc
             self._log.error("background checkpoint save failed", step=step, error=repr(exc),
                             file=self.path(step))
-        finally:
-            if live:
-                self._guard.release()
 
-    def _commit(self, step: int, state: dict[str, Any], started: float,
-                serialized: Callable[[], None] | None = None) -> None:
-        record = self._store.write(step, state, serialized=serialized)
+    def _commit(self, step: int, state: dict[str, Any], started: float) -> None:
+        record = self._store.write(step, state)
         seconds = self._clock() - started
         self.stats.durations.append(seconds)
         self.stats.sizes.append(record.size)
         self.last_saved_step = step
         mode = "async" if threading.current_thread() is self._thread else "sync"
         self._log.info("checkpoint saved", step=step, bytes=record.size, seconds=round(seconds, 4),
-                       file=self.path(step), mode=mode, **({"live_bytes": self.stats.live[-1]} if mode == "async" else {}))
+                       file=self.path(step), mode=mode)
         for doomed in self._keep_policy.to_delete(self.present_steps(), self._store.committed_steps()):
             self._store.delete(doomed)
         self._log_auto_interval()
@@ -459,7 +412,4 @@ class CheckpointManager:
         """Finish the save in flight (re-raising its error); do not use the manager afterwards."""
         if not self._closed:
             self._closed = True
-            try:
-                self.wait_until_finished()
-            finally:
-                self._guard.close()
+            self.wait_until_finished()

@@ -331,13 +331,9 @@ class CommitStore:
         """:return: the steps of committed, verified checkpoints, newest first."""
         return [s for s in self.present_steps() if self.is_valid(s)]
 
-    def write(self, step: int, state: dict[str, Any], *,
-              serialized: Callable[[], None] | None = None) -> CommitRecord:
+    def write(self, step: int, state: dict[str, Any]) -> CommitRecord:
         """Commit ``state`` as the checkpoint of ``step``: stale record out, data, record.
 
-        :param serialized: called once every byte of ``state`` has been handed to the file (before
-            its flush, close and record); an exception it raises fails the save like a write
-            error (no record, the data file removed).
         :return: the commit record written.
         :raises OSError: when a write fails (the checkpoint is then not committed).
         """
@@ -352,8 +348,6 @@ class CommitStore:
             writer = HashingWriter(handle, digest=digest)
             save_without_crc32(state, writer)
             result["chunks"], result["size"] = writer.digests(), writer.size
-            if serialized is not None:
-                serialized()
 
         try:
             self.storage.write(data_path, produce)  # raises when close() fails: then no record

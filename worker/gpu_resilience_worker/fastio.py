@@ -597,49 +597,30 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
-        #: Bytes the last :meth:`copy` copied.
-        self.copied = 0
-        #: Whether the last :meth:`copy` allocated a buffer (its rate is then no copy rate).
-        self.allocated = False
 
-    def copy(self, obj: Any, live: set[int] | frozenset[int] = frozenset(),
-             taken: list[Any] | None = None) -> Any:
+    def copy(self, obj: Any) -> Any:
         """:return: ``obj`` with every tensor copied to host memory, containers rebuilt.
 
         CUDA copies are asynchronous and awaited before returning.
-
-        :param live: storage addresses of CPU tensors to pass through uncopied (detached, so
-            they share the source's version counter): tensors the caller keeps unchanged until
-            the save has read them (see :mod:`gpu_resilience_worker.stepguard`).
-        :param taken: a list that receives every tensor passed through.
         """
         import torch
 
         devices: set[Any] = set()
-        through = taken if taken is not None else []
-        self.copied, self.allocated = 0, False
-        result = self._copy(obj, (), devices, torch, live, through)
+        result = self._copy(obj, (), devices, torch)
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
         return result
 
-    def _copy(self, obj: Any, key: tuple[Any, ...], devices: set[Any], torch: Any, live: Any,
-              taken: list[Any]) -> Any:
+    def _copy(self, obj: Any, key: tuple[Any, ...], devices: set[Any], torch: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            tensor = obj.detach()
-            if (live and tensor.device.type == "cpu" and tensor.layout is torch.strided
-                    and not tensor.is_quantized and tensor.untyped_storage().data_ptr() in live):
-                taken.append(tensor)
-                return tensor
-            return self._tensor(tensor, key, devices, torch)
+            return self._tensor(obj.detach(), key, devices, torch)
         if isinstance(obj, dict):
-            return {k: self._copy(v, key + (k,), devices, torch, live, taken) for k, v in obj.items()}
+            return {k: self._copy(v, key + (k,), devices, torch) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, key + (i,), devices, torch, live, taken) for i, v in enumerate(obj))
+            return type(obj)(self._copy(v, key + (i,), devices, torch) for i, v in enumerate(obj))
         return obj
 
     def _tensor(self, tensor: Any, key: tuple[Any, ...], devices: set[Any], torch: Any) -> Any:
-        self.copied += tensor.numel() * tensor.element_size()
         if tensor.layout is not torch.strided or tensor.is_quantized:
             return tensor.to("cpu", copy=True)
         buffer = self._buffers.get(key)
@@ -647,7 +628,6 @@ class SnapshotBuffers:
             pinned = tensor.is_cuda
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self._buffers[key] = buffer
-            self.allocated = True
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if tensor.is_cuda:
             devices.add(tensor.device)

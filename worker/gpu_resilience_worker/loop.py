@@ -101,13 +101,8 @@ class ResilientLoop:
         ``mtbi_seconds``; default off.
     :param mtbi_seconds: mean time between interruptions for ``auto_interval``, seconds; default 3600.
     :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
-    :param async_save: ``True`` (default): interval saves on a background thread, writing the
-        CPU tensors of an optimizer among ``states`` from live memory when measured to pay (its
-        next ``step()`` then waits until they are read; see
-        :mod:`gpu_resilience_worker.stepguard`); ``"copy"``: on a background thread from a copy
-        of every tensor (for code that changes parameters in place outside ``step()`` through
-        ``.data``); ``False``: on the training thread. Saves at a stop and at the end are always
-        synchronous.
+    :param async_save: interval saves on a background thread (default) or on the training
+        thread; saves at a stop and at the end are always synchronous.
     :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
     :param settings: the hyper-parameters a checkpoint must have been written with to be
         resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.
@@ -136,7 +131,7 @@ class ResilientLoop:
         auto_interval: bool = False,
         mtbi_seconds: float = 3600.0,
         keep_latest_k: int = 2,
-        async_save: bool | str = True,
+        async_save: bool = True,
         preemption_save: str = "deadline",
         settings: Mapping[str, Any] | None = None,
         grace_seconds: float | None = None,
@@ -164,8 +159,6 @@ class ResilientLoop:
         for name, value in (("grace_seconds", grace_seconds), ("task_timeout_seconds", task_timeout_seconds)):
             if value is not None:
                 _check_number(name, value, minimum=0, strict=name == "task_timeout_seconds")
-        if not (isinstance(async_save, bool) or async_save == "copy"):
-            raise ValueError(f"async_save must be True, False or 'copy', got {async_save!r}")
         if preemption_save not in PREEMPTION_SAVES:
             raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
         if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):
@@ -177,8 +170,7 @@ class ResilientLoop:
             "interval": checkpoint_every, "interval_seconds": float(checkpoint_every_seconds),
             "auto_interval": bool(auto_interval), "mtbi_seconds": float(mtbi_seconds),
             "keep_latest_k": keep_latest_k,
-            "async_mode": (AsyncMode.COPY if async_save == "copy" else
-                           AsyncMode.ASYNC if async_save else AsyncMode.DISABLED),
+            "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED,
         }
         self.preemption_save = preemption_save
         self.settings = {"total_steps": total_steps, **dict(settings or {})}

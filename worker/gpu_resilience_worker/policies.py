@@ -103,12 +103,7 @@ class AsyncMode(enum.Enum):
     DISABLED = "disabled"
     """Synchronously, on the training thread."""
     ASYNC = "async"
-    """Written and committed on a background thread. The state is copied to host memory on the
-    training thread first, except the CPU tensors an optimizer steps while writing them from
-    live memory is measured to cost the loop less (see :mod:`gpu_resilience_worker.stepguard`)."""
-    COPY = "copy"
-    """As :attr:`ASYNC`, but every tensor is copied first, never written live: for code that
-    changes an optimizer's parameters in place outside ``step()`` through ``.data``."""
+    """State copied to CPU on the training thread, written and committed on a background thread."""
 
 
 @dataclasses.dataclass
@@ -119,8 +114,7 @@ class CheckpointConfig:
     :param interval: save every this many optimizer steps; default 50; 0: no step interval.
     :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
         may be incomplete when the process is killed, and the previous one must still exist.
-    :param async_mode: :attr:`AsyncMode.ASYNC` (default), :attr:`AsyncMode.COPY` or
-        :attr:`AsyncMode.DISABLED`.
+    :param async_mode: :attr:`AsyncMode.ASYNC` (default) or :attr:`AsyncMode.DISABLED`.
     :param load_step: step to load, or -1 for the newest valid one.
     :param interval_seconds: also save when this many seconds passed since the last save;
         default 0 (off).
@@ -188,20 +182,11 @@ class SaveStats:
     :param blocking: seconds the caller was blocked per save (the snapshot, for async saves).
     :param durations: seconds from start to commit per save.
     :param sizes: bytes per save.
-    :param copy_rates: bytes per second of each blocking host copy of 1 MiB or more.
-    :param serialize: seconds each background save took to hand its last byte to the file.
-    :param live: bytes each background save wrote from live memory instead of a copy.
     """
 
     blocking: list[float] = dataclasses.field(default_factory=list)
     durations: list[float] = dataclasses.field(default_factory=list)
     sizes: list[int] = dataclasses.field(default_factory=list)
-    #: Bytes per second of each blocking host copy of 1 MiB or more.
-    copy_rates: list[float] = dataclasses.field(default_factory=list)
-    #: Seconds each background save took to serialize the state (to hand its last byte to the file).
-    serialize: list[float] = dataclasses.field(default_factory=list)
-    #: Bytes each background save wrote from live memory instead of a copy.
-    live: list[int] = dataclasses.field(default_factory=list)
 
     def cost(self, default: float = 1.0) -> float:
         """:return: the median blocking time of the last five saves, seconds (``default`` before any)."""
