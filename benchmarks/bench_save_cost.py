@@ -9,9 +9,12 @@ prints three tables and writes ``benchmarks/results/save_cost.json``:
 2. end-to-end: a training loop (matrix products, ``--steps`` steps) holding a state of
    ``--size-mib`` MiB, checkpointed by :class:`CheckpointManager` every ``--every`` steps with no
    saves, synchronous saves and asynchronous saves, with the new chunk digest and with sha256 (the
-   old writer); each run in its own process (its peak RSS from ``getrusage``). The overhead
-   (wall - none) is set against ``saves x bytes / raw write bandwidth``, the raw bandwidth being
-   a sequential write + fsync of the same bytes in the same folder (target: at most 1.2x);
+   old writer), and ``raw``: a raw write of the state's bytes at each save step instead of a
+   checkpoint; each run in its own process (its peak RSS from ``getrusage``). The overhead
+   (wall - none) is set against ``saves x bytes / raw write bandwidth`` (target: at most 1.2x),
+   the raw bandwidth measured twice: by a probe between runs (a sequential write + fsync of the
+   same bytes in the same folder) and in place (the raw runs' own writes, which meet the memory
+   and the cores as a checkpoint write in the same run does);
 3. I/O in ``--dir`` (a Cloud Storage FUSE mount, or any folder): a checkpoint write and a restore
    against a raw sequential write and read of the same bytes there (target: at least 80 %), the
    bytes a restore reads (target: one checkpoint's size), and the time from a process start to
@@ -110,7 +113,13 @@ def _compute(steps: int, hidden: int) -> Any:
 
 
 def child_train(args: argparse.Namespace) -> dict[str, Any]:
-    """One end-to-end run in this process: build the state, train, save on the interval."""
+    """One end-to-end run in this process: build the state, train, save on the interval.
+
+    ``--mode raw`` saves nothing: at each save step it writes the state's bytes as one raw
+    sequential write + fsync of a new file (:func:`raw_write`), keeping the newest two files as
+    the checkpoint runs keep two checkpoints. Its writes meet what a checkpoint write meets in
+    the same run (the memory that retention freed, the training beside it), and their own
+    seconds give the raw write bandwidth in place (``raw_write_seconds``)."""
     import torch
 
     from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
@@ -121,16 +130,29 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     states = _state(args.size_mib * MIB)
     step = _compute(args.steps, args.hidden)
     folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
-    mode = {"none": None, "sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
     logger = StructuredLogger(open(os.devnull, "w"))
+    extra: dict[str, Any] = {}
     started = time.perf_counter()
-    if mode is None:
-        for _ in range(args.steps):
+    if args.mode in ("none", "raw"):
+        size = sum(t.numel() * t.element_size() for bag in states.values() for t in bag.tensors.values())
+        kept: list[Path] = []
+        seconds: list[float] = []
+        if args.mode == "raw":
+            folder.mkdir()
+        for number in range(1, args.steps + 1):
             step()
             for bag in states.values():  # the optimizer touches its state every step
                 next(iter(bag.tensors.values())).add_(1e-6)
-        saves, written = 0, 0
+            if args.mode == "raw" and number % args.every == 0:
+                kept.append(folder / f"raw-{number:08d}.bin")
+                seconds.append(raw_write(kept[-1], size))
+                while len(kept) > 2:
+                    kept.pop(0).unlink()
+        saves, written = len(seconds), size * len(seconds)
+        if seconds:
+            extra["raw_write_seconds"] = seconds
     else:
+        mode = {"sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
         with CheckpointManager(config, states, logger=logger) as manager:
             if args.digest != "default":
@@ -141,17 +163,20 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
                     next(iter(bag.tensors.values())).add_(1e-6)
                 manager.save(number)
         saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
+        extra["save_seconds"] = list(manager.stats.durations)
+        extra["blocking_seconds"] = list(manager.stats.blocking)
     wall = time.perf_counter() - started
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
     return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), **extra}
 
 
 #: The end-to-end runs, by name: (save mode, chunk digest); ``default`` is the writer's own digest.
 E2E_MODES: dict[str, tuple[str, str]] = {
     "none": ("none", "default"),
+    "raw": ("raw", "default"),
     "sync": ("sync", "default"),
     "async": ("async", "default"),
     "sync (sha256, old)": ("sync", "sha256"),
@@ -422,25 +447,34 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)")
     lines.append(f"  (wall: the fastest of {result['repeats']} interleaved runs, the one least slowed by other load;"
                  " median: of all of them)")
-    lines.append(f"  {'mode':22s} {'wall s':>8s} {'median s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>6s}"
+    in_place = in_place_bandwidth(result["runs"])
+    if in_place:
+        lines.append(f"  (in place, by the raw runs' own writes: {in_place / 1e6:.0f} MB/s; ratio: against the probe"
+                     " / in place)")
+    lines.append(f"  {'mode':22s} {'wall s':>8s} {'median s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>11s}"
                  f" {'peak RSS GB':>11s}")
     for name, run in result["runs"].items():
         ideal = run["bytes_written"] / bandwidth
         overhead = run["wall_s"] - result["runs"]["none"]["wall_s"]
-        ratio = f"{overhead / ideal:6.2f}" if ideal else "     -"
+        ratio = f"{overhead / ideal:.2f}" if ideal else "-"
+        if ideal and in_place:
+            ratio += f" / {overhead / (run['bytes_written'] / in_place):.2f}"
         median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
-        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio} "
+        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>11s} "
                      f"{run['peak_rss_bytes'] / 1e9:11.2f}")
     if result.get("grid"):
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
-                     " (bytes / raw write bandwidth), target <= 1.2; raw MB/s: the median of one probe a round")
-        modes = [name for name in ("sync", "async", "auto") if any(name in p["runs"] for p in result["grid"])]
-        lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'raw MB/s':>8s} {'none':>13s} "
-                     + " ".join(f"{name:>17s}" for name in modes) + " "
-                     + " ".join(f"{name + ' ratio':>11s}" for name in modes) + "  async <= sync (fastest, median)")
+                     " (bytes / raw write bandwidth), target <= 1.2, against the probe (one write between runs,"
+                     " the median of one a round) and in place (the raw runs' own writes, the median run)")
+        modes = [name for name in ("raw", "sync", "async") if any(name in p["runs"] for p in result["grid"])]
+        saving = modes  # the raw runs' own ratio: how far their wall time exceeds their writes' seconds
+        lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'probe MB/s':>10s} {'in place':>8s} {'none':>13s} "
+                     + " ".join(f"{name:>13s}" for name in modes) + " "
+                     + " ".join(f"{name + ' ratio':>15s}" for name in saving) + "  async <= sync (fastest, median)")
         for point in result["grid"]:
             runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
+            in_place = in_place_bandwidth(runs)
             none = runs["none"]["wall_s"]
 
             def median(name: str) -> float:
@@ -453,7 +487,9 @@ def render(result: dict[str, Any]) -> str:
                 run = runs.get(name)
                 if not run or not run["bytes_written"]:
                     return "-"
-                return f"{(run['wall_s'] - none) / (run['bytes_written'] / bandwidth):.2f}"
+                overhead = run["wall_s"] - none
+                got = f"{overhead / (run['bytes_written'] / bandwidth):.2f}"
+                return got + (f" / {overhead / (run['bytes_written'] / in_place):.2f}" if in_place else "")
 
             def verdict(first: str, second: str) -> str:
                 if first not in runs or second not in runs:
@@ -461,9 +497,10 @@ def render(result: dict[str, Any]) -> str:
                 fastest = runs[first]["wall_s"] <= runs[second]["wall_s"]
                 return f"{'yes' if fastest else 'NO'}, {'yes' if median(first) <= median(second) else 'NO'}"
 
-            lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:8.0f} "
-                         f"{walls('none'):>13s} " + " ".join(f"{walls(name):>17s}" for name in modes) + " "
-                         + " ".join(f"{ratio(name):>11s}" for name in modes) + f"  {verdict('async', 'sync')}")
+            place = f"{in_place / 1e6:8.0f}" if in_place else f"{'-':>8s}"
+            lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:10.0f} "
+                         f"{place} {walls('none'):>13s} " + " ".join(f"{walls(name):>13s}" for name in modes) + " "
+                         + " ".join(f"{ratio(name):>15s}" for name in saving) + f"  {verdict('async', 'sync')}")
     io = result.get("io")
     if io:
         lines.append("")
@@ -520,7 +557,20 @@ def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         walls = sorted(r["wall_s"] for r in got)
         runs[name] = {**got[0], "wall_s": walls[0], "wall_all_s": walls,
                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in got)}
+        if name == "raw":  # each raw run's write bandwidth in place: its bytes over its writes' seconds
+            runs[name]["in_place_bytes_per_s_all"] = [r["bytes_written"] / sum(r["raw_write_seconds"])
+                                                      for r in got if r.get("raw_write_seconds")]
+        for key in ("save_seconds", "blocking_seconds", "raw_write_seconds"):
+            if key in got[0]:
+                runs[name][key + "_all"] = [r[key] for r in got]
     return runs, probes
+
+
+def in_place_bandwidth(runs: dict[str, Any]) -> float | None:
+    """:return: the median raw write bandwidth in place (bytes/s) of the ``raw`` runs, or ``None``
+    when there were none."""
+    rates = (runs.get("raw") or {}).get("in_place_bytes_per_s_all")
+    return statistics.median(rates) if rates else None
 
 
 def raw_bandwidth(folder: str, size: int) -> float:
