@@ -426,6 +426,9 @@ def _print_report(summary: dict, log_path: Path) -> None:
         print(f"preemption injector error: {summary['preempter_error']}")
     print(_volume_line(summary["volumes"]))
     for a in summary["attempts"]:
+        if a.get("unrecorded"):
+            print(f"attempt {a.get('attempt')}: stopped before it resumed (listed by the next attempt)")
+            continue
         start = f"resumed from step {a.get('resumed_from_step')}" if a.get("resumed_from_step") else "started from step 0"
         print(f"attempt {a.get('attempt')}: {start}, work lost {a.get('lost_steps', 0)} steps")
     if summary["accuracy"] is not None:

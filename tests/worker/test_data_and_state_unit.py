@@ -99,3 +99,47 @@ def test_state_digest_is_order_independent_and_bit_sensitive() -> None:
     c = {"b": torch.tensor([3.0]), "w": torch.tensor([1.0, 2.0 + 2e-7])}
     assert state_digest(a) != state_digest(c)
     assert state_digest({"w": torch.tensor([1.0, 2.0])}) != state_digest({"w": torch.tensor([1.0, 2.0], dtype=torch.float64)})
+
+
+def _attempt(number, execution="job-a", task_index=0, **fields):
+    return {"execution": execution, "attempt": number, "task_index": task_index, **fields}
+
+
+def _gap(number, execution="job-a", task_index=0):
+    return _attempt(number, execution, task_index, resumed_from_step=None, lost_steps=0, unrecorded=True)
+
+
+@pytest.mark.parametrize(
+    "recorded, entry, expected",
+    [
+        ([], _attempt(0), [_attempt(0)]),
+        ([_attempt(0), _attempt(1)], _attempt(2), [_attempt(0), _attempt(1), _attempt(2)]),
+        # attempt 2 was killed between its "resuming" log line and its record (CI, 2026-12-04)
+        ([_attempt(0), _attempt(1)], _attempt(3), [_attempt(0), _attempt(1), _gap(2), _attempt(3)]),
+        ([], _attempt(2), [_gap(0), _gap(1), _attempt(2)]),  # a torn or missing file: none recorded
+        # another execution's or task's attempts do not count, and are kept as they are
+        ([_attempt(0, "job-old"), _attempt(1, "job-old")], _attempt(1), [_attempt(0, "job-old"), _attempt(1, "job-old"),
+                                                                         _gap(0), _attempt(1)]),
+        ([_attempt(0, task_index=1)], _attempt(1), [_attempt(0, task_index=1), _gap(0), _attempt(1)]),
+        # no attempt number (a run outside Cloud Run that sets none): nothing to fill
+        ([_attempt(0)], _attempt(None), [_attempt(0), _attempt(None)]),
+        ([_attempt(0)], _attempt(True), [_attempt(0), _attempt(True)]),
+    ],
+)
+def test_attempts_that_never_recorded_themselves_are_listed_by_the_next(recorded, entry, expected) -> None:
+    from gpu_resilience_worker.files import with_unrecorded_attempts
+
+    assert with_unrecorded_attempts(recorded, entry) == expected
+
+
+def test_record_attempt_fills_the_gap_in_the_file(tmp_path: Path) -> None:
+    from gpu_resilience_worker.files import ATTEMPTS, read_json, record_attempt
+    from gpu_resilience_worker.storage import LocalStorage
+
+    storage = LocalStorage()
+    record_attempt(storage, str(tmp_path), _attempt(0, lost_steps=0))
+    got = record_attempt(storage, str(tmp_path), _attempt(2, lost_steps=3))
+    assert got == read_json(storage, str(tmp_path / ATTEMPTS))["attempts"]
+    assert [(a["attempt"], a.get("unrecorded", False)) for a in got] == [(0, False), (1, True), (2, False)]
+    (tmp_path / ATTEMPTS).write_text('{"attempts": "not a list"}')
+    assert [a["attempt"] for a in record_attempt(storage, str(tmp_path), _attempt(1))] == [0, 1]

@@ -129,12 +129,42 @@ def highest_reported_step(previous: Mapping[str, Any]) -> int | None:
 
 
 def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """Append ``entry`` to ``attempts.json`` (every attempt, also those that never committed).
+    """Append ``entry`` to ``attempts.json``, after :func:`with_unrecorded_attempts`.
+
+    An attempt records itself once it has restored its checkpoint, before its first step; one
+    stopped before that (a preemption or a kill during its start or restore, or between its
+    "resuming" log line and this write) cannot, and the next attempt lists it.
 
     :return: all recorded attempts, oldest first.
     """
     path = os.path.join(namespace, ATTEMPTS)
     previous = read_json(storage, path) or {}
-    attempts = [a for a in previous.get("attempts", []) if isinstance(a, dict)] + [entry]
+    recorded = previous.get("attempts", [])
+    attempts = with_unrecorded_attempts([a for a in recorded if isinstance(a, dict)] if isinstance(recorded, list)
+                                        else [], entry)
     write_json(storage, path, {"attempts": attempts})
     return attempts
+
+
+def with_unrecorded_attempts(recorded: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """``recorded`` + ``entry``, with an entry for every attempt of ``entry``'s execution and task
+    index numbered below ``entry["attempt"]`` that no record names.
+
+    Cloud Run numbers a task's attempts from 0 within an execution (``CLOUD_RUN_TASK_ATTEMPT``),
+    so such a number is an attempt that started and was stopped before it recorded itself. Its
+    entry is ``{"execution", "attempt", "task_index", "resumed_from_step": None, "lost_steps": 0,
+    "unrecorded": True}``: it trained no step (an attempt records itself before its first), and
+    the work lost before it is counted by the next attempt that resumed (from ``progress.json``).
+
+    :param recorded: the entries read from ``attempts.json``, oldest first.
+    :param entry: this attempt's entry; without an integer ``attempt``, nothing is added for it.
+    :return: a new list: ``recorded``, the missing attempts in number order, then ``entry``.
+    """
+    number = entry.get("attempt")
+    if not isinstance(number, int) or isinstance(number, bool):
+        return [*recorded, entry]
+    key = (entry.get("execution"), entry.get("task_index"))
+    seen = {a.get("attempt") for a in recorded if (a.get("execution"), a.get("task_index")) == key}
+    missing = [{"execution": key[0], "attempt": n, "task_index": key[1], "resumed_from_step": None,
+                "lost_steps": 0, "unrecorded": True} for n in range(number) if n not in seen]
+    return [*recorded, *missing, entry]
