@@ -134,7 +134,9 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     started = time.perf_counter()
     if args.mode in ("none", "raw"):
-        size = sum(t.numel() * t.element_size() for bag in states.values() for t in bag.tensors.values())
+        from bench_checkpoint import state_bytes  # importable: _state put benchmarks/ on the path
+
+        size = state_bytes(states)
         kept: list[Path] = []
         seconds: list[float] = []
         if args.mode == "raw":
@@ -432,6 +434,15 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     }
 
 
+def _ratios(overhead: float, written: int, probe: float, in_place: float | None) -> str:
+    """:return: ``overhead / (written / bandwidth)`` against the probe and, when measured, in place
+    (``"1.20 / 0.95"``), or ``"-"`` for a run that wrote nothing."""
+    if not written:
+        return "-"
+    text = f"{overhead / (written / probe):.2f}"
+    return text + (f" / {overhead / (written / in_place):.2f}" if in_place else "")
+
+
 def render(result: dict[str, Any]) -> str:
     import common
 
@@ -456,9 +467,7 @@ def render(result: dict[str, Any]) -> str:
     for name, run in result["runs"].items():
         ideal = run["bytes_written"] / bandwidth
         overhead = run["wall_s"] - result["runs"]["none"]["wall_s"]
-        ratio = f"{overhead / ideal:.2f}" if ideal else "-"
-        if ideal and in_place:
-            ratio += f" / {overhead / (run['bytes_written'] / in_place):.2f}"
+        ratio = _ratios(overhead, run["bytes_written"], bandwidth, in_place)
         median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
         lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>11s} "
                      f"{run['peak_rss_bytes'] / 1e9:11.2f}")
@@ -468,10 +477,9 @@ def render(result: dict[str, Any]) -> str:
                      " (bytes / raw write bandwidth), target <= 1.2, against the probe (one write between runs,"
                      " the median of one a round) and in place (the raw runs' own writes, the median run)")
         modes = [name for name in ("raw", "sync", "async") if any(name in p["runs"] for p in result["grid"])]
-        saving = modes  # the raw runs' own ratio: how far their wall time exceeds their writes' seconds
         lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'probe MB/s':>10s} {'in place':>8s} {'none':>13s} "
                      + " ".join(f"{name:>13s}" for name in modes) + " "
-                     + " ".join(f"{name + ' ratio':>15s}" for name in saving) + "  async <= sync (fastest, median)")
+                     + " ".join(f"{name + ' ratio':>15s}" for name in modes) + "  async <= sync (fastest, median)")
         for point in result["grid"]:
             runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
             in_place = in_place_bandwidth(runs)
@@ -485,11 +493,9 @@ def render(result: dict[str, Any]) -> str:
 
             def ratio(name: str) -> str:
                 run = runs.get(name)
-                if not run or not run["bytes_written"]:
+                if not run:
                     return "-"
-                overhead = run["wall_s"] - none
-                got = f"{overhead / (run['bytes_written'] / bandwidth):.2f}"
-                return got + (f" / {overhead / (run['bytes_written'] / in_place):.2f}" if in_place else "")
+                return _ratios(run["wall_s"] - none, run["bytes_written"], bandwidth, in_place)
 
             def verdict(first: str, second: str) -> str:
                 if first not in runs or second not in runs:
@@ -500,7 +506,7 @@ def render(result: dict[str, Any]) -> str:
             place = f"{in_place / 1e6:8.0f}" if in_place else f"{'-':>8s}"
             lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:10.0f} "
                          f"{place} {walls('none'):>13s} " + " ".join(f"{walls(name):>13s}" for name in modes) + " "
-                         + " ".join(f"{ratio(name):>15s}" for name in saving) + f"  {verdict('async', 'sync')}")
+                         + " ".join(f"{ratio(name):>15s}" for name in modes) + f"  {verdict('async', 'sync')}")
     io = result.get("io")
     if io:
         lines.append("")
