@@ -43,6 +43,7 @@ PREEMPTION_SIGNALS: frozenset[int] = frozenset({15, 9})
 # google.rpc.Code values seen in lastAttemptResult.status.
 _CODE_OK = 0
 _CODE_CANCELLED = 1
+_CODE_UNKNOWN = 2
 _CODE_DEADLINE_EXCEEDED = 4
 
 _MAINTENANCE_RE = re.compile(r"preempt|maintenance", re.IGNORECASE)
@@ -61,6 +62,10 @@ class OutcomeClass(str, enum.Enum):
     CANCELLED = "CANCELLED"
     RUNNING = "RUNNING"
     INCOMPLETE = "INCOMPLETE"
+    UNOBSERVED = "UNOBSERVED"
+    """An attempt that ended and was retried before any poll saw its result: the API keeps only
+    the last attempt's ``last_attempt_result``, so its cause is unknown; a retried attempt is a
+    failed one. Only ever the class of an :class:`AttemptRecord`, never of a task."""
 
 
 #: Classes that a new execution can fix by resuming from the checkpoint.
@@ -581,6 +586,8 @@ class AttemptRecord:
         only for the last attempt of a finished task (the API keeps one ``start_time`` per task,
         that of its latest attempt); ``None`` otherwise.
     :param timeout_seconds: the task timeout in seconds, when known (see :func:`classify_attempt`).
+    :param observed: ``False`` for an attempt whose result no poll saw (a later attempt's result
+        had replaced it): its result fields are unset and it classes as ``UNOBSERVED``.
     """
 
     task_index: int
@@ -591,6 +598,13 @@ class AttemptRecord:
     message: str
     duration_seconds: float | None = None
     timeout_seconds: float | None = None
+    observed: bool = True
+
+    @classmethod
+    def unobserved(cls, task_index: int, attempt: int) -> AttemptRecord:
+        """The record of an attempt that ended unseen (see :attr:`OutcomeClass.UNOBSERVED`)."""
+        return cls(task_index, attempt, None, None, _CODE_UNKNOWN,
+                   "ended and was retried before a poll saw its result", observed=False)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -598,7 +612,9 @@ class AttemptRecord:
         return (self.task_index, self.attempt)
 
     def classify(self, fatal_exit_codes: Collection[int] = DEFAULT_FATAL_EXIT_CODES) -> OutcomeClass:
-        """The attempt's class (see :func:`classify_attempt`)."""
+        """The attempt's class (see :func:`classify_attempt`); ``UNOBSERVED`` when no poll saw it."""
+        if not self.observed:
+            return OutcomeClass.UNOBSERVED
         return classify_attempt(
             exit_code=self.exit_code,
             term_signal=self.term_signal,
@@ -620,20 +636,24 @@ class AttemptRecord:
             "message": self.message,
             "duration_seconds": self.duration_seconds,
             "timeout_seconds": self.timeout_seconds,
+            "observed": self.observed,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> AttemptRecord:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, int]] = ()) -> list[AttemptRecord]:
     """Finished attempts visible in ``tasks`` that are not in ``seen``.
 
     ``last_attempt_result`` belongs to attempt ``retried`` once the task is finished, and to
-    attempt ``retried - 1`` while a retry is pending or running. Polling less often than attempts
-    end can miss intermediate attempts; the final one is always visible.
+    attempt ``retried - 1`` while a retry is pending or running. The API keeps no other attempt's
+    result, so an attempt that ended and was retried between two polls is gone by the second:
+    it is still recorded, once, as an :meth:`AttemptRecord.unobserved` one (class
+    ``UNOBSERVED``), so that every attempt Cloud Run made is accounted for, in order, whatever
+    the poll interval. The final attempt is always visible.
 
     :param tasks: the execution's tasks, as ListTasks returns them.
     :param seen: ``(task_index, attempt)`` keys already recorded.
@@ -645,7 +665,11 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
             continue
         finished = classify_task(task).outcome is not OutcomeClass.RUNNING
         attempt = task.retried if finished else task.retried - 1
-        if attempt < 0 or (task.index, attempt) in seen:
+        if attempt < 0:
+            continue
+        records.extend(AttemptRecord.unobserved(task.index, earlier) for earlier in range(attempt)
+                       if (task.index, earlier) not in seen)
+        if (task.index, attempt) in seen:
             continue
         exit_code, signal = _exit_and_signal(task.last_attempt_result)
         status = task.last_attempt_result.status

@@ -954,6 +954,12 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         raise error.for_decision(f"Execution {execution} {decision.outcome.value}", decision, finished, report)
 
     def _log_attempt(self, entry: AttemptEntry) -> None:
+        if entry["outcome"] == OutcomeClass.UNOBSERVED.value:
+            self.log.warning(
+                "Attempt: %s task %s attempt %s: UNOBSERVED: it ended and Cloud Run retried it before a poll saw "
+                "its result (the API keeps only the last attempt's); a shorter poll_interval (now %s s) sees more",
+                entry["execution"], entry["task_index"], entry["attempt"], self.poll_interval)
+            return
         signal, took = entry["term_signal"], entry["duration_seconds"]
         how = f"signal {signal}" if signal else f"exit code {entry['exit_code']}"
         log = self.log.warning if OutcomeClass(entry["outcome"]) in RESUMABLE else self.log.info

@@ -9,6 +9,7 @@ from google.cloud import run_v2
 from google.rpc import status_pb2
 
 from airflow_gpu_resilience.outcome import (
+    AttemptLog,
     AttemptRecord,
     observe_attempts,
     Action,
@@ -223,12 +224,54 @@ class TestObserveAttempts:
 
     def test_finished_task_reports_last_attempt_and_skips_seen(self):
         done = _task(index=1, retried=2, result=_result(exit_code=0))
-        assert [r.key for r in observe_attempts([done])] == [(1, 2)]
-        assert observe_attempts([done], seen={(1, 2)}) == []
+        assert [r.key for r in observe_attempts([done], seen={(1, 0), (1, 1)})] == [(1, 2)]
+        assert observe_attempts([done], seen={(1, 0), (1, 1), (1, 2)}) == []
 
     def test_pending_first_attempt_and_no_result_are_skipped(self):
         pending = _task(index=0, retried=0, result=_result(143, code=2), state=S.CONDITION_PENDING, done=False)
         assert observe_attempts([pending, run_v2.Task(index=1)]) == []
+
+    @pytest.mark.parametrize(
+        "retried, running, seen, keys, unobserved",
+        [
+            # a finished task at attempt 2 seen for the first time: 0 and 1 ended unseen
+            (2, False, set(), [(0, 0), (0, 1), (0, 2)], [(0, 0), (0, 1)]),
+            # attempt 0 was seen by an earlier poll, attempt 1 was not
+            (2, False, {(0, 0)}, [(0, 1), (0, 2)], [(0, 1)]),
+            # every earlier attempt seen: only the visible one is new
+            (2, False, {(0, 0), (0, 1)}, [(0, 2)], []),
+            # attempt 3 running: the visible result is attempt 2's, 0 and 1 unseen
+            (3, True, set(), [(0, 0), (0, 1), (0, 2)], [(0, 0), (0, 1)]),
+            # nothing retried: nothing can be missed
+            (0, False, set(), [(0, 0)], []),
+        ],
+    )
+    def test_attempts_no_poll_saw_are_recorded_once_as_unobserved(self, retried, running, seen, keys, unobserved):
+        task = _task(index=0, retried=retried, result=_result(exit_code=0 if not running else 143, code=0 if not running else 14,
+                                                                message="" if not running else MAINTENANCE),
+                     state=S.CONDITION_RECONCILING if running else S.CONDITION_SUCCEEDED, done=not running)
+        records = observe_attempts([task], seen=seen)
+        assert [r.key for r in records] == keys
+        assert [r.key for r in records if r.classify() is C.UNOBSERVED] == unobserved
+        for record in records:
+            if not record.observed:
+                assert (record.exit_code, record.term_signal) == (None, None)
+                assert AttemptRecord.from_dict(record.to_dict()) == record
+
+    def test_attempt_log_records_an_unobserved_attempt_once(self):
+        log = AttemptLog()
+        running = _task(index=0, retried=2, result=_result(signal=15, code=14, message=MAINTENANCE),
+                        state=S.CONDITION_RECONCILING, done=False)
+        done = _task(index=0, retried=2, result=_result(exit_code=0))
+        assert [(r.key, r.classify()) for r in log.observe([running])] == [((0, 0), C.UNOBSERVED), ((0, 1), C.PREEMPTED)]
+        assert [(r.key, r.classify()) for r in log.observe([done])] == [((0, 2), C.SUCCEEDED)]
+        assert log.observe([done]) == []
+        assert [r.classify() for r in AttemptLog.from_dicts(log.to_dicts()).records] == [C.UNOBSERVED, C.PREEMPTED, C.SUCCEEDED]
+
+    def test_a_record_from_before_the_observed_field_reads_as_observed(self):
+        data = AttemptRecord(0, 0, 143, None, 14, MAINTENANCE).to_dict()
+        del data["observed"]
+        assert AttemptRecord.from_dict(data).classify() is C.PREEMPTED
 
     def test_round_trip(self):
         record = AttemptRecord(0, 1, 143, None, 2, ERROR)
