@@ -81,7 +81,43 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where state and logs go (default: a new folder under demo-output/)")
     parser.add_argument("--report", type=Path, default=None,
                         help="where the JSON report goes (default: report.json in the workdir)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = demo_args_problem(args)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+def demo_args_problem(args: argparse.Namespace) -> str | None:
+    """The first bad value among the demo's arguments, as one message naming the option and its
+    allowed values; ``None`` when all are good. Checked before anything starts or is written
+    (``--workdir`` is created here, as the demo would, and must be writable).
+
+    :param args: the parsed arguments.
+    """
+    if args.steps < 1:
+        return f"--steps must be at least 1, got {args.steps}"
+    if args.checkpoint_every < 1:
+        return f"--checkpoint-every must be at least 1, got {args.checkpoint_every}"
+    if args.step_delay < 0:
+        return f"--step-delay must be 0 or more seconds, got {args.step_delay:g}"
+    if args.hidden < 1:
+        return f"--hidden must be at least 1, got {args.hidden}"
+    if not args.grace_seconds > 0:
+        return f"--grace-seconds must be more than 0 (Cloud Run gives 10), got {args.grace_seconds:g}"
+    most = max(0, args.steps // args.checkpoint_every - 1)
+    if not 0 <= args.preemptions <= most:
+        return (f"--preemptions must be in 0..{most} (each lands in its own checkpoint interval of "
+                f"--steps {args.steps} / --checkpoint-every {args.checkpoint_every}, one left after the last), "
+                f"got {args.preemptions}")
+    if args.workdir is not None:
+        try:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.workdir):
+                pass
+        except OSError as exc:
+            return f"--workdir {args.workdir} is not a writable folder: {exc.strerror or exc}"
+    return None
 
 
 def airflow_env(workdir: Path, emulator: EmulatorProcess) -> dict[str, str]:
