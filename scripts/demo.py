@@ -249,7 +249,9 @@ class Preempter(threading.Thread):
         execution_name, task_name, before = target
         at_step, sent_at = self._progress_step(), time.time()
         answer = self.emulator.preempt(execution_name, task_index=0)
-        where = f"while checkpoint step {writing} was being written" if writing is not None else f"at step {at_step}"
+        # the report says whether it landed inside that write (the commit record came after it)
+        where = (f"aimed at the write of checkpoint step {writing} (data file seen, no commit record yet)"
+                 if writing is not None else f"at step {at_step}")
         print(f"[demo] maintenance preemption injected {where}: {json.dumps(answer)}", flush=True)
         self.records.append({"execution": execution_name, "task_index": 0, "injected_at_step": at_step,
                              "checkpoint_being_written": writing})
