@@ -453,9 +453,17 @@ def render(result: dict[str, Any]) -> str:
     lines.append("chunk digests (GB/s, best of 3)")
     for name, rate in result["digests"].items():
         lines.append(f"  {name:36s} {rate:8.3f}")
-    lines.append("")
     bandwidth = result["raw_write_bytes_per_s"]
-    lines.append(f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)")
+    if result["runs"]:  # none with --skip-e2e
+        lines.append("")
+        lines.extend(_e2e_lines(result, bandwidth))
+    lines.extend(_grid_lines(result))
+    lines.extend(_io_lines(result.get("io")))
+    return "\n".join(lines)
+
+
+def _e2e_lines(result: dict[str, Any], bandwidth: float) -> list[str]:
+    lines = [f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)"]
     lines.append(f"  (wall: the fastest of {result['repeats']} interleaved runs, the one least slowed by other load;"
                  " median: of all of them)")
     in_place = in_place_bandwidth(result["runs"])
@@ -471,6 +479,11 @@ def render(result: dict[str, Any]) -> str:
         median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
         lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>11s} "
                      f"{run['peak_rss_bytes'] / 1e9:11.2f}")
+    return lines
+
+
+def _grid_lines(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     if result.get("grid"):
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
@@ -507,7 +520,11 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:10.0f} "
                          f"{place} {walls('none'):>13s} " + " ".join(f"{walls(name):>13s}" for name in modes) + " "
                          + " ".join(f"{ratio(name):>15s}" for name in modes) + f"  {verdict('async', 'sync')}")
-    io = result.get("io")
+    return lines
+
+
+def _io_lines(io: dict[str, Any] | None) -> list[str]:
+    lines: list[str] = []
     if io:
         lines.append("")
         lines.append(f"I/O in the folder ({io['bytes'] / 1e6:.0f} MB checkpoint)")
@@ -533,7 +550,7 @@ def render(result: dict[str, Any]) -> str:
         for kind, runs in (io.get("restart_phases_s") or {}).items():
             for phases in runs:
                 lines.append(f"    {kind:7s} " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items()))
-    return "\n".join(lines)
+    return lines
 
 
 def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
@@ -645,7 +662,8 @@ def measure(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256)")
+    parser.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256); the I/O table's model and Adam state is made of "
+                        "64 MiB parameters, so it is this rounded to a multiple of 192 MiB (at least 192)")
     parser.add_argument("--steps", type=int, default=36, help="training steps per run (default 36)")
     parser.add_argument("--every", type=int, default=6, help="steps between saves (default 6)")
     parser.add_argument("--hidden", type=int, default=512, help="matrix size of the compute (default 512)")
@@ -699,8 +717,6 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"]["load_at_end"] = common.load()
     if temp is not None:
         temp.cleanup()
-    if not result["runs"]:
-        result["runs"] = {"none": {"wall_s": 0.0, "bytes_written": 0, "peak_rss_bytes": 0}}
     print(render(result))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
