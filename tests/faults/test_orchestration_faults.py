@@ -231,20 +231,23 @@ def test_every_task_of_a_3_task_execution_preempted_at_once(gcp_conn, job_name, 
 
 def test_an_attempt_that_ended_between_two_polls_is_reported_unobserved(gcp_conn, job_name, emulator,
                                                                          run_execute, capfd):
-    """Polls 8 s apart; the first attempt is preempted and its 0.5 s retry succeeds between two
-    of them, so the API's ``last_attempt_result`` never shows the preemption. The summary still
-    lists both attempts, the first as UNOBSERVED (not a preemption, not lost), and the task
-    log says why and what to change."""
+    """Polls 25 s apart; the first attempt is preempted 5 s after it starts (after the polls at
+    the start, the operator's and the trigger's first) and its 0.5 s retry succeeds long before
+    the next poll, so the API's ``last_attempt_result`` never shows the preemption. The summary
+    still lists both attempts, the first as UNOBSERVED (not a preemption, not lost), and the
+    task log says why and what to change. (Polls 8 s apart with the preemption at once: a busy
+    machine's trigger once polled between the preemption and the retry's end.)"""
     deploy(job_name, ["sleep-first", "60", "0.5"], max_retries=1)
     injected = []
 
     def preempt():
         execution = first_execution(job_name)
         wait_until_running(CloudRunGpuHook(), execution, timeout=60)
+        time.sleep(5)
         injected.append(emulator.preempt(execution, task_index=0, grace_seconds=0.2))
 
     thread = in_background(preempt)
-    ti = run_execute(max_preemption_reruns=0, poll_interval=8)
+    ti = run_execute(max_preemption_reruns=0, poll_interval=25)
     thread.join(timeout=30)
     assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
     [summary] = CAPTURED["summaries"]
