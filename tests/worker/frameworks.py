@@ -12,7 +12,8 @@ Bit-exactness is asserted at torch's default thread count (the machine's cores: 
 count a user's script gets; ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are removed from the
 environment, and every attempt that ends reports its thread count, which must be that default.
 The environment carries what the example user image sets (``MKL_CBWR=AUTO,STRICT``: oneMKL's
-reproducibility mode, in which matrix products give the same bits for any thread count) and
+reproducibility mode, in which matrix products give the same bits for any thread count;
+``MKL_DYNAMIC``/``OMP_DYNAMIC`` off: no run-time change of the thread count) and
 ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of spinning; it changes no result,
 only keeps a test's processes from taking both cores from the ones it runs beside).
 """
@@ -96,8 +97,8 @@ class ForkServer:
 
     def __init__(self, modules: list[str]) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_TEST_", "CLOUD_RUN_"))
-               and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
-        env.update(MKL_CBWR="AUTO,STRICT", OMP_WAIT_POLICY="PASSIVE", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
+        env.update(MKL_CBWR="AUTO,STRICT", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE", OMP_WAIT_POLICY="PASSIVE", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "worker"), str(REPO_ROOT)]))
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *modules], cwd=REPO_ROOT, env=env,

@@ -5,6 +5,7 @@ More bad-input cases run in-process in ``test_bad_input_inprocess.py``."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -34,6 +35,17 @@ def test_uninterrupted_run_succeeds(baseline: tuple[Task, WorkerProcess]) -> Non
     saved = next(r for r in process.records if r["message"] == "checkpoint saved")
     assert {"step", "bytes", "seconds"} <= set(saved)
     assert any("eta_seconds" in r for r in process.records)
+    setup = next(r for r in process.records if r["message"] == "training setup")
+    for field, name, default in (("mkl_cbwr", "MKL_CBWR", "AUTO,STRICT"), ("mkl_dynamic", "MKL_DYNAMIC", "FALSE"),
+                                 ("omp_dynamic", "OMP_DYNAMIC", "FALSE")):
+        assert setup[field] == os.environ.get(name, default), setup  # oneMKL's reproducibility conditions
+
+
+def test_the_user_s_own_mkl_and_openmp_settings_are_kept(task: Task) -> None:
+    process = task.run("--steps", "2", env={"MKL_DYNAMIC": "TRUE", "OMP_DYNAMIC": "true", "MKL_CBWR": "COMPATIBLE"})
+    assert process.proc.returncode == 0, process.output
+    setup = next(r for r in process.records if r["message"] == "training setup")
+    assert (setup["mkl_cbwr"], setup["mkl_dynamic"], setup["omp_dynamic"]) == ("COMPATIBLE", "TRUE", "true")
 
 
 def test_completed_run_exits_at_once(baseline: tuple[Task, WorkerProcess]) -> None:

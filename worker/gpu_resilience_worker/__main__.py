@@ -47,6 +47,13 @@ def run_is_complete(config: WorkerConfig, logger: StructuredLogger, storage: Sto
 #: any number of threads and from run to run (without it, 1 and 2 threads give other products).
 MKL_CBWR_DEFAULT = "AUTO,STRICT"
 
+#: What the worker sets before torch loads, each unless already set: the conditions oneMKL's
+#: developer guide gives for run-to-run reproducible results ("Reproducibility Conditions"):
+#: the strict mode above, and ``MKL_DYNAMIC``/``OMP_DYNAMIC`` off, so that neither MKL nor the
+#: OpenMP runtime adjusts the number of threads at run time (torch's own parallel reductions
+#: split their sums by the threads they get).
+REPRODUCIBILITY_ENV = {"MKL_CBWR": MKL_CBWR_DEFAULT, "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+
 
 def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
            storage: Storage | None) -> int:
@@ -54,7 +61,8 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
         logger.info("run already complete; nothing to do", step=config.train.steps)
         return EXIT_OK
     check_writable(config.namespace)
-    os.environ.setdefault("MKL_CBWR", MKL_CBWR_DEFAULT)  # read when MKL loads, with torch below
+    for name, value in REPRODUCIBILITY_ENV.items():  # read when MKL and OpenMP load, with torch below
+        os.environ.setdefault(name, value)
     from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
 
     watcher.grace_seconds = config.grace_seconds

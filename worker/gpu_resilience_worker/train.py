@@ -186,6 +186,7 @@ class Trainer:
             checkpoint_interval_auto=checkpoint.auto_interval, checkpointing=checkpoint.enabled,
             save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
             threads=torch.get_num_threads(), mkl_cbwr=os.environ.get("MKL_CBWR"),
+            mkl_dynamic=os.environ.get("MKL_DYNAMIC"), omp_dynamic=os.environ.get("OMP_DYNAMIC"),
         )
 
     def _resume(self, manager: ckpt.CheckpointManager, parts: Components) -> None:
