@@ -986,8 +986,13 @@ def _make_fs(source: str, state_dir: str, strict: bool, options: dict, buckets_r
                     raise FuseOSError(errno.ENOENT) from None
                 return self._add(_Reader(path, fd, who))
             with self._mu:
-                mine = self._open_of(path, who)
-                if mine:  # the task's file is open for writing already: one inode, one local copy
+                # the task's file open for writing and not yet uploaded: one inode, one local copy.
+                # One a close has uploaded is the object now: a new open of it is an open of that
+                # object (the kernel's release of the closed handle comes later, asynchronously,
+                # so the closed handle may still be here; joining it made the next write a
+                # write-after-close instead of an overwrite, depending on that timing).
+                mine = [w for w in self._open_of(path, who) if not w.finalized]
+                if mine:
                     w = mine[-1]
                     if flags & os.O_TRUNC:
                         self._truncate_writer(w, 0)

@@ -91,6 +91,29 @@ def test_new_file_is_an_object_only_at_close_and_fsync_does_not_finalize(mnt, fu
     assert _events(mnt, name, "staged") == []  # a sequential new file streams
 
 
+def test_a_new_open_after_a_close_is_an_overwrite_even_before_the_kernel_releases_the_closed_handle(
+        mnt, fuse_bucket):
+    """``close()`` uploads the file (FUSE's flush) but the kernel's release of that handle comes
+    later, asynchronously; a dup of the descriptor holds it back here, as a busy machine's late
+    release does. Opening the file again and writing is then an overwrite of the object (the
+    whole object fetched, a read), as it is after the release, not a write-after-close of the
+    closed handle (a CI run on 2 busy cores once saw that)."""
+    name = _name()
+    fd = os.open(mnt.mountpoint / name, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"one")
+    held = os.dup(fd)
+    os.close(fd)  # flush: uploaded; no release while `held` keeps the description open
+    try:
+        assert fuse_bucket.get_blob(name).download_as_bytes() == b"one"
+        with open(mnt.mountpoint / name, "r+b") as f:
+            f.write(b"tw")
+        assert fuse_bucket.get_blob(name).download_as_bytes() == b"twe"
+        assert [(e["cause"], e["bytes"]) for e in _events(mnt, name, "staged")] == [("overwrite", 3)]
+        assert [e["bytes"] for e in _events(mnt, name, "read")] == [3]  # the fetch of the object
+    finally:
+        os.close(held)
+
+
 def test_overwrite_of_an_existing_object_is_staged_and_eio_in_strict_mode(mnt, strict, fuse_bucket):
     name = _name()
     _put(mnt, name)
