@@ -662,8 +662,9 @@ def measure(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256); the I/O table's model and Adam state is made of "
-                        "64 MiB parameters, so it is this rounded to a multiple of 192 MiB (at least 192)")
+    parser.add_argument("--size-mib", type=int, default=256,
+                        help="state size in MiB (default 256); the I/O table's model and Adam state is made of "
+                             "64 MiB parameters, so it is this rounded to a multiple of 192 MiB (at least 192)")
     parser.add_argument("--steps", type=int, default=36, help="training steps per run (default 36)")
     parser.add_argument("--every", type=int, default=6, help="steps between saves (default 6)")
     parser.add_argument("--hidden", type=int, default=512, help="matrix size of the compute (default 512)")

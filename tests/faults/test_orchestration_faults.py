@@ -87,6 +87,19 @@ def in_background(target) -> threading.Thread:
     return thread
 
 
+def preempt_when_running(job_name: str, emulator, injected: list, *, grace_seconds: float,
+                         after_seconds: float = 0.0) -> threading.Thread:
+    """In the background: once task 0 of the job's first execution runs, wait ``after_seconds``,
+    then preempt it with ``grace_seconds``; the emulator's answer goes into ``injected``."""
+    def preempt():
+        execution = first_execution(job_name)
+        wait_until_running(CloudRunGpuHook(), execution, timeout=60)
+        time.sleep(after_seconds)
+        injected.append(emulator.preempt(execution, task_index=0, grace_seconds=grace_seconds))
+
+    return in_background(preempt)
+
+
 def first_execution(job_name: str, timeout: float = 60.0) -> str:
     hook, deadline = CloudRunGpuHook(), time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -239,14 +252,7 @@ def test_an_attempt_that_ended_between_two_polls_is_reported_unobserved(gcp_conn
     machine's trigger once polled between the preemption and the retry's end.)"""
     deploy(job_name, ["sleep-first", "60", "0.5"], max_retries=1)
     injected = []
-
-    def preempt():
-        execution = first_execution(job_name)
-        wait_until_running(CloudRunGpuHook(), execution, timeout=60)
-        time.sleep(5)
-        injected.append(emulator.preempt(execution, task_index=0, grace_seconds=0.2))
-
-    thread = in_background(preempt)
+    thread = preempt_when_running(job_name, emulator, injected, grace_seconds=0.2, after_seconds=5)
     ti = run_execute(max_preemption_reruns=0, poll_interval=25)
     thread.join(timeout=30)
     assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
@@ -267,13 +273,7 @@ def test_preemption_during_the_very_first_step(gcp_conn, job_name, emulator, run
     """Preempted the moment the first attempt starts (grace 0): the retry succeeds."""
     deploy(job_name, ["sleep-first", "60", "0.2"], max_retries=1)
     injected = []
-
-    def preempt_at_start():
-        execution = first_execution(job_name)
-        wait_until_running(CloudRunGpuHook(), execution, timeout=60)
-        injected.append(emulator.preempt(execution, task_index=0, grace_seconds=0))
-
-    thread = in_background(preempt_at_start)
+    thread = preempt_when_running(job_name, emulator, injected, grace_seconds=0)
     ti = run_execute(max_preemption_reruns=1, poll_interval=0.1)
     thread.join(timeout=30)
     assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
