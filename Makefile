@@ -27,12 +27,13 @@ WORKER_EXTRAS_AIRFLOW2 := trainer
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
 # two end-to-end runs through `airflow dags test`). Not the unit tests that import neither Airflow
 # nor a Google client (the goodput account, the job-cleanup decision table, the test suite's own
-# TESTS_REQUIRE_FULL_ENV switch): pure Python, the same on either release. Nor the training
+# TESTS_REQUIRE_FULL_ENV switch, the save-cost benchmark's tables): pure Python, the same on either release. Nor the training
 # chained through about five task timeouts (2.5 min of real worker attempts): what it adds to the
 # other re-run tests of its file, which run here, is the worker's deadline stop, which does not
 # depend on the Airflow release (the operator's re-run path is the same code on both).
 AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py \
 	--ignore=tests/unit/test_goodput.py --ignore=tests/unit/test_job_cleanup.py --ignore=tests/unit/test_full_env_switch.py \
+	--ignore=tests/unit/test_bench_save_cost.py \
 	--deselect tests/provider/operators/test_progress_reruns.py::test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions
 
 # Bytecode for everything installed, compiled on every core: pip compiles one file at a time
