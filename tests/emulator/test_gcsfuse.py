@@ -667,3 +667,47 @@ def test_reads_through_a_write_handle_and_a_staged_fetch_are_counted(mnt, fuse_b
     with open(mnt.mountpoint / name, "r+b") as f:
         f.write(b"w")  # the staged write downloads the object first
     assert mnt.stats()["bytesRead"][name] == 200_000
+
+
+@pytest.mark.parametrize("child", ["fork-exit", "subprocess"])
+def test_a_child_closing_its_inherited_copy_of_a_file_still_being_written_finalizes_it(
+        mnt, strict, fuse_bucket, child):
+    """The kernel sends FUSE a flush at every close() of a descriptor, and a process forked while
+    a file is open holds a copy of its descriptor: when that child exits (a DataLoader worker,
+    a ``multiprocessing`` helper) or execs (``subprocess``, whose child closes every descriptor
+    it does not pass on), the file is finalized with the bytes written so far, as gcsfuse syncs
+    a file at each flush. The writer's next write is then a staged rewrite (``EIO`` in strict
+    mode), and the partial object is visible: only a commit record that follows the writer's
+    own successful close may make it a checkpoint."""
+    def spawn_and_reap() -> None:
+        if child == "fork-exit":
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        else:
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+    name = _name()
+    with open(mnt.mountpoint / name, "wb", buffering=0) as f:
+        f.write(b"a" * 1000)
+        spawn_and_reap()
+        blob = fuse_bucket.get_blob(name)
+        assert blob is not None and blob.size == 1000  # finalized mid-write by the child's close
+        f.write(b"b" * 1000)
+    assert fuse_bucket.get_blob(name).size == 2000
+    assert [e["cause"] for e in _events(mnt, name, "staged")] == ["write-after-close"]
+
+    name = _name()
+    f = open(strict.mountpoint / name, "wb", buffering=0)
+    try:
+        f.write(b"a" * 1000)
+        spawn_and_reap()
+        with pytest.raises(OSError) as raised:
+            f.write(b"b" * 1000)
+        assert raised.value.errno == errno.EIO
+    finally:
+        f.close()
+    assert fuse_bucket.get_blob(name).size == 1000  # what the child's close finalized
+    refused = _events(strict, name, "staged")
+    assert [(e["cause"], e.get("refused")) for e in refused] == [("write-after-close", "EIO (strict mode)")]
