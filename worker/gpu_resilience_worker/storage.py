@@ -12,6 +12,8 @@ import os
 import stat
 from typing import BinaryIO, Callable, Protocol, Union
 
+from gpu_resilience_worker import forkguard
+
 #: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an
 #: unbuffered binary file (so big checkpoints stream to storage without an in-memory copy).
 Payload = Union[bytes, Callable[[BinaryIO], None]]
@@ -84,7 +86,8 @@ class LocalStorage:
             os.remove(target)
         except FileNotFoundError:
             pass
-        with open(target, "xb", buffering=0) as handle:
+        # no fork while the file is open: a child's close would finalize it early on GCS FUSE
+        with forkguard.writing(), open(target, "xb", buffering=0) as handle:
             if callable(data):
                 data(handle)
             else:
