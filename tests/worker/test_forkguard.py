@@ -6,8 +6,12 @@ stays one streamed upload."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,10 +25,10 @@ from tests.conftest import require_fuse
 
 def _fork_and_reap() -> int:
     """Fork a child that exits at once (as a short-lived worker process would) and reap it.
-    :return: the child's exit status."""
+    :return: the child's exit status: how many open writes the child's guard counts."""
     pid = os.fork()
     if pid == 0:
-        os._exit(7 if forkguard.open_writes() else 0)  # the child has no writes of its own
+        os._exit(forkguard.open_writes())
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
@@ -42,7 +46,7 @@ def test_a_fork_in_another_thread_waits_until_the_open_write_ends() -> None:
     assert entered.wait(10) and forkguard.open_writes() == 1
     threading.Timer(0.3, release.set).start()
     started = time.monotonic()
-    assert _fork_and_reap() == 0  # and the child saw no open writes
+    assert _fork_and_reap() == 0  # and the child has no writes (the writer thread is not in it)
     assert left.is_set(), "the fork went ahead while the file was still open"
     assert time.monotonic() - started >= 0.25
     thread.join(10)
@@ -52,9 +56,147 @@ def test_a_fork_in_another_thread_waits_until_the_open_write_ends() -> None:
 def test_the_writing_thread_may_fork_itself_and_writes_nest() -> None:
     with forkguard.writing(), forkguard.writing():
         assert forkguard.open_writes() == 2
-        assert _fork_and_reap() == 0  # no wait for itself (it would never end)
+        assert _fork_and_reap() == 2  # no wait for itself (it would never end); the child keeps them
     assert forkguard.open_writes() == 0
     assert _fork_and_reap() == 0  # and later forks do not wait at all
+
+
+def test_a_child_forked_inside_a_write_leaves_it_cleanly() -> None:
+    """The child of a thread forking inside :func:`forkguard.writing` runs the rest of the block
+    (a ``multiprocessing`` child returning through it): its guard still counts that write."""
+    pid = None
+    try:
+        with forkguard.writing():
+            pid = os.fork()
+        if pid == 0:
+            os._exit(forkguard.open_writes())  # 0: the block's end left the write cleanly
+    except BaseException:
+        if pid == 0:
+            os._exit(9)
+        raise
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_a_fork_waits_for_other_threads_even_inside_its_own_write() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with forkguard.writing():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert entered.wait(10)
+    threading.Timer(0.3, release.set).start()
+    with forkguard.writing():
+        assert _fork_and_reap() == 1  # the child keeps only its own thread's write
+        assert release.is_set(), "the fork did not wait for the other thread's write"
+    thread.join(10)
+
+
+def test_no_new_write_starts_while_a_fork_waits() -> None:
+    """A fork waiting for one write is not starved by the next ones: a thread's first write waits
+    until the fork is done."""
+    order: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with forkguard.writing():
+            entered.set()
+            release.wait(10)
+            order.append("first write ends")
+
+    def second() -> None:
+        with forkguard.writing():
+            order.append("second write starts")
+
+    writer = threading.Thread(target=first)
+    writer.start()
+    assert entered.wait(10)
+    late = threading.Timer(0.2, lambda: threading.Thread(target=second).start())
+    late.start()
+    threading.Timer(0.6, release.set).start()
+    assert _fork_and_reap() == 0
+    writer.join(10)
+    late.join(10)
+    deadline = time.monotonic() + 10
+    while len(order) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["first write ends", "second write starts"]
+
+
+def test_a_fork_goes_ahead_with_a_warning_after_the_wait_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkguard, "FORK_WAIT_LIMIT_S", 0.2)
+    entered, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with forkguard.writing():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert entered.wait(10)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _fork_and_reap() == 0
+        assert forkguard.open_writes() == 1  # the write was still open: the fork did not wait for it
+        assert any("went ahead after 0.2 s" in str(w.message) for w in caught), caught
+    finally:
+        release.set()
+        thread.join(10)
+
+
+_STOP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading, warnings
+    from gpu_resilience_worker import forkguard
+    from gpu_resilience_worker.preemption import PreemptionWatcher
+
+    mode = sys.argv[1]
+    entered, release = threading.Event(), threading.Event()
+
+    def writer():
+        with forkguard.writing():
+            entered.set()
+            release.wait(60)  # a long background save
+
+    threading.Thread(target=writer, daemon=True).start()
+    entered.wait(10)
+    if mode == "watcher":
+        watcher = PreemptionWatcher(grace_seconds=5)
+        watcher.install()
+    else:
+        def handler(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, handler)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pid = os.fork()  # waits for the write, until the SIGTERM
+        if pid == 0:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    print("write still open:", forkguard.open_writes() == 1, "save done:", release.is_set())
+    if mode == "watcher":
+        print("stop requested:", watcher.requested)
+    else:
+        print("warned:", any("signal handler raised" in str(w.message) for w in caught))
+    release.set()
+""")
+
+
+@pytest.mark.parametrize("mode", ["watcher", "raising handler"])
+def test_a_sigterm_during_the_wait_lets_the_fork_go_ahead(mode: str) -> None:
+    """A SIGTERM while the main thread's fork waits for a long save: the worker's
+    :class:`PreemptionWatcher` stops the wait (the loop must answer within the grace period, not
+    when the save ends), and so does a handler that raises (CPython would drop its exception)."""
+    done = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, mode.split()[0]], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[2] / "worker")
+    assert done.returncode == 0, done.stderr
+    last = "stop requested: True" if mode == "watcher" else "warned: True"
+    assert done.stdout.splitlines() == ["write still open: True save done: False", last], done.stderr
 
 
 def test_a_write_that_fails_is_no_longer_open() -> None:

@@ -9,11 +9,23 @@ next write would then be a staged rewrite of the whole file (on Cloud Run, memor
 the emulator's strict volume). The commit protocol never lets such an object count as a
 checkpoint; this guard keeps the upload whole.
 
-:func:`writing` marks a file open for writing; an ``os.fork()`` in another thread meanwhile
-(``multiprocessing``'s ``fork`` start method, a ``DataLoader``'s workers) waits, in an
-:func:`os.register_at_fork` hook, until no such file is open, at most :data:`FORK_WAIT_LIMIT_S`.
-``subprocess`` does not run those hooks: a subprocess started while a save writes still flushes
-the file at its ``exec`` (see worker/README.md, "On Cloud Storage FUSE").
+:func:`writing` marks a file open for writing; an ``os.fork()`` meanwhile (``multiprocessing``'s
+``fork`` start method, a ``DataLoader``'s workers) waits, in an :func:`os.register_at_fork` hook,
+until no other thread has such a file open, and no new write opens while a fork waits. The wait
+ends early, and the fork goes ahead, when
+
+- a stop is requested: a check registered with :func:`stop_waiting_when` returns true (the
+  worker's :class:`~gpu_resilience_worker.preemption.PreemptionWatcher` registers its own, so a
+  SIGTERM during the wait is answered within the grace period, as without the guard);
+- a signal handler raises during the wait (``KeyboardInterrupt``, ``sys.exit`` in a handler):
+  CPython ignores exceptions raised in fork hooks (it prints them as "Exception ignored"), so the
+  exception cannot reach the code that forked; the guard stops waiting and warns;
+- :data:`FORK_WAIT_LIMIT_S` passes (with a :class:`RuntimeWarning`).
+
+Not covered, because they run no fork hooks: ``subprocess`` and the ``spawn`` and ``forkserver``
+start methods (the default of ``multiprocessing`` on Python 3.14 is ``forkserver``). Each starts
+a program, and the ``exec`` closes the inherited descriptor, which flushes it (see
+worker/README.md, "On Cloud Storage FUSE").
 """
 
 from __future__ import annotations
@@ -21,18 +33,24 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Callable, Iterator
 
 #: Seconds an ``os.fork()`` waits at most for the open writes to end; after that it goes on (the
 #: file may then be staged, never torn: the commit record follows only a whole, closed file).
 FORK_WAIT_LIMIT_S = 300.0
+
+#: Seconds between two looks at the stop checks while a fork waits.
+_POLL_S = 0.05
 
 
 class _Guard:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.writers: dict[int, int] = {}  # thread ident -> files it has open for writing
-        self.registered = False
+        self.forks_waiting = 0
+        self.stop_checks: list[Callable[[], bool]] = []
 
     def open_writes(self) -> int:
         with self.cond:
@@ -40,45 +58,79 @@ class _Guard:
 
     def enter(self) -> None:
         with self.cond:
-            if not self.registered and hasattr(os, "register_at_fork"):
-                os.register_at_fork(before=self.before_fork, after_in_parent=self.after_fork_in_parent,
-                                    after_in_child=self.after_fork_in_child)
-                self.registered = True
             me = threading.get_ident()
+            if me not in self.writers:  # a first write waits for the forks waiting (no starvation)
+                self.cond.wait_for(lambda: not self.forks_waiting)
             self.writers[me] = self.writers.get(me, 0) + 1
 
     def leave(self) -> None:
         with self.cond:
             me = threading.get_ident()
-            self.writers[me] -= 1
-            if not self.writers[me]:
-                del self.writers[me]
-            if not self.writers:
-                self.cond.notify_all()
+            left = self.writers.get(me, 0) - 1
+            if left > 0:
+                self.writers[me] = left
+            else:
+                self.writers.pop(me, None)
+            self.cond.notify_all()
+
+    def stop_requested(self) -> bool:
+        return any(check() for check in list(self.stop_checks))
 
     def before_fork(self) -> None:
         # held from here through the fork, so that no write opens in between
         self.cond.acquire()
-        if threading.get_ident() in self.writers:
-            return  # the writing thread forks itself: waiting would never end
-        self.cond.wait_for(lambda: not self.writers, timeout=FORK_WAIT_LIMIT_S)
+        me = threading.get_ident()
+
+        def others_done() -> bool:  # the forking thread's own writes cannot end while it waits
+            return not any(ident != me for ident in self.writers)
+
+        if others_done():
+            return
+        self.forks_waiting += 1
+        until = time.monotonic() + FORK_WAIT_LIMIT_S
+        try:
+            while not others_done():
+                if self.stop_requested():
+                    return
+                left = until - time.monotonic()
+                if left <= 0:
+                    warnings.warn(f"os.fork() went ahead after {FORK_WAIT_LIMIT_S:g} s with a file still open "
+                                  "for writing: on Cloud Storage FUSE that file may be staged",
+                                  RuntimeWarning, stacklevel=2)
+                    return
+                self.cond.wait(min(_POLL_S, left))
+        except BaseException as exc:  # noqa: BLE001 - raised by a signal handler; CPython drops it
+            warnings.warn(f"os.fork() stopped waiting for an open write: a signal handler raised {exc!r}, "
+                          "which CPython ignores inside a fork hook", RuntimeWarning, stacklevel=2)
+        finally:
+            self.forks_waiting -= 1
 
     def after_fork_in_parent(self) -> None:
+        self.cond.notify_all()  # the writes held back while the fork waited
         self.cond.release()
 
     def after_fork_in_child(self) -> None:
-        # the child has only the forking thread: no writes, and a fresh (unlocked) condition
+        # the child has only the forking thread, with its own writes (left in the child as in
+        # the parent), and needs a fresh, unlocked condition
+        me = threading.get_ident()
+        self.writers = {me: self.writers[me]} if me in self.writers else {}
+        self.forks_waiting = 0
         self.cond = threading.Condition()
-        self.writers = {}
 
 
 _GUARD = _Guard()
+# registered once, at import: before-fork hooks run in the reverse order of registration, so this
+# one runs after those of libraries imported later (their locks are then already held by them)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_GUARD.before_fork, after_in_parent=_GUARD.after_fork_in_parent,
+                        after_in_child=_GUARD.after_fork_in_child)
 
 
 @contextlib.contextmanager
 def writing() -> Iterator[None]:
     """Mark a file open for writing for the duration of the block: an ``os.fork()`` in another
-    thread waits until it ends (at most :data:`FORK_WAIT_LIMIT_S`). Nests; any thread."""
+    thread waits until it ends (at most :data:`FORK_WAIT_LIMIT_S`, less on a stop request), and a
+    first write of a thread waits while a fork waits. Nests; any thread."""
     _GUARD.enter()
     try:
         yield
@@ -89,3 +141,18 @@ def writing() -> Iterator[None]:
 def open_writes() -> int:
     """:return: how many files the guarded writers of this process have open now."""
     return _GUARD.open_writes()
+
+
+def stop_waiting_when(check: Callable[[], bool]) -> None:
+    """Make a waiting ``os.fork()`` go ahead as soon as ``check()`` returns true (it is called
+    every 50 ms while a fork waits, from the forking thread; it must not fork or write).
+
+    :param check: a callable with no arguments, for example a stop request's flag.
+    """
+    _GUARD.stop_checks.append(check)
+
+
+def forget_stop_check(check: Callable[[], bool]) -> None:
+    """Remove a check added with :func:`stop_waiting_when` (no error when it is not there)."""
+    with contextlib.suppress(ValueError):
+        _GUARD.stop_checks.remove(check)

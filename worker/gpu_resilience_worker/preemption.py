@@ -15,6 +15,7 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
+from gpu_resilience_worker import forkguard
 from gpu_resilience_worker.errors import EXIT_PREEMPTED
 
 DEFAULT_GRACE_SECONDS = 10.0
@@ -81,12 +82,17 @@ class PreemptionWatcher:
         """Install the handlers (main thread only), remembering the previous ones."""
         for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        forkguard.stop_waiting_when(self._stop_requested)  # a fork waiting for a save gives way
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before :meth:`install`."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        forkguard.forget_stop_check(self._stop_requested)
+
+    def _stop_requested(self) -> bool:
+        return self.requested
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received_at is None:
