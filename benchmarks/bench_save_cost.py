@@ -449,13 +449,14 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     }
 
 
-def _ratios(overhead: float, written: int, probe: float, in_place: float | None) -> str:
+def _ratios(overhead: float, written: int, probe: float, in_place: float | None,
+            in_run: float | None = None) -> str:
     """:return: ``overhead / (written / bandwidth)`` against the probe and, when measured, in place
-    (``"1.20 / 0.95"``), or ``"-"`` for a run that wrote nothing."""
+    and by the raw run's cost (``"1.20 / 0.95 / 1.05"``), or ``"-"`` for a run that wrote nothing."""
     if not written:
         return "-"
-    text = f"{overhead / (written / probe):.2f}"
-    return text + (f" / {overhead / (written / in_place):.2f}" if in_place else "")
+    bandwidths = [probe, in_place, in_run] if in_run else [probe, in_place] if in_place else [probe]
+    return " / ".join(f"{overhead / (written / bandwidth):.2f}" if bandwidth else "-" for bandwidth in bandwidths)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -481,18 +482,19 @@ def _e2e_lines(result: dict[str, Any], bandwidth: float) -> list[str]:
     lines = [f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)"]
     lines.append(f"  (wall: the fastest of {result['repeats']} interleaved runs, the one least slowed by other load;"
                  " median: of all of them)")
-    in_place = in_place_bandwidth(result["runs"])
+    in_place, in_run = in_place_bandwidth(result["runs"]), raw_run_bandwidth(result["runs"])
     if in_place:
-        lines.append(f"  (in place, by the raw runs' own writes: {in_place / 1e6:.0f} MB/s; ratio: against the probe"
-                     " / in place)")
-    lines.append(f"  {'mode':22s} {'wall s':>8s} {'median s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>11s}"
+        lines.append(f"  (in place, by the raw runs' own writes: {in_place / 1e6:.0f} MB/s"
+                     + (f"; by the raw run's cost: {in_run / 1e6:.0f} MB/s" if in_run else "")
+                     + "; ratio: against the probe / in place" + (" / the raw run's cost)" if in_run else ")"))
+    lines.append(f"  {'mode':22s} {'wall s':>8s} {'median s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>18s}"
                  f" {'peak RSS GB':>11s}")
     for name, run in result["runs"].items():
         ideal = run["bytes_written"] / bandwidth
         overhead = run["wall_s"] - result["runs"]["none"]["wall_s"]
-        ratio = _ratios(overhead, run["bytes_written"], bandwidth, in_place)
+        ratio = _ratios(overhead, run["bytes_written"], bandwidth, in_place, in_run)
         median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
-        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>11s} "
+        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>18s} "
                      f"{run['peak_rss_bytes'] / 1e9:11.2f}")
     return lines
 
@@ -503,14 +505,16 @@ def _grid_lines(result: dict[str, Any]) -> list[str]:
         lines.append("")
         lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
                      " (bytes / raw write bandwidth), target <= 1.2, against the probe (one write between runs,"
-                     " the median of one a round) and in place (the raw runs' own writes, the median run)")
+                     " the median of one a round), in place (the raw runs' own writes, the median run) and by the raw run's"
+                     " cost (the fastest raw run's bytes over its wall time beyond none: a checkpoint's cost against"
+                     " a raw writer's in the same loop)")
         modes = [name for name in (*RAW_MODES, "sync", "async") if any(name in p["runs"] for p in result["grid"])]
         lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'probe MB/s':>10s} {'in place':>8s} {'none':>13s} "
                      + " ".join(f"{name:>13s}" for name in modes) + " "
-                     + " ".join(f"{name + ' ratio':>15s}" for name in modes) + "  async <= sync (fastest, median)")
+                     + " ".join(f"{name + ' ratio':>20s}" for name in modes) + "  async <= sync (fastest, median)")
         for point in result["grid"]:
             runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
-            in_place = in_place_bandwidth(runs)
+            in_place, in_run = in_place_bandwidth(runs), raw_run_bandwidth(runs)
             none = runs["none"]["wall_s"]
 
             def median(name: str) -> float:
@@ -523,7 +527,7 @@ def _grid_lines(result: dict[str, Any]) -> list[str]:
                 run = runs.get(name)
                 if not run:
                     return "-"
-                return _ratios(run["wall_s"] - none, run["bytes_written"], bandwidth, in_place)
+                return _ratios(run["wall_s"] - none, run["bytes_written"], bandwidth, in_place, in_run)
 
             def verdict(first: str, second: str) -> str:
                 if first not in runs or second not in runs:
@@ -534,7 +538,7 @@ def _grid_lines(result: dict[str, Any]) -> list[str]:
             place = f"{in_place / 1e6:8.0f}" if in_place else f"{'-':>8s}"
             lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:10.0f} "
                          f"{place} {walls('none'):>13s} " + " ".join(f"{walls(name):>13s}" for name in modes) + " "
-                         + " ".join(f"{ratio(name):>15s}" for name in modes) + f"  {verdict('async', 'sync')}")
+                         + " ".join(f"{ratio(name):>20s}" for name in modes) + f"  {verdict('async', 'sync')}")
     return lines
 
 
@@ -615,6 +619,21 @@ def in_place_bandwidth(runs: dict[str, Any]) -> float | None:
     medians = [statistics.median(rates) for name in RAW_MODES
                if (rates := (runs.get(name) or {}).get("in_place_bytes_per_s_all"))]
     return max(medians) if medians else None
+
+
+def raw_run_bandwidth(runs: dict[str, Any]) -> float | None:
+    """:return: the raw write bandwidth by its cost to the run (bytes/s): of each raw mode that ran,
+    its bytes over its wall time beyond the run with no saves (the fastest of each), and of those
+    the higher. It is what writing the state's bytes raw at the same steps costs the same training
+    loop, so ``overhead / (bytes / this)`` is a checkpoint's cost against a raw writer's in the same
+    run (1.0: the same). ``None`` when no raw mode ran, no ``none`` run is there, or every raw run
+    was no slower than ``none`` (a cost of zero or less gives no bandwidth)."""
+    if "none" not in runs:
+        return None
+    none = runs["none"]["wall_s"]
+    rates = [run["bytes_written"] / (run["wall_s"] - none) for name in RAW_MODES
+             if (run := runs.get(name)) and run.get("bytes_written") and run["wall_s"] > none]
+    return max(rates) if rates else None
 
 
 def raw_bandwidth(folder: str, size: int) -> float:

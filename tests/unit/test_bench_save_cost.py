@@ -63,3 +63,26 @@ def test_the_in_place_bandwidth_is_the_faster_raw_modes_median(bench, runs, expe
 ])
 def test_ratios(bench, overhead, written, probe, in_place, expected) -> None:
     assert bench._ratios(overhead, written, probe, in_place) == expected
+
+
+def _run(wall: float, written: int = 0) -> dict:
+    return {"wall_s": wall, "bytes_written": written}
+
+
+@pytest.mark.parametrize(("runs", "expected"), [
+    ({"none": _run(10.0), "sync": _run(20.0, 100)}, None),  # no raw mode ran
+    ({"raw": _run(20.0, 100)}, None),  # no run without saves to set it against
+    ({"none": _run(10.0), "raw": _run(20.0, 100)}, 10.0),  # 100 bytes cost 10 s
+    ({"none": _run(10.0), "raw": _run(20.0, 100), "raw-wb": _run(15.0, 100)}, 20.0),  # the cheaper raw mode
+    ({"none": _run(10.0), "raw": _run(9.0, 100), "raw-wb": _run(30.0, 100)}, 5.0),  # a free raw run gives none
+    ({"none": _run(10.0), "raw": _run(10.0, 100)}, None),  # no cost: no bandwidth
+    ({"none": _run(10.0), "raw": _run(20.0, 0)}, None),  # wrote nothing
+])
+def test_the_raw_run_bandwidth_is_its_bytes_over_its_cost(bench, runs, expected) -> None:
+    assert bench.raw_run_bandwidth(runs) == expected
+
+
+def test_ratios_by_the_raw_runs_cost(bench) -> None:
+    # 12 s over no saves for 100 bytes, where a raw writer paid 10 s for them: 1.2 x its cost
+    assert bench._ratios(12.0, 100, 100.0, 50.0, 10.0) == "12.00 / 6.00 / 1.20"
+    assert bench._ratios(12.0, 100, 100.0, None, 10.0) == "12.00 / - / 1.20"  # each in its place
