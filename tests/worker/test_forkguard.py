@@ -5,6 +5,7 @@ stays one streamed upload."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,6 +31,27 @@ def _fork_and_reap() -> int:
     if pid == 0:
         os._exit(forkguard.open_writes())
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@contextlib.contextmanager
+def _write_in_another_thread():
+    """A write that another thread holds open until the yielded event is set (at the latest when
+    the block ends)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with forkguard.writing():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert entered.wait(10)
+    try:
+        yield release
+    finally:
+        release.set()
+        thread.join(10)
 
 
 def test_a_fork_in_another_thread_waits_until_the_open_write_ends() -> None:
@@ -78,21 +100,11 @@ def test_a_child_forked_inside_a_write_leaves_it_cleanly() -> None:
 
 
 def test_a_fork_waits_for_other_threads_even_inside_its_own_write() -> None:
-    entered, release = threading.Event(), threading.Event()
-
-    def writer() -> None:
+    with _write_in_another_thread() as release:
+        threading.Timer(0.3, release.set).start()
         with forkguard.writing():
-            entered.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    assert entered.wait(10)
-    threading.Timer(0.3, release.set).start()
-    with forkguard.writing():
-        assert _fork_and_reap() == 1  # the child keeps only its own thread's write
-        assert release.is_set(), "the fork did not wait for the other thread's write"
-    thread.join(10)
+            assert _fork_and_reap() == 1  # the child keeps only its own thread's write
+            assert release.is_set(), "the fork did not wait for the other thread's write"
 
 
 def test_no_new_write_starts_while_a_fork_waits() -> None:
@@ -128,25 +140,11 @@ def test_no_new_write_starts_while_a_fork_waits() -> None:
 
 def test_a_fork_goes_ahead_with_a_warning_after_the_wait_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(forkguard, "FORK_WAIT_LIMIT_S", 0.2)
-    entered, release = threading.Event(), threading.Event()
-
-    def writer() -> None:
-        with forkguard.writing():
-            entered.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    assert entered.wait(10)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert _fork_and_reap() == 0
+    with _write_in_another_thread(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _fork_and_reap() == 0
         assert forkguard.open_writes() == 1  # the write was still open: the fork did not wait for it
-        assert any("went ahead after 0.2 s" in str(w.message) for w in caught), caught
-    finally:
-        release.set()
-        thread.join(10)
+    assert any("went ahead after 0.2 s" in str(w.message) for w in caught), caught
 
 
 _STOP_SCRIPT = textwrap.dedent("""
