@@ -197,6 +197,74 @@ def test_a_sigterm_during_the_wait_lets_the_fork_go_ahead(mode: str) -> None:
     assert done.stdout.splitlines() == ["write still open: True save done: False", last], done.stderr
 
 
+_LOCKS_SCRIPT = textwrap.dedent("""
+    import os, threading, time
+    from gpu_resilience_worker import forkguard  # first, before anything imports logging
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    forkguard.FORK_WAIT_LIMIT_S = 20.0
+    pool = ThreadPoolExecutor(1)
+    entered = threading.Event()
+
+    def writer():
+        with forkguard.writing():
+            entered.set()
+            time.sleep(0.3)
+            pool.submit(sum, [1, 2]).result()  # a chunk to a digest thread
+            logging.getLogger("a.library").info("saved")  # and a log line, both inside the write
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    entered.wait(10)
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    thread.join()
+    print(round(time.monotonic() - started))
+""")
+
+
+def test_a_waiting_fork_holds_no_lock_the_writer_needs() -> None:
+    """logging's and concurrent.futures' fork hooks take locks and hold them through the fork; had
+    they run before the guard's wait, a save that logs or hands a chunk to a digest thread would
+    wait for the fork that waits for it. The guard imports both before registering its hook, so
+    theirs run after its wait, also when the user imports the worker's modules first."""
+    done = subprocess.run([sys.executable, "-c", _LOCKS_SCRIPT], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2] / "worker")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], (done.stdout, done.stderr)  # 0.3 s, not the 20 s limit
+    assert "went ahead" not in done.stderr
+
+
+def test_two_threads_forking_inside_their_own_writes_do_not_wait_for_each_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fork would wait for the other thread's write, which cannot end while that thread waits
+    in its own fork: a write whose thread waits to fork is not waited for."""
+    monkeypatch.setattr(forkguard, "FORK_WAIT_LIMIT_S", 20.0)
+    both, took = threading.Barrier(2), []
+
+    def write_and_fork() -> None:
+        with forkguard.writing():
+            both.wait(10)
+            started = time.monotonic()
+            _fork_and_reap()
+            took.append(time.monotonic() - started)
+
+    threads = [threading.Thread(target=write_and_fork) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert len(took) == 2 and max(took) < 10, took
+    assert not [w for w in caught if "went ahead" in str(w.message)]
+    assert forkguard.open_writes() == 0 and forkguard._GUARD.forks_waiting == 0
+
+
 def test_a_write_that_fails_is_no_longer_open() -> None:
     with pytest.raises(OSError):
         with forkguard.writing():

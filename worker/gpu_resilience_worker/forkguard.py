@@ -11,7 +11,8 @@ checkpoint; this guard keeps the upload whole.
 
 :func:`writing` marks a file open for writing; an ``os.fork()`` meanwhile (``multiprocessing``'s
 ``fork`` start method, a ``DataLoader``'s workers) waits, in an :func:`os.register_at_fork` hook,
-until no other thread has such a file open, and no new write opens while a fork waits. The wait
+until no other thread has such a file open (a thread whose own fork waits excepted), and no new
+write opens while a fork waits. The wait
 ends early, and the fork goes ahead, when
 
 - a stop is requested: a check registered with :func:`stop_waiting_when` returns true (the
@@ -30,7 +31,9 @@ worker/README.md, "On Cloud Storage FUSE").
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - imported for its fork hook's place: see below
 import contextlib
+import logging  # noqa: F401 - imported for its fork hook's place: see below
 import os
 import threading
 import time
@@ -50,6 +53,7 @@ class _Guard:
         self.cond = threading.Condition()
         self.writers: dict[int, int] = {}  # thread ident -> files it has open for writing
         self.forks_waiting = 0
+        self.forking: set[int] = set()  # threads whose fork waits now
         self.stop_checks: list[Callable[[], bool]] = []
 
     def open_writes(self) -> int:
@@ -81,12 +85,16 @@ class _Guard:
         self.cond.acquire()
         me = threading.get_ident()
 
-        def others_done() -> bool:  # the forking thread's own writes cannot end while it waits
-            return not any(ident != me for ident in self.writers)
+        def others_done() -> bool:
+            # the forking thread's own writes cannot end while it waits, nor those of a thread
+            # whose own fork waits (two threads forking inside their writes would wait for
+            # each other until the limit): the fork goes ahead with those files open
+            return not any(ident != me and ident not in self.forking for ident in self.writers)
 
         if others_done():
             return
         self.forks_waiting += 1
+        self.forking.add(me)
         until = time.monotonic() + FORK_WAIT_LIMIT_S
         try:
             while not others_done():
@@ -104,6 +112,7 @@ class _Guard:
                           "which CPython ignores inside a fork hook", RuntimeWarning, stacklevel=2)
         finally:
             self.forks_waiting -= 1
+            self.forking.discard(me)
 
     def after_fork_in_parent(self) -> None:
         self.cond.notify_all()  # the writes held back while the fork waited
@@ -115,12 +124,18 @@ class _Guard:
         me = threading.get_ident()
         self.writers = {me: self.writers[me]} if me in self.writers else {}
         self.forks_waiting = 0
+        self.forking = set()
         self.cond = threading.Condition()
 
 
 _GUARD = _Guard()
-# registered once, at import: before-fork hooks run in the reverse order of registration, so this
-# one runs after those of libraries imported later (their locks are then already held by them)
+# Registered once, at import. Before-fork hooks run in the reverse order of registration, and a
+# hook that takes a lock holds it through the whole fork: had logging's (its module lock) or
+# concurrent.futures' (the lock of every ThreadPoolExecutor.submit) run before this wait, a save
+# that logs or hands a chunk to its digest threads would block on that lock while the fork waits
+# for the save, until FORK_WAIT_LIMIT_S. Both are imported above, so their hooks are registered
+# first and run after this one, whatever the user imports first. A library imported later whose
+# own hook takes a lock the writer needs would still run first; none of the worker's does.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_GUARD.before_fork, after_in_parent=_GUARD.after_fork_in_parent,
                         after_in_child=_GUARD.after_fork_in_child)
