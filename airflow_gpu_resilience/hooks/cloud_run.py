@@ -14,7 +14,7 @@ import asyncio
 import enum
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -33,7 +33,7 @@ from airflow.providers.google.common.hooks.base_google import (
 
 from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
 from airflow_gpu_resilience.job_cleanup import JobCleanupAction, JobCleanupResult, decide_job_cleanup
-from airflow_gpu_resilience.job_spec import GpuJobSpec, template_matches
+from airflow_gpu_resilience.job_spec import TASK_TIMEOUT_ENV, GpuJobSpec, template_matches
 from airflow_gpu_resilience.labels import is_managed, with_managed_label
 from airflow_gpu_resilience.outcome import AttemptLog, ExecutionState, execution_state
 
@@ -145,6 +145,18 @@ def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
     containers[0]["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
     result["container_overrides"] = containers
     return result
+
+
+def override_timeout_seconds(overrides: Mapping[str, Any] | None) -> float | None:
+    """The per-execution task timeout of ``RunJobRequest.Overrides`` in dict form, in seconds.
+
+    :param overrides: the overrides (``timeout`` as ``"20s"``, ``{"seconds": 20}`` or a
+        ``timedelta``), or ``None``.
+    :return: the timeout, or ``None`` when the overrides do not set one.
+    """
+    if not overrides or overrides.get("timeout") in (None, ""):
+        return None
+    return run_v2.RunJobRequest.Overrides(timeout=overrides["timeout"]).timeout.total_seconds()
 
 
 def _full_execution_name(execution: str, job_name: str | None, region: str | None, project_id: str) -> str:
@@ -571,7 +583,9 @@ class CloudRunGpuHook(GoogleBaseHook):
     ) -> str:
         """Start exactly one execution, also when RunJob's answer is lost.
 
-        The request carries a fresh id in the container env var ``AIRFLOW_GPU_RESILIENCE_START_ID``.
+        The request carries a fresh id in the container env var ``AIRFLOW_GPU_RESILIENCE_START_ID``,
+        and, with a ``timeout`` override, ``TASK_TIMEOUT_SECONDS`` set to it (the worker checkpoints
+        and exits 143 before that execution's own task timeout).
         After an ambiguous error (:data:`AMBIGUOUS_ERRORS`: 500, 502, 504 or a deadline, retries
         exhausted, a broken connection) the job's executions are searched for that id: a found execution is
         returned, otherwise RunJob is sent again, up to ``attempts`` times.
@@ -587,7 +601,11 @@ class CloudRunGpuHook(GoogleBaseHook):
             requests without an execution, or a non-retryable error (e.g. 404 NotFound).
         """
         start_id = uuid.uuid4().hex
-        request_overrides = with_env_overrides(overrides, {START_ID_ENV: start_id})
+        env = {START_ID_ENV: start_id}
+        timeout = override_timeout_seconds(overrides)
+        if timeout is not None:  # the worker's deadline follows the execution's own task timeout
+            env[TASK_TIMEOUT_ENV] = str(int(timeout)) if float(timeout).is_integer() else repr(timeout)
+        request_overrides = with_env_overrides(overrides, env)
         for attempt in range(1, attempts + 1):
             try:
                 return self.run_job(

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import inspect
 import math
+import re
 import time
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -33,10 +34,15 @@ from airflow_gpu_resilience.exceptions import (
     CloudRunGpuTimeoutError,
     CloudRunGpuWaitTimeout,
 )
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env, with_env_overrides
+from airflow_gpu_resilience.hooks.cloud_run import (
+    CloudRunGpuHook,
+    execution_env,
+    override_timeout_seconds,
+    with_env_overrides,
+)
 from airflow_gpu_resilience.hooks.cloud_logging import CloudRunLogsHook, ExecutionLogFollower
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
-from airflow_gpu_resilience.job_spec import TASK_TIMEOUT_ENV, GpuJobSpec
+from airflow_gpu_resilience.job_spec import MAX_TASK_TIMEOUT_SECONDS, RESERVED_ENV, TASK_TIMEOUT_ENV, GpuJobSpec
 from airflow_gpu_resilience.operators.goodput_report import GoodputReport, build_report
 from airflow_gpu_resilience.links.cloud_run import CloudRunGpuExecutionLink, CloudRunGpuLogsLink
 from airflow_gpu_resilience.outcome import (
@@ -413,8 +419,8 @@ def _is_templated(value: Any) -> bool:
 def _coerce(name: str, value: Any) -> Any:
     """A rendered template string in the spec field's type (``"3"`` -> 3, ``"False"`` -> False, ``""`` -> None)."""
     kind = _SPEC_TYPES[name]
-    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
+    if kind is int and isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        return int(value)  # ASCII digits only (str.isdigit takes "²" and other scripts' digits)
     if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if kind == (str | None) and value == "":
@@ -861,10 +867,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         return sum(1 for e in executions if execution_env(e).get(RERUN_ENV, "0") != "0")
 
     def _start(self, context: Context, run: RunState, rerun: int) -> str:
-        env = {RUN_KEY_ENV: run.run_key, RERUN_ENV: str(rerun)}
-        timeout = override_timeout_seconds(self.overrides)
-        if timeout is not None:  # the worker's deadline follows the execution's own task timeout
-            env[TASK_TIMEOUT_ENV] = f"{timeout:g}"
+        env = {RUN_KEY_ENV: run.run_key, RERUN_ENV: str(rerun)}  # start_execution adds TASK_TIMEOUT_SECONDS
         files = self._files()
         steps = files.committed_steps() if files is not None else None
         if steps is not None:  # the progress record lives on the execution, for every later try
@@ -1092,18 +1095,6 @@ def _flag(name: str, value: bool | str) -> bool:
     raise ValueError(f"{name}={value!r} must be true or false")
 
 
-def override_timeout_seconds(overrides: Mapping[str, Any] | None) -> float | None:
-    """The per-execution task timeout of ``RunJobRequest.Overrides`` in dict form, in seconds.
-
-    :param overrides: the overrides (``timeout`` as ``"20s"``, ``{"seconds": 20}`` or a
-        ``timedelta``), or ``None``.
-    :return: the timeout, or ``None`` when the overrides do not set one.
-    """
-    if not overrides or overrides.get("timeout") in (None, ""):
-        return None
-    return run_v2.RunJobRequest.Overrides(timeout=overrides["timeout"]).timeout.total_seconds()
-
-
 def _execution_class(outcomes: Sequence[TaskOutcome], state: ExecutionState) -> OutcomeClass:
     """A finished execution's class: the outcome :func:`decide` gives it (budget aside)."""
     return decide(outcomes, state=state, reruns_used=0, max_reruns=1).outcome
@@ -1132,6 +1123,9 @@ def _chain(history: Sequence[ExecutionProgress]) -> list[ChainEntry]:
 
 #: The fields of ``RunJobRequest.Overrides`` (Cloud Run Admin API v2).
 OVERRIDE_FIELDS = ("container_overrides", "task_count", "timeout")
+#: Env var names an override may not set: Cloud Run's own, and the task timeout the worker's
+#: deadline follows (set from ``overrides['timeout']`` by the hook, else the job's).
+OVERRIDE_RESERVED_ENV = RESERVED_ENV | {TASK_TIMEOUT_ENV}
 
 
 def check_overrides(overrides: Mapping[str, Any] | None) -> None:
@@ -1139,7 +1133,9 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
 
     :param overrides: ``RunJobRequest.Overrides`` in dict form: ``container_overrides`` (a list of
         ``{name, args, env, clear_args}``), ``task_count`` (an integer >= 0; 0 keeps the job's) and
-        ``timeout`` (``"20s"``, ``{"seconds": 20}`` or a ``timedelta``, > 0), or ``None``.
+        ``timeout`` (``"20s"``, ``{"seconds": 20}`` or a ``timedelta``: whole seconds from 1 to
+        604800, the job spec's ``task_timeout`` range), or ``None``. The containers' env may not set
+        ``CLOUD_RUN_*`` (Cloud Run's) or ``TASK_TIMEOUT_SECONDS`` (set from ``timeout``).
     :raises ValueError: one error naming ``overrides``, the field and the allowed values.
     """
     if overrides is None:
@@ -1159,8 +1155,18 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
             raise ValueError(f"overrides[{key!r}]={overrides[key]!r} is not valid: {exc}") from None
         if key == "task_count" and parsed.task_count < 0:
             raise ValueError(f"overrides['task_count']={overrides[key]!r} must be an integer >= 0")
-        if key == "timeout" and overrides[key] not in (None, "") and parsed.timeout.total_seconds() <= 0:
-            raise ValueError(f"overrides['timeout']={overrides[key]!r} must be a duration > 0, e.g. \"3600s\"")
+        if key == "timeout" and overrides[key] not in (None, ""):
+            seconds = parsed.timeout.total_seconds()
+            if not (seconds.is_integer() and 1 <= seconds <= MAX_TASK_TIMEOUT_SECONDS):
+                raise ValueError(f"overrides['timeout']={overrides[key]!r} must be a whole number of seconds from 1 to "
+                                 f"{MAX_TASK_TIMEOUT_SECONDS} (168 h), e.g. \"3600s\", as the job's task_timeout")
+        if key == "container_overrides":
+            for index, container in enumerate(parsed.container_overrides):
+                taken = sorted({e.name for e in container.env} & OVERRIDE_RESERVED_ENV)
+                if taken:
+                    raise ValueError(
+                        f"overrides['container_overrides'][{index}] sets {', '.join(taken)}: reserved (Cloud Run sets "
+                        f"CLOUD_RUN_*; {TASK_TIMEOUT_ENV} follows overrides['timeout'] or the job's task_timeout)")
 
 
 def _count(name: str, value: int | str) -> int:
@@ -1168,7 +1174,7 @@ def _count(name: str, value: int | str) -> int:
 
     :raises ValueError: naming ``name`` unless it is an integer >= 0 (a bool is refused too).
     """
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} must be an integer >= 0")

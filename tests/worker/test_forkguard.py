@@ -148,7 +148,7 @@ def test_a_fork_goes_ahead_with_a_warning_after_the_wait_limit(monkeypatch: pyte
 
 
 _STOP_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, threading, warnings
+    import os, signal, sys, threading, time, warnings
     from gpu_resilience_worker import forkguard
     from gpu_resilience_worker.preemption import PreemptionWatcher
 
@@ -162,7 +162,9 @@ _STOP_SCRIPT = textwrap.dedent("""
 
     threading.Thread(target=writer, daemon=True).start()
     entered.wait(10)
-    if mode == "watcher":
+    if mode == "save-ends":  # the save in flight ends 1.5 s after the SIGTERM, well in the grace
+        threading.Timer(1.8, release.set).start()
+    if mode in ("watcher", "save-ends"):
         watcher = PreemptionWatcher(grace_seconds=5)
         watcher.install()
     else:
@@ -172,12 +174,16 @@ _STOP_SCRIPT = textwrap.dedent("""
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pid = os.fork()  # waits for the write, until the SIGTERM
+        started = time.monotonic()
+        pid = os.fork()  # waits for the write: until it ends, or the grace is nearly spent
         if pid == 0:
             os._exit(0)
+    waited = time.monotonic() - started
     os.waitpid(pid, 0)
     print("write still open:", forkguard.open_writes() == 1, "save done:", release.is_set())
-    if mode == "watcher":
+    if mode == "watcher":  # gave way 2 s (fork_reserve_seconds) before the kill: 3 s after the SIGTERM
+        print("stop requested:", watcher.requested, "gave way in time:", 2.5 < waited < 4.5)
+    elif mode == "save-ends":
         print("stop requested:", watcher.requested)
     else:
         print("warned:", any("signal handler raised" in str(w.message) for w in caught))
@@ -185,16 +191,21 @@ _STOP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["watcher", "raising handler"])
-def test_a_sigterm_during_the_wait_lets_the_fork_go_ahead(mode: str) -> None:
-    """A SIGTERM while the main thread's fork waits for a long save: the worker's
-    :class:`PreemptionWatcher` stops the wait (the loop must answer within the grace period, not
-    when the save ends), and so does a handler that raises (CPython would drop its exception)."""
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("watcher", ["write still open: True save done: False", "stop requested: True gave way in time: True"]),
+    ("save-ends", ["write still open: False save done: True", "stop requested: True"]),
+    ("raising handler", ["write still open: True save done: False", "warned: True"]),
+])
+def test_a_sigterm_during_the_wait(mode: str, expected: list[str]) -> None:
+    """A SIGTERM while the main thread's fork waits for a save: with the worker's
+    :class:`PreemptionWatcher` the fork still waits for a save that ends in the grace period (its
+    child would otherwise finalize it early), and gives way when the grace is nearly spent
+    (``fork_reserve_seconds`` before the kill), so that the loop still answers in time; a handler
+    that raises stops the wait at once (CPython would drop its exception)."""
     done = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, mode.split()[0]], capture_output=True,
                           text=True, timeout=60, cwd=Path(__file__).resolve().parents[2] / "worker")
     assert done.returncode == 0, done.stderr
-    last = "stop requested: True" if mode == "watcher" else "warned: True"
-    assert done.stdout.splitlines() == ["write still open: True save done: False", last], done.stderr
+    assert done.stdout.splitlines() == expected, done.stderr
 
 
 _LOCKS_SCRIPT = textwrap.dedent("""
@@ -262,6 +273,25 @@ def test_two_threads_forking_inside_their_own_writes_do_not_wait_for_each_other(
             thread.join(60)
     assert len(took) == 2 and max(took) < 10, took
     assert not [w for w in caught if "went ahead" in str(w.message)]
+    assert forkguard.open_writes() == 0 and forkguard._GUARD.forks_waiting == 0
+
+
+def test_the_counts_survive_a_raise_inside_the_guards_own_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler may raise between any two lines of Python, also inside the guard's entry
+    just after its count went up: the block's end still sets the count back."""
+    real_enter = forkguard._GUARD.enter
+
+    def enter_then_raise() -> None:
+        real_enter()
+        raise KeyboardInterrupt  # as from a handler, after the count went up
+
+    monkeypatch.setattr(forkguard._GUARD, "enter", enter_then_raise)
+    with pytest.raises(KeyboardInterrupt), forkguard.writing():
+        pass
+    assert forkguard.open_writes() == 0
+    monkeypatch.undo()
+    with forkguard.writing(), forkguard.writing():
+        assert forkguard.open_writes() == 2
     assert forkguard.open_writes() == 0 and forkguard._GUARD.forks_waiting == 0
 
 

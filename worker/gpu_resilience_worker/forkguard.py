@@ -15,9 +15,10 @@ until no other thread has such a file open (a thread whose own fork waits except
 write opens while a fork waits. The wait
 ends early, and the fork goes ahead, when
 
-- a stop is requested: a check registered with :func:`stop_waiting_when` returns true (the
-  worker's :class:`~gpu_resilience_worker.preemption.PreemptionWatcher` registers its own, so a
-  SIGTERM during the wait is answered within the grace period, as without the guard);
+- a check registered with :func:`stop_waiting_when` returns true (the worker's
+  :class:`~gpu_resilience_worker.preemption.PreemptionWatcher` registers one that is true once the
+  grace period after a stop request is nearly spent: the fork still waits for a save that can
+  commit in time, and the loop still answers the SIGTERM before the kill);
 - a signal handler raises during the wait (``KeyboardInterrupt``, ``sys.exit`` in a handler):
   CPython ignores exceptions raised in fork hooks (it prints them as "Exception ignored"), so the
   exception cannot reach the code that forked; the guard stops waiting and warns;
@@ -52,13 +53,21 @@ class _Guard:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.writers: dict[int, int] = {}  # thread ident -> files it has open for writing
-        self.forks_waiting = 0
-        self.forking: set[int] = set()  # threads whose fork waits now
+        self.forking: dict[int, int] = {}  # thread ident -> its forks waiting now (a signal handler's nest)
         self.stop_checks: list[Callable[[], bool]] = []
+
+    @property
+    def forks_waiting(self) -> int:
+        return sum(self.forking.values())
 
     def open_writes(self) -> int:
         with self.cond:
             return sum(self.writers.values())
+
+    def depth(self) -> int:
+        """:return: the files this thread has open for writing."""
+        with self.cond:
+            return self.writers.get(threading.get_ident(), 0)
 
     def enter(self) -> None:
         with self.cond:
@@ -67,12 +76,13 @@ class _Guard:
                 self.cond.wait_for(lambda: not self.forks_waiting)
             self.writers[me] = self.writers.get(me, 0) + 1
 
-    def leave(self) -> None:
+    def leave_to(self, depth: int) -> None:
+        """Set this thread's count back to ``depth``, its value before the block: right also when a
+        signal handler raised inside :meth:`enter`, before or after its increment."""
         with self.cond:
             me = threading.get_ident()
-            left = self.writers.get(me, 0) - 1
-            if left > 0:
-                self.writers[me] = left
+            if depth > 0:
+                self.writers[me] = depth
             else:
                 self.writers.pop(me, None)
             self.cond.notify_all()
@@ -89,14 +99,14 @@ class _Guard:
             # the forking thread's own writes cannot end while it waits, nor those of a thread
             # whose own fork waits (two threads forking inside their writes would wait for
             # each other until the limit): the fork goes ahead with those files open
-            return not any(ident != me and ident not in self.forking for ident in self.writers)
+            return not any(ident != me and not self.forking.get(ident) for ident in self.writers)
 
         if others_done():
             return
-        self.forks_waiting += 1
-        self.forking.add(me)
         until = time.monotonic() + FORK_WAIT_LIMIT_S
+        waiting = self.forking.get(me, 0)  # restored in the finally, whatever a signal handler raises
         try:
+            self.forking[me] = waiting + 1
             while not others_done():
                 if self.stop_requested():
                     return
@@ -111,8 +121,10 @@ class _Guard:
             warnings.warn(f"os.fork() stopped waiting for an open write: a signal handler raised {exc!r}, "
                           "which CPython ignores inside a fork hook", RuntimeWarning, stacklevel=2)
         finally:
-            self.forks_waiting -= 1
-            self.forking.discard(me)
+            if waiting:
+                self.forking[me] = waiting
+            else:
+                self.forking.pop(me, None)
 
     def after_fork_in_parent(self) -> None:
         self.cond.notify_all()  # the writes held back while the fork waited
@@ -123,8 +135,7 @@ class _Guard:
         # the parent), and needs a fresh, unlocked condition
         me = threading.get_ident()
         self.writers = {me: self.writers[me]} if me in self.writers else {}
-        self.forks_waiting = 0
-        self.forking = set()
+        self.forking = {}
         self.cond = threading.Condition()
 
 
@@ -146,11 +157,12 @@ def writing() -> Iterator[None]:
     """Mark a file open for writing for the duration of the block: an ``os.fork()`` in another
     thread waits until it ends (at most :data:`FORK_WAIT_LIMIT_S`, less on a stop request), and a
     first write of a thread waits while a fork waits. Nests; any thread."""
-    _GUARD.enter()
+    depth = _GUARD.depth()
     try:
+        _GUARD.enter()
         yield
     finally:
-        _GUARD.leave()
+        _GUARD.leave_to(depth)
 
 
 def open_writes() -> int:

@@ -28,6 +28,7 @@ from an unsaved ``numpy`` generator.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import sys
@@ -55,6 +56,12 @@ from gpu_resilience_worker.storage import LocalStorage, Storage
 PREEMPTION_SAVES = ("deadline", "always", "never")
 #: Consecutive failed saves after which the loop gives up (exit 1, retryable).
 MAX_FAILED_SAVES_IN_A_ROW = 3
+
+#: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
+#: before the expected kill); an ``os.fork()`` waiting for a save gives way this long plus the
+#: longest of the last :data:`RECENT_STEPS` steps before the kill (``fork_reserve_seconds``).
+EXIT_RESERVE_SECONDS = 1.0
+RECENT_STEPS = 16
 
 
 def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = None,
@@ -296,10 +303,16 @@ class ResilientLoop:
             progress = ProgressReporter(self._storage, self.namespace, self.total_steps, self.state.step,
                                         self._log, min_interval=self._progress_interval,
                                         high_water_step=self._high_water_step)
+            recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
             while self.state.step < self.total_steps:
                 if self.watcher.requested:
                     return self._on_stop(manager, progress)
+                started = time.monotonic()
                 loss = step_fn(self.state.step)
+                recent.append(time.monotonic() - started)
+                # a fork in the next step, waiting for a save after a stop request, leaves the
+                # step the time it took lately, and the exit its reserve
+                self.watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS + max(recent)
                 if loss is not None:
                     loss = float(loss)
                     if not math.isfinite(loss):
@@ -362,11 +375,12 @@ class ResilientLoop:
 
     def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter) -> int:
         step, watcher = self.state.step, self.watcher
+        watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS  # no step left to make room for
         self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
                           step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         settled = True
         try:
-            settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - 1.0))
+            settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - EXIT_RESERVE_SECONDS))
         except CheckpointSaveError as exc:
             self._log.error("background checkpoint save failed", error=str(exc), step=step)
         if not settled:
@@ -383,7 +397,7 @@ class ResilientLoop:
                               estimated_save_seconds=manager.estimated_save_seconds,
                               remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         progress.update(step, self.state.loss_ema, status="preempted", force=True,
-                        max_wait=watcher.remaining_grace() - 1.0)
+                        max_wait=watcher.remaining_grace() - EXIT_RESERVE_SECONDS)
         self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
                           last_checkpoint_step=manager.last_saved_step)
         return EXIT_PREEMPTED

@@ -15,6 +15,8 @@ from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOper
     {"timeout": "20s"},
     {"timeout": {"seconds": 20}},
     {"timeout": datetime.timedelta(minutes=5)},
+    {"timeout": "1s"},
+    {"timeout": "604800s"},  # 168 h, the job spec's task_timeout maximum
     {"timeout": None},
     {"task_count": 4},
     {"container_overrides": [{"args": ["--steps", "10"], "env": [{"name": "A", "value": "1"}]}]},
@@ -27,8 +29,16 @@ def test_valid_overrides_pass(overrides):
     ([{"timeout": "20s"}], r"^overrides=\[.*\] must be a dict with the fields container_overrides, task_count, timeout"),
     ({"timeout": "abc"}, r"^overrides\['timeout'\]='abc' is not valid: "),
     ({"timeout": ""}, r"^overrides\['timeout'\]='' is not valid: "),
-    ({"timeout": "0s"}, r"^overrides\['timeout'\]='0s' must be a duration > 0"),
-    ({"timeout": "-30s"}, r"^overrides\['timeout'\]='-30s' must be a duration > 0"),
+    ({"timeout": "0s"}, r"^overrides\['timeout'\]='0s' must be a whole number of seconds from 1 to 604800"),
+    ({"timeout": "-30s"}, r"^overrides\['timeout'\]='-30s' must be a whole number of seconds from 1 to 604800"),
+    ({"timeout": "604801s"}, r"^overrides\['timeout'\]='604801s' must be a whole number of seconds from 1 to 604800"),
+    ({"timeout": datetime.timedelta(days=30)}, r"^overrides\['timeout'\]=datetime.timedelta\(days=30\) must be a whole"),
+    ({"timeout": "0.5s"}, r"^overrides\['timeout'\]='0.5s' must be a whole number of seconds"),
+    ({"timeout": {"seconds": 100000, "nanos": 500000000}}, r"^overrides\['timeout'\]=.* must be a whole number"),
+    ({"container_overrides": [{"env": [{"name": "TASK_TIMEOUT_SECONDS", "value": "60"}]}]},
+     r"^overrides\['container_overrides'\]\[0\] sets TASK_TIMEOUT_SECONDS: reserved"),
+    ({"container_overrides": [{"env": [{"name": "A", "value": "1"}]}, {"env": [{"name": "CLOUD_RUN_TASK_INDEX", "value": "7"}]}]},
+     r"^overrides\['container_overrides'\]\[1\] sets CLOUD_RUN_TASK_INDEX: reserved"),
     ({"timeout": 20}, r"^overrides\['timeout'\]=20 is not valid: "),
     ({"task_count": -1}, r"^overrides\['task_count'\]=-1 must be an integer >= 0$"),
     ({"task_count": "two"}, r"^overrides\['task_count'\]='two' is not valid: "),
@@ -47,3 +57,18 @@ def test_execute_refuses_bad_overrides_before_any_api_call():
                                        overrides={"timeout": "one hour"})
     with pytest.raises(ValueError, match=r"^overrides\['timeout'\]='one hour' is not valid"):
         op.execute({})
+
+
+def test_a_timeout_override_sets_the_workers_deadline_through_the_hook(monkeypatch):
+    """``start_execution`` (the operator's way to start, and a hook user's) gives the container
+    ``TASK_TIMEOUT_SECONDS`` equal to the override, as a whole number."""
+    from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+
+    sent = []
+    hook = CloudRunGpuHook.__new__(CloudRunGpuHook)
+    monkeypatch.setattr(hook, "run_job", lambda **kwargs: (sent.append(kwargs["overrides"]), ("op", "ex"))[1],
+                        raising=False)
+    assert CloudRunGpuHook.start_execution.__wrapped__(hook, job_name="j", region="r", project_id="p",
+                                                      overrides={"timeout": "600s"}) == "ex"
+    env = {e["name"]: e["value"] for e in sent[0]["container_overrides"][0]["env"]}
+    assert env["TASK_TIMEOUT_SECONDS"] == "600"
