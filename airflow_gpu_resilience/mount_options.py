@@ -14,14 +14,16 @@ the caches, their TTLs and ``write-global-max-blocks``; the TTLs at most 9223372
 cache at most 17592186044415 MiB (what fits gcsfuse's int64 nanoseconds and bytes); file and
 folder modes in octal up to ``7777``; ``uid``/``gid`` -1 (the mounting user, gcsfuse's default)
 or up to 4294967294; ``log-severity`` one of gcsfuse's levels; ``only-dir`` a relative folder of
-the bucket. Each option may be given once (gcsfuse keeps the
+the bucket (no commas, white space or control characters: the flags may be joined into one
+``-o`` string; at most 1024 bytes, Cloud Storage's object name limit). Each option may be given once (gcsfuse keeps the
 last of repeated flags; Cloud Run passes them in order, so a repeat is almost always a mistake).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 #: gcsfuse flags a Cloud Run ``cloud-storage`` volume may carry, name -> kind of value:
 #: ``bool`` (bare, or one of :data:`BOOL_VALUES`), ``int`` (>= 0), ``limit`` (>= 0, or -1 for
@@ -50,6 +52,8 @@ LOG_SEVERITIES = ("trace", "debug", "info", "warning", "error", "off")
 MAX_ID = 4294967294
 #: The largest other integer (gcsfuse parses them as int64).
 MAX_INT = 2**63 - 1
+#: Cloud Storage's limit on an object name, in UTF-8 bytes (an ``only-dir`` folder is a prefix).
+MAX_OBJECT_NAME_BYTES = 1024
 
 _DIGITS = re.compile(r"0|[1-9][0-9]*")
 _OCTAL = re.compile(r"[0-7]+")
@@ -81,8 +85,13 @@ def _value_problem(name: str, kind: str, has_value: bool, value: str) -> str | N
         return None if value.lower() in LOG_SEVERITIES else f"needs one of {', '.join(LOG_SEVERITIES)}"
     # dir
     parts = value.strip("/").split("/")
-    if value.startswith("/") or any(p in ("", ".", "..") for p in parts) or any(c in value for c in "\0\n\r"):
+    if value.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return f"needs a folder of the bucket relative to its root, without '.', '..' or '//', e.g. {name}=checkpoints"
+    if "," in value or any(c.isspace() or not c.isprintable() for c in value):
+        # a comma separates options where the flags are joined into one -o string
+        return f"needs a folder name without commas, white space or control characters, e.g. {name}=checkpoints"
+    if len(value.encode()) > MAX_OBJECT_NAME_BYTES:
+        return f"needs a folder name of at most {MAX_OBJECT_NAME_BYTES} bytes (Cloud Storage's object name limit)"
     return None
 
 
@@ -112,6 +121,9 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
         that is not a string, a leading ``-``, an unknown name (with the allowed names), a bad
         value (with the allowed values), or an option given twice.
     """
+    if isinstance(options, (str, bytes, Mapping)):
+        raise ValueError(f"{field}={options!r} must be a list of strings, name or name=value, "
+                         "e.g. ['implicit-dirs', 'rename-dir-limit=100'].")
     allowed = dict(GCSFUSE_MOUNT_OPTIONS, **(EMULATOR_MOUNT_OPTIONS if emulator else {}))
     parsed: dict = {}
     first: dict = {}

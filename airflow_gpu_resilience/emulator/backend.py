@@ -236,7 +236,10 @@ class CloudRunBackend:
             job = self._get(self.jobs, name, "Job")
             self._check_etag(job, etag)
             template, task_count = self._apply_overrides(job.spec.template, overrides)
-            validation.validate_task_template(template, self.registry.config.gcs.bucket_exists)
+            preview = validation.validate_task_template(template, self.registry.config.gcs.bucket_exists)
+            if preview and job.launch_stage not in validation.PREVIEW:  # e.g. a GPU timeout override over 1 h
+                raise InvalidArgument(f"overrides: {preview} is a Preview feature, and the job's launch stage is GA; "
+                                      "deploy it with launch_stage ALPHA or BETA.")
             execution = self._new_execution(job, template, task_count)
             if validate_only:
                 return self._new_operation(execution, done=True, keep=False)

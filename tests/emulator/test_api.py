@@ -275,6 +275,13 @@ def test_errors_map_to_google_exceptions(jobs, executions, job_id, bucket):
         assert google_status(err) == "INVALID_ARGUMENT"
     beta = create(jobs, "long-gpu", make_job("local/exit:latest", gpu=True, timeout_s=7200, launch_stage=3))
     assert beta.launch_stage == 3
+    # the rule holds for a RunJob override too: a GA GPU job's execution may not run over 1 h
+    ga = create(jobs, "ga-gpu", make_job("local/exit:latest", gpu=True, timeout_s=3600))
+    long_run = run_v2.RunJobRequest.Overrides(timeout={"seconds": 7200})
+    with pytest.raises(gexc.BadRequest, match="overrides: A GPU task timeout over 1 hour is a Preview feature") as err:
+        jobs.run_job(request=run_v2.RunJobRequest(name=ga.name, overrides=long_run))
+    assert google_status(err) == "INVALID_ARGUMENT"
+    assert not list(executions.list_executions(parent=ga.name))  # nothing started
     with pytest.raises(gexc.BadRequest, match="etag") as err:
         jobs.run_job(request=run_v2.RunJobRequest(name=f"{PARENT}/jobs/{job_id}", etag='"nope"'))
     assert google_status(err) == "FAILED_PRECONDITION"

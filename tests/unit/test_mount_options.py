@@ -65,6 +65,12 @@ REFUSED = [
     (["only-dir=/abs"], "needs a folder of the bucket relative to its root"),
     (["only-dir=a/../b"], "needs a folder of the bucket relative to its root"),
     (["only-dir=a//b"], "needs a folder of the bucket relative to its root"),
+    (["only-dir=a,b"], "needs a folder name without commas, white space or control characters"),
+    (["only-dir=a b"], "needs a folder name without commas"),
+    (["only-dir=a\tb"], "needs a folder name without commas"),
+    (["only-dir=a\u2028b"], "needs a folder name without commas"),
+    (["only-dir=a\u202eb"], "needs a folder name without commas"),
+    (["only-dir=" + "a" * 1025], "at most 1024 bytes"),
     (["implicit-dirs", "rename-dir-limit=1", "implicit-dirs=true"],
      "mount_options[2]: 'implicit-dirs=true' repeats implicit-dirs (already mount_options[0]); give each option once"),
     (["rename-dir-limit=1", "rename-dir-limit=5"], "repeats rename-dir-limit"),
@@ -117,3 +123,9 @@ def test_options_with_one_meaning_share_one_mount_key():
     assert mount_key(parse_mount_options(["implicit-dirs", "log-severity=INFO"])) == mount_key(
         parse_mount_options(["log-severity=info", "implicit-dirs=true"]))
     assert mount_key(parse_mount_options(["implicit-dirs=false"])) != mount_key(parse_mount_options(["implicit-dirs"]))
+
+
+@pytest.mark.parametrize("options", ["implicit-dirs", b"implicit-dirs", {"implicit-dirs": True}])
+def test_a_single_string_or_a_mapping_is_not_walked_as_a_list(options):
+    with pytest.raises(ValueError, match=r"^mount_options=.* must be a list of strings"):
+        parse_mount_options(options)
