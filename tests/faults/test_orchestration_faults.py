@@ -278,7 +278,11 @@ def test_preemption_during_the_very_first_step(gcp_conn, job_name, emulator, run
     thread.join(timeout=30)
     assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
     [summary] = CAPTURED["summaries"]
-    assert summary["tasks"][0]["outcomes"] == ["PREEMPTED", "SUCCEEDED"]
+    # attempt 0 ends at once (grace 0) and Cloud Run retries it at once: a poll sees it ended
+    # (PREEMPTED) only when it falls in that moment, else its record says so (UNOBSERVED; seen
+    # here with the test alone on the machine, 2026-12-05); either way it is accounted for
+    outcomes = summary["tasks"][0]["outcomes"]
+    assert outcomes in (["PREEMPTED", "SUCCEEDED"], ["UNOBSERVED", "SUCCEEDED"]), outcomes
     assert len(executions(job_name)) == 1
 
 
