@@ -160,6 +160,37 @@ def test_a_worker_error_writes_fatal_and_the_same_invocation_then_exits_at_once(
     assert _loop(tmp_path).run(bad_step) == 78 and calls == [0, 1, 2, 3]  # no step the second time
 
 
+def test_a_step_that_raises_after_the_stop_request_is_answered_as_the_stop(tmp_path: Path) -> None:
+    """Cloud Run signals the whole process group: a DataLoader worker still starting (before its
+    ``worker_init_fn``) dies of the SIGTERM, and the main process's next batch raises. After a stop
+    request such an error is the stop (exit 143, the last checkpoint kept, the torn step not
+    saved); before one it is still a failure (exit 1)."""
+    import os
+
+    def step_fn(step: int) -> float:
+        model.weight.data.add_(1.0)  # a part of the step already applied
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler has run: the stop is requested
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+        return 1.0
+
+    loop = _loop(tmp_path / "stopped", checkpoint_every=2, preemption_save="always")
+    model = loop.states["model"]
+    assert loop.run(step_fn) == 143
+    steps = sorted(p.name for p in (tmp_path / "stopped").glob("ckpt-*.commit.json"))
+    assert steps == ["ckpt-00000002.commit.json"]  # not step 3, although the policy is "always"
+    progress = json.loads((tmp_path / "stopped" / "progress.json").read_text())
+    assert progress["status"] == "preempted"
+
+    def failing(step: int) -> float:
+        if step == 3:
+            raise RuntimeError("a real error")
+        return 1.0
+
+    assert _loop(tmp_path / "failed").run(failing) == 1
+
+
 def test_a_nan_loss_is_divergence_and_other_settings_refuse_the_checkpoint(tmp_path: Path) -> None:
     assert _loop(tmp_path / "nan").run(lambda step: float("nan") if step == 1 else 0.5) == 70
     assert _loop(tmp_path / "a", settings={"lr": 0.1}).run(lambda step: 0.5) == 0

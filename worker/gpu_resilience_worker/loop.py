@@ -308,7 +308,18 @@ class ResilientLoop:
                 if self.watcher.requested:
                     return self._on_stop(manager, progress)
                 started = time.monotonic()
-                loss = step_fn(self.state.step)
+                try:
+                    loss = step_fn(self.state.step)
+                except Exception as exc:
+                    if not self.watcher.requested:
+                        raise
+                    # the preemption's signal reached more than this process (Cloud Run signals
+                    # the whole group): a DataLoader worker still starting, before its
+                    # worker_init_fn, dies of it and the next batch raises. The step is torn, so it
+                    # is not saved; the stop goes on from the last whole step
+                    self._log.warning("the step raised after the stop request; answered as the stop, "
+                                      "without saving the interrupted step", error=repr(exc), step=self.state.step)
+                    return self._on_stop(manager, progress, step_torn=True)
                 recent.append(time.monotonic() - started)
                 # a fork in the next step, waiting for a save after a stop request, leaves the
                 # step the time it took lately, and the exit its reserve
@@ -373,7 +384,13 @@ class ResilientLoop:
             self._failed_in_a_row = 0
         return saved
 
-    def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter) -> int:
+    def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter, step_torn: bool = False) -> int:
+        """Answer a stop request: wait for the save in flight (abandon it when the grace runs out),
+        make the final save where the policy and the time allow, exit 143.
+
+        :param step_torn: the step after ``self.state.step`` raised midway: the model and optimizer
+            may hold part of it, so no final save is made (the last checkpoint stays in force).
+        """
         step, watcher = self.state.step, self.watcher
         watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS  # no step left to make room for
         self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
@@ -386,6 +403,9 @@ class ResilientLoop:
         if not settled:
             self._log.warning("abandoning the checkpoint save in flight: no time left", step=step)
             manager.abandon()
+        elif step_torn:
+            self._log.warning("no checkpoint at the stop: the interrupted step may have changed the state",
+                              step=step, last_checkpoint_step=manager.last_saved_step)
         elif manager.last_saved_step == step or step == 0:
             self._log.info("nothing new to checkpoint", step=step)
         elif self.preemption_save == "never":
