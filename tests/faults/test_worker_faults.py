@@ -337,13 +337,19 @@ def test_pickled_payload_with_a_matching_commit_record_is_refused(task: Task, ba
 
 
 def _open_files(pid: int) -> set[str]:
-    """:return: the paths process ``pid`` has open (``/proc/{pid}/fd``)."""
+    """:return: the paths process ``pid`` has open, in any of its threads' descriptor tables
+    (``/proc/{pid}/task/*/fd``: the worker writes on a thread with a table of its own)."""
     found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:  # closed meanwhile
+            fds = os.listdir(f"/proc/{pid}/task/{tid}/fd")
+        except FileNotFoundError:  # the thread ended meanwhile
             continue
+        for fd in fds:
+            try:
+                found.add(os.readlink(f"/proc/{pid}/task/{tid}/fd/{fd}"))
+            except FileNotFoundError:  # closed meanwhile
+                continue
     return found
 
 

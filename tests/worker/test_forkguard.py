@@ -323,10 +323,14 @@ def strict_volume(tmp_path: Path):
         yield mount, tmp_path / "bucket"
 
 
-def test_a_loop_that_forks_during_a_background_save_leaves_it_one_streamed_upload(strict_volume) -> None:
+@pytest.mark.parametrize("private_files", [True, False], ids=["private-table", "fork-wait-fallback"])
+def test_a_loop_that_forks_during_a_background_save_leaves_it_one_streamed_upload(
+        strict_volume, private_files: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A training loop starting short-lived worker processes (``os.fork``) while the background
-    save writes: each fork waits for the open file, so no child's exit finalizes it early; the
-    save completes, streamed, and restores."""
+    save writes: no child holds the open file (it is in the write's own table, or, in the
+    fallback, each fork waits for it), so no child's exit finalizes it early; the save completes,
+    streamed, and restores."""
+    monkeypatch.setattr(forkguard, "PRIVATE_FILES", private_files)
     volume, bucket = strict_volume
     bag = _Bag(64)
     folder = volume.mountpoint / "run"
@@ -353,3 +357,187 @@ def test_a_loop_that_forks_during_a_background_save_leaves_it_one_streamed_uploa
                            logger=StructuredLogger(open(os.devnull, "w"))) as manager:
         assert manager.load()
     assert torch.equal(restored.tensor, bag.tensor)
+
+
+# -- write_privately: the file in a descriptor table of its own --------------------------------
+
+def _write_with_pause(storage_path: Path, opened: threading.Event, resume: threading.Event,
+                      outcome: dict) -> threading.Thread:
+    """Write 8 MiB to ``storage_path`` through ``LocalStorage.write`` on a background thread (as a
+    background save does), pausing with the file open and half written until ``resume``."""
+    from gpu_resilience_worker.storage import LocalStorage
+
+    def produce(handle) -> None:
+        handle.write(b"a" * (4 << 20))
+        outcome["fd"] = handle.fileno()
+        outcome["tid"] = threading.get_native_id()
+        opened.set()
+        assert resume.wait(30)
+        handle.write(b"b" * (4 << 20))
+
+    def run() -> None:
+        try:
+            LocalStorage().write(str(storage_path), produce)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert opened.wait(30)
+    return thread
+
+
+def _start_child(how: str) -> None:
+    """Start a short-lived child process ``how`` (``subprocess``, or a ``multiprocessing`` start
+    method) and wait for its end."""
+    if how == "subprocess":
+        subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60)
+        return
+    import multiprocessing
+
+    process = multiprocessing.get_context(how).Process(target=os.getpid)
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+
+
+@pytest.mark.parametrize("how", ["subprocess", "spawn", "forkserver", "fork"])
+def test_a_child_started_any_way_during_a_write_never_finalizes_it(strict_volume, how: str) -> None:
+    """A child process started while a file is half written on the strict FUSE volume, by
+    ``subprocess``, ``spawn``, ``forkserver`` or ``fork``: the file is in no table the child
+    copies, so its exit flushes nothing, no fork waits, and the write ends as one streamed upload.
+    (Before ``write_privately``, the ``exec`` of the first three closed an inherited copy: the
+    object was finalized half written and the second half was an ``EIO``.)"""
+    volume, bucket = strict_volume
+    target = volume.mountpoint / "run" / "ckpt-00000001.pt"
+    opened, resume, outcome = threading.Event(), threading.Event(), {}
+    thread = _write_with_pause(target, opened, resume, outcome)
+    try:
+        assert not os.path.exists(f"/proc/self/fd/{outcome['fd']}") or \
+            os.readlink(f"/proc/self/fd/{outcome['fd']}") != str(target)  # not in the process's table
+        assert os.readlink(f"/proc/self/task/{outcome['tid']}/fd/{outcome['fd']}") == str(target)
+        started = time.monotonic()
+        _start_child(how)
+        assert time.monotonic() - started < 30  # went ahead: no fork waits for a private write
+        assert not (bucket / "run" / "ckpt-00000001.pt").exists()  # nothing was finalized early
+    finally:
+        resume.set()
+        thread.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert (bucket / "run" / "ckpt-00000001.pt").read_bytes() == b"a" * (4 << 20) + b"b" * (4 << 20)
+    assert [e for e in volume.events() if e["kind"] in ("staged", "estale")] == []
+
+
+def test_without_private_files_a_subprocess_during_a_write_finalizes_it_early(
+        strict_volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback's documented limit, shown so that the test above is known to test something:
+    with ``PRIVATE_FILES`` off, a ``subprocess`` started during the write finalizes the half
+    written object, and the rest of the write is an ``EIO`` on the strict volume."""
+    monkeypatch.setattr(forkguard, "PRIVATE_FILES", False)
+    volume, _ = strict_volume
+    opened, resume, outcome = threading.Event(), threading.Event(), {}
+    thread = _write_with_pause(volume.mountpoint / "run" / "ckpt-00000001.pt", opened, resume, outcome)
+    try:
+        _start_child("subprocess")
+    finally:
+        resume.set()
+        thread.join(60)
+    assert isinstance(outcome.get("error"), OSError), outcome
+    assert [e["kind"] for e in volume.events() if e["kind"] == "staged"] == ["staged"]
+
+
+def test_write_privately_returns_raises_and_nests() -> None:
+    seen = []
+
+    def inner() -> str:
+        seen.append((threading.get_native_id(), forkguard.in_private_files()))
+        return "inner"
+
+    def outer() -> str:
+        seen.append((threading.get_native_id(), forkguard.in_private_files()))
+        return forkguard.write_privately(inner) + "+outer"
+
+    assert forkguard.write_privately(outer) == "inner+outer"
+    assert seen[0] == seen[1] and seen[0][1] is True  # nested: the same private thread, no new one
+    assert seen[0][0] != threading.get_native_id()
+    assert not forkguard.in_private_files()
+    with pytest.raises(ZeroDivisionError):
+        forkguard.write_privately(lambda: 1 / 0)
+    assert forkguard.open_writes() == 0
+
+
+def test_a_refused_unshare_falls_back_to_the_fork_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``unshare(CLONE_FILES)`` is refused (a sandbox), the write still happens, under the
+    fork guard, and the refusal is remembered: later writes do not try again."""
+    import errno
+
+    monkeypatch.setattr(forkguard, "_private_refused", None)
+    calls = []
+    monkeypatch.setattr(forkguard, "_unshare_files", lambda: calls.append(1) or errno.EPERM)
+    assert forkguard.write_privately(lambda: (forkguard.open_writes(), forkguard.in_private_files())) == (1, False)
+    assert forkguard.private_files_refused() == errno.EPERM
+    entered, release = threading.Event(), threading.Event()
+
+    def held() -> None:
+        entered.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=forkguard.write_privately, args=(held,))
+    thread.start()
+    assert entered.wait(10)
+    assert forkguard.open_writes() == 1  # in the caller, under writing(): a fork would wait
+    release.set()
+    thread.join(10)
+    assert calls == [1]
+
+
+def test_the_hash_threads_share_the_process_table_after_a_private_write(tmp_path: Path) -> None:
+    """The digest threads start before the private write, from its caller: none shares (and keeps
+    alive) a write's own descriptor table."""
+    from gpu_resilience_worker.fastio import HashingWriter
+    from gpu_resilience_worker.storage import LocalStorage
+
+    def produce(handle) -> None:
+        writer = HashingWriter(handle)
+        writer.write(bytes(4 << 20))
+        writer.digests()
+
+    LocalStorage().write(str(tmp_path / "data.bin"), produce)
+    hashers = [t for t in threading.enumerate() if t.name.startswith("sha256")]
+    assert hashers
+    with open(tmp_path / "later.txt", "w") as handle:  # opened in the process's table now
+        for thread in hashers:
+            assert os.path.exists(f"/proc/self/task/{thread.native_id}/fd/{handle.fileno()}"), thread.name
+
+
+def test_a_raising_signal_handler_reaches_the_caller_after_the_write_ends(tmp_path: Path) -> None:
+    """A handler raising while the caller waits for a private write (``KeyboardInterrupt`` at
+    Ctrl-C): the exception reaches the caller only once the write has ended, so that its cleanup
+    never removes a file that is still being written."""
+    import signal
+
+    from gpu_resilience_worker.storage import LocalStorage
+
+    target = tmp_path / "data.bin"
+    finished = []
+
+    def produce(handle) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # while the caller waits for this write
+        for _ in range(10):
+            handle.write(bytes(1 << 20))
+            time.sleep(0.05)
+        finished.append(time.monotonic())
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            LocalStorage().write(str(target), produce)
+        raised = time.monotonic()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert finished and finished[0] <= raised
+    assert target.stat().st_size == 10 << 20

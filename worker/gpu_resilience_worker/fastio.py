@@ -37,12 +37,29 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
-    """:return: the helper threads that hash while the caller does I/O."""
+    """:return: the helper threads that hash while the caller does I/O, all of them started."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
+            pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
+            # start every thread now, from this thread: a pool starts its threads one per
+            # submit, from the submitting thread, and one started inside a private write
+            # (forkguard.write_privately) would share that write's descriptor table, keeping a
+            # copy of every descriptor of the process open for as long as it lives
+            started = threading.Barrier(HASH_THREADS)
+            for future in [pool.submit(started.wait, 30.0) for _ in range(HASH_THREADS)]:
+                try:
+                    future.result()
+                except threading.BrokenBarrierError:
+                    pass
+            _POOL = pool
         return _POOL
+
+
+def start_hash_threads() -> None:
+    """Start the hashing threads now, in the calling thread, if they are not running yet (call it
+    before a write that hashes runs in :func:`~gpu_resilience_worker.forkguard.write_privately`)."""
+    _pool()
 
 
 #: Chunk digests a commit record may name: ``sha256`` (the records of earlier versions, which

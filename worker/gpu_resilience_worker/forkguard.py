@@ -1,4 +1,4 @@
-"""No ``os.fork()`` while a file is open for writing, so that no child can finalize it early.
+"""No child process may hold a file open for writing, so that none can finalize it early.
 
 The kernel sends a FUSE file system a flush at every ``close()`` of a descriptor, and a process
 forked while a file is open holds its own copy of that descriptor, closed when the child exits or
@@ -7,7 +7,16 @@ execs. Cloud Storage FUSE uploads (finalizes) a file at each flush, whoever send
 before the save ends would publish the checkpoint's first bytes as the object, and the writer's
 next write would then be a staged rewrite of the whole file (on Cloud Run, memory; ``EIO`` on
 the emulator's strict volume). The commit protocol never lets such an object count as a
-checkpoint; this guard keeps the upload whole.
+checkpoint; this module keeps the upload whole, in one of two ways.
+
+:func:`write_privately` (Linux, the default) opens and writes the file on a short-lived thread
+that first gives itself a descriptor table of its own (``unshare(CLONE_FILES)``): the file is in
+no other thread's table, so no child, however it starts (``os.fork()``, ``subprocess``, the
+``spawn`` and ``forkserver`` start methods of ``multiprocessing``), ever holds it, and no fork has
+to wait.
+
+Where ``unshare`` is refused (another kernel, a sandbox), or :data:`PRIVATE_FILES` is false, the
+write runs in the caller under :func:`writing`, the fallback below.
 
 :func:`writing` marks a file open for writing; an ``os.fork()`` meanwhile (``multiprocessing``'s
 ``fork`` start method, a ``DataLoader``'s workers) waits, in an :func:`os.register_at_fork` hook,
@@ -24,22 +33,28 @@ ends early, and the fork goes ahead, when
   exception cannot reach the code that forked; the guard stops waiting and warns;
 - :data:`FORK_WAIT_LIMIT_S` passes (with a :class:`RuntimeWarning`).
 
-Not covered, because they run no fork hooks: ``subprocess`` and the ``spawn`` and ``forkserver``
-start methods (the default of ``multiprocessing`` on Python 3.14 is ``forkserver``). Each starts
-a program, and the ``exec`` closes the inherited descriptor, which flushes it (see
-worker/README.md, "On Cloud Storage FUSE").
+Not covered by the fallback, because they run no fork hooks: ``subprocess`` and the ``spawn``
+and ``forkserver`` start methods (the default of ``multiprocessing`` on Python 3.14 is
+``forkserver``). Each starts a program, and the ``exec`` closes the inherited descriptor, which
+flushes it (see worker/README.md, "On Cloud Storage FUSE").
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - imported for its fork hook's place: see below
 import contextlib
+import ctypes
+import errno
 import logging  # noqa: F401 - imported for its fork hook's place: see below
 import os
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 #: Seconds an ``os.fork()`` waits at most for the open writes to end; after that it goes on (the
 #: file may then be staged, never torn: the commit record follows only a whole, closed file).
@@ -183,3 +198,112 @@ def forget_stop_check(check: Callable[[], bool]) -> None:
     """Remove a check added with :func:`stop_waiting_when` (no error when it is not there)."""
     with contextlib.suppress(ValueError):
         _GUARD.stop_checks.remove(check)
+
+
+#: Whether :func:`write_privately` gives its writes a descriptor table of their own (default
+#: true). False: every write runs in its caller under :func:`writing` (the fork-hook fallback).
+PRIVATE_FILES = True
+
+_CLONE_FILES = 0x400  # unshare(2): unshare the file descriptor table (linux/sched.h)
+_private_refused: int | None = None  # the errno of the first refused unshare; then no more tries
+_private = threading.local()
+
+
+def _unshare_files() -> int:
+    """Give the calling thread a descriptor table of its own (a copy of the one it shared).
+
+    :return: 0, or the ``errno`` of the refusal (``ENOSYS`` where there is no such call).
+    """
+    if hasattr(os, "unshare"):  # Python 3.12 and later
+        try:
+            os.unshare(_CLONE_FILES)
+        except OSError as exc:
+            return exc.errno or errno.EPERM
+        return 0
+    if not sys.platform.startswith("linux"):
+        return errno.ENOSYS
+    try:
+        unshare = ctypes.CDLL(None, use_errno=True).unshare
+    except (OSError, AttributeError):
+        return errno.ENOSYS
+    unshare.argtypes, unshare.restype = [ctypes.c_int], ctypes.c_int
+    return 0 if unshare(_CLONE_FILES) == 0 else (ctypes.get_errno() or errno.EPERM)
+
+
+def in_private_files() -> bool:
+    """:return: whether the calling thread runs in :func:`write_privately` with a descriptor
+    table of its own (a thread it starts would share that table, and keep it alive)."""
+    return getattr(_private, "active", False)
+
+
+def private_files_refused() -> int | None:
+    """:return: the ``errno`` with which ``unshare(CLONE_FILES)`` was refused in this process, or
+    ``None`` (not refused, or not tried yet)."""
+    return _private_refused
+
+
+def write_privately(function: Callable[[], _T]) -> _T:
+    """Run ``function``, which opens, writes and closes files, where no child process can ever
+    hold those files: on a new thread with a descriptor table of its own.
+
+    The caller waits for the thread and gets its result or its exception; its signal handlers
+    still run while it waits (the main thread's, for a SIGTERM). An exception one of them raises
+    reaches the caller once the thread has ended, so that nothing cleans up after a write still
+    going on; a second one meanwhile reaches it at once. ``function`` must close every
+    descriptor it opens and hand none to another thread (its numbers mean nothing there, or
+    another file), and start no threads (they would share its table). The table starts as a copy
+    of the process's: a descriptor another thread closes meanwhile is released when the write
+    ends.
+
+    Without ``unshare`` (see :func:`private_files_refused`), or with :data:`PRIVATE_FILES` false,
+    ``function`` runs in the calling thread under :func:`writing`: an ``os.fork()`` elsewhere
+    then waits for it, and a ``subprocess`` or a spawned process started meanwhile may still
+    finalize the file early.
+
+    :param function: a callable with no arguments.
+    :return: what ``function`` returns.
+    :raises BaseException: what ``function`` raises, re-raised in the caller.
+    """
+    if in_private_files():  # nested: the table is already this write's own
+        return function()
+    if not PRIVATE_FILES or _private_refused is not None:
+        with writing():
+            return function()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        global _private_refused
+        try:
+            refused = _unshare_files()
+            if refused:
+                if _private_refused is None:
+                    logging.getLogger(__name__).warning(
+                        "unshare(CLONE_FILES) refused (%s): files are written under the fork guard instead, "
+                        "and a subprocess or a spawned process started during a write may finalize it early "
+                        "on Cloud Storage FUSE", errno.errorcode.get(refused, refused))
+                _private_refused = refused
+                with writing():
+                    outcome["value"] = function()
+                return
+            _private.active = True
+            outcome["value"] = function()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            outcome["error"] = exc
+        finally:
+            ended.set()
+
+    ended = threading.Event()  # not Thread.join: an interrupted join marks the thread ended (bpo-45274)
+    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-write", daemon=True)
+    thread.start()
+    try:
+        ended.wait()  # interruptible: the caller's signal handlers run while it waits
+    except BaseException:
+        # a signal handler raised (KeyboardInterrupt): the write goes on regardless, so let it
+        # end before the caller cleans up after it (it would remove a file still being written);
+        # a second exception meanwhile leaves at once
+        ended.wait()
+        raise
+    error = outcome.pop("error", None)
+    if isinstance(error, BaseException):
+        raise error
+    return outcome["value"]  # type: ignore[return-value]

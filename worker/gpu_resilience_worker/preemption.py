@@ -55,7 +55,8 @@ class PreemptionWatcher:
     :attr:`started_at`, from which :func:`set_task_deadline` counts the task timeout, is the
     process's start (on :func:`time.monotonic`'s scale), not the watcher's creation.
 
-    :attr:`fork_reserve_seconds` (default 2): while installed, an ``os.fork()`` waiting for a
+    :attr:`fork_reserve_seconds` (default 2; it matters only where writes fall back to the fork
+    guard, without ``unshare``): while installed, an ``os.fork()`` waiting for a
     checkpoint write (:mod:`gpu_resilience_worker.forkguard`) keeps waiting after a stop request,
     so that the save in flight, or the final save, can still commit; it gives way once no more
     than this many seconds are left before the expected kill, so that the forking code can

@@ -12,7 +12,7 @@ import os
 import stat
 from typing import BinaryIO, Callable, Protocol, Union
 
-from gpu_resilience_worker import forkguard
+from gpu_resilience_worker import fastio, forkguard
 
 #: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an
 #: unbuffered binary file (so big checkpoints stream to storage without an in-memory copy).
@@ -74,8 +74,14 @@ class LocalStorage:
         its start (an existing file is deleted first, never truncated or overwritten in place).
         Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails.
 
+        The file is opened, written and closed on a thread with a descriptor table of its own
+        (:func:`~gpu_resilience_worker.forkguard.write_privately`), so that no child process,
+        however started, holds a copy whose close would finalize it early; the caller waits.
+
         :param path: destination file.
-        :param data: the bytes to write, or a function writing them into the open file.
+        :param data: the bytes to write, or a function writing them into the open file (it runs
+            on that thread: it must keep neither the file nor its descriptor after it returns,
+            pass neither to another thread, nor start threads).
         :param atomic: write to ``path + ".tmp"`` first, then rename it over ``path``. The rename
             is only atomic on local disks; readers still validate the content.
         """
@@ -86,15 +92,21 @@ class LocalStorage:
             os.remove(target)
         except FileNotFoundError:
             pass
-        # no fork while the file is open: a child's close would finalize it early on GCS FUSE
-        with forkguard.writing(), open(target, "xb", buffering=0) as handle:
-            if callable(data):
-                data(handle)
-            else:
-                view = memoryview(data)
-                while view.nbytes:
-                    view = view[handle.write(view):]
-            os.fsync(handle.fileno())
+
+        def write_file() -> None:
+            with open(target, "xb", buffering=0) as handle:
+                if callable(data):
+                    data(handle)
+                else:
+                    view = memoryview(data)
+                    while view.nbytes:
+                        view = view[handle.write(view):]
+                os.fsync(handle.fileno())
+
+        if callable(data):  # a checkpoint's writer hashes on these threads: not started in there
+            fastio.start_hash_threads()
+        # no child process may hold the file: its close would finalize it early on GCS FUSE
+        forkguard.write_privately(write_file)
         if atomic:
             os.replace(target, path)
         _fsync_dir(folder)
