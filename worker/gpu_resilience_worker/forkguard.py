@@ -266,24 +266,30 @@ def write_privately(function: Callable[[], _T]) -> _T:
     """
     if in_private_files():  # nested: the table is already this write's own
         return function()
-    if not PRIVATE_FILES or _private_refused is not None:
-        with writing():
-            return function()
+    if PRIVATE_FILES and _private_refused is None:
+        wrote, value = _on_private_thread(function)
+        if wrote:
+            return value
+    with writing():
+        return function()
+
+
+def _on_private_thread(function: Callable[[], _T]) -> tuple[bool, _T | None]:
+    """Run ``function`` on a new thread that first unshares its descriptor table, and wait.
+
+    :return: ``(True, its result)``; ``(False, None)`` when ``unshare`` was refused (then it did
+        not run, and the refusal is remembered and logged).
+    :raises BaseException: what ``function`` raises.
+    """
     outcome: dict[str, object] = {}
+    ended = threading.Event()  # not Thread.join: an interrupted join marks the thread ended (bpo-45274)
 
     def run() -> None:
         global _private_refused
         try:
             refused = _unshare_files()
             if refused:
-                if _private_refused is None:
-                    logging.getLogger(__name__).warning(
-                        "unshare(CLONE_FILES) refused (%s): files are written under the fork guard instead, "
-                        "and a subprocess or a spawned process started during a write may finalize it early "
-                        "on Cloud Storage FUSE", errno.errorcode.get(refused, refused))
                 _private_refused = refused
-                with writing():
-                    outcome["value"] = function()
                 return
             _private.active = True
             outcome["value"] = function()
@@ -292,9 +298,7 @@ def write_privately(function: Callable[[], _T]) -> _T:
         finally:
             ended.set()
 
-    ended = threading.Event()  # not Thread.join: an interrupted join marks the thread ended (bpo-45274)
-    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-write", daemon=True)
-    thread.start()
+    threading.Thread(target=run, name=f"{threading.current_thread().name}-write", daemon=True).start()
     try:
         ended.wait()  # interruptible: the caller's signal handlers run while it waits
     except BaseException:
@@ -303,7 +307,13 @@ def write_privately(function: Callable[[], _T]) -> _T:
         # a second exception meanwhile leaves at once
         ended.wait()
         raise
-    error = outcome.pop("error", None)
+    error = outcome.get("error")
     if isinstance(error, BaseException):
         raise error
-    return outcome["value"]  # type: ignore[return-value]
+    if "value" not in outcome:
+        logging.getLogger(__name__).warning(
+            "unshare(CLONE_FILES) refused (%s): files are written under the fork guard instead, and a "
+            "subprocess or a spawned process started during a write may finalize it early on Cloud "
+            "Storage FUSE", errno.errorcode.get(_private_refused or 0, _private_refused))
+        return False, None
+    return True, outcome["value"]  # type: ignore[return-value]
