@@ -8,23 +8,12 @@ Pure: no I/O, no clients. :class:`GpuJobSpec` mirrors::
         --add-volume name=checkpoint-volume,type=cloud-storage,bucket=BUCKET \\
         --add-volume-mount volume=checkpoint-volume,mount-path=/checkpoints
 
-Sources of the rules (checked 2026):
-
-- GPU types and minimums: https://cloud.google.com/run/docs/configuring/jobs/gpu
-  (L4: at least 4 vCPU and 16 GiB; RTX PRO 6000 Blackwell, Preview: at least 20 vCPU and 80 GiB;
-  exactly one GPU per instance).
-- Retries: https://cloud.google.com/run/docs/configuring/max-retries (0-10, default 3, per task).
-- Task timeout: https://cloud.google.com/run/docs/configuring/task-timeout (maximum 168 h; GPU
-  task timeouts above 1 h are the Preview "long running GPU jobs" feature).
-- Job names: https://cloud.google.com/run/docs/create-jobs (lowercase letters, digits and
-  dashes, starting with a letter, not ending with a dash, at most 63 characters).
-- Bucket names: https://cloud.google.com/storage/docs/buckets#naming.
-- Reserved environment variables: https://cloud.google.com/run/docs/container-contract#jobs-env-vars.
+Every rule on a name, quantity or limit lives in :mod:`~airflow_gpu_resilience.cloud_run_rules`
+(with its source); this module applies them to one job and builds the message.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,21 +24,41 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 from google.protobuf import duration_pb2
 
+from airflow_gpu_resilience.cloud_run_rules import (
+    GA_GPU_TASK_TIMEOUT_SECONDS,
+    GPU_TYPES,
+    MAX_RETRIES_RANGE,
+    MAX_TASK_COUNT,
+    MAX_TASK_TIMEOUT_SECONDS,
+    RESERVED_ENV,
+    RESERVED_LABEL_PREFIXES,
+    check_range,
+    env_var_problem,
+    parse_cpu,
+    parse_memory_gib,
+    validate_bucket_name,
+    validate_job_name,
+)
 from airflow_gpu_resilience.mount_options import parse_mount_options
 
-#: Supported GPU types -> (minimum vCPU, minimum memory GiB, needs a preview launch stage).
-GPU_TYPES: Mapping[str, tuple[float, float, bool]] = {
-    "nvidia-l4": (4.0, 16.0, False),
-    "nvidia-rtx-pro-6000": (20.0, 80.0, True),
-}
-#: Maximum task attempt timeout, seconds (168 h).
-MAX_TASK_TIMEOUT_SECONDS = 168 * 3600
-#: GPU task timeouts above this many seconds are a Preview feature (launch stage BETA).
-GA_GPU_TASK_TIMEOUT_SECONDS = 3600
-#: Allowed ``max_retries`` range (inclusive).
-MAX_RETRIES_RANGE = (0, 10)
-#: Maximum tasks per execution.
-MAX_TASK_COUNT = 10_000
+__all__ = [
+    "CHECKPOINT_DIR_ENV",
+    "CHECKPOINT_VOLUME",
+    "GA_GPU_TASK_TIMEOUT_SECONDS",
+    "GPU_TYPES",
+    "MAX_RETRIES_RANGE",
+    "MAX_TASK_COUNT",
+    "MAX_TASK_TIMEOUT_SECONDS",
+    "RESERVED_ENV",
+    "TASK_TIMEOUT_ENV",
+    "GpuJobSpec",
+    "parse_cpu",
+    "parse_memory_gib",
+    "template_matches",
+    "validate_bucket_name",
+    "validate_job_name",
+]
+
 #: Name of the Cloud Storage volume that holds checkpoints.
 CHECKPOINT_VOLUME = "checkpoint-volume"
 #: Environment variable that tells the worker where the checkpoint root is.
@@ -57,134 +66,15 @@ CHECKPOINT_DIR_ENV = "CHECKPOINT_DIR"
 #: Environment variable that tells the worker its attempt's task timeout (seconds), so that it
 #: checkpoints and exits 143 shortly before Cloud Run stops it.
 TASK_TIMEOUT_ENV = "TASK_TIMEOUT_SECONDS"
-#: Environment variables Cloud Run sets itself; users cannot set them.
-RESERVED_ENV = frozenset(
-    {
-        "CLOUD_RUN_JOB",
-        "CLOUD_RUN_EXECUTION",
-        "CLOUD_RUN_TASK_INDEX",
-        "CLOUD_RUN_TASK_ATTEMPT",
-        "CLOUD_RUN_TASK_COUNT",
-    }
-)
-#: Label key prefixes Cloud Run rejects.
-RESERVED_LABEL_PREFIXES = (
-    "run.googleapis.com",
-    "cloud.googleapis.com",
-    "serving.knative.dev",
-    "autoscaling.knative.dev",
-)
 
-_JOB_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?$")
-_BUCKET_CHARS_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 _LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_QUANTITY_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>[KMGT]i?|k|m)?$")
-_MEMORY_UNITS = {
-    None: 1,
-    "k": 1000,
-    "K": 1000,
-    "M": 1000**2,
-    "G": 1000**3,
-    "T": 1000**4,
-    "Ki": 1024,
-    "Mi": 1024**2,
-    "Gi": 1024**3,
-    "Ti": 1024**4,
-}
-
-
-def parse_cpu(value: str) -> float:
-    """Parse a Cloud Run CPU limit (``"4"``, ``"4.5"``, ``"4000m"``) into vCPUs.
-
-    :param value: the CPU limit as Cloud Run accepts it.
-    :return: the number of vCPUs.
-    :raises ValueError: if the value is not a CPU quantity.
-    """
-    match = _QUANTITY_RE.match(str(value).strip())
-    if not match or match["unit"] not in (None, "m"):
-        raise ValueError(f"cpu={value!r} is not a CPU quantity; use e.g. '4', '8' or '4000m'")
-    number = float(match["num"])
-    return number / 1000 if match["unit"] == "m" else number
-
-
-def parse_memory_gib(value: str) -> float:
-    """Parse a Kubernetes-style memory quantity (``"16Gi"``, ``"16384Mi"``, ``"17G"``) into GiB.
-
-    :param value: the memory limit as Cloud Run accepts it.
-    :return: the amount in GiB (2**30 bytes).
-    :raises ValueError: if the value is not a memory quantity.
-    """
-    match = _QUANTITY_RE.match(str(value).strip())
-    if not match or match["unit"] == "m":
-        raise ValueError(f"memory={value!r} is not a memory quantity; use e.g. '16Gi' or '32Gi'")
-    return float(match["num"]) * _MEMORY_UNITS[match["unit"]] / 1024**3
-
-
-def validate_job_name(name: str) -> None:
-    """Check a Cloud Run job name: lowercase letters, digits and ``-``, at most 63 characters.
-
-    It must start with a letter and must not end with a dash (Cloud Run resource naming rules,
-    https://cloud.google.com/run/docs/create-jobs).
-
-    :param name: the job id, not the full resource name.
-    :raises ValueError: naming the rule that the name breaks.
-    """
-    if not isinstance(name, str) or not _JOB_NAME_RE.match(name):
-        raise ValueError(
-            f"name={name!r} is not a valid Cloud Run job name: use 1-63 lowercase letters, "
-            "digits and '-', starting with a letter and not ending with '-'"
-        )
-
-
-def validate_bucket_name(bucket: str) -> None:
-    """Check a Cloud Storage bucket name against the GCS naming rules.
-
-    Rules (https://cloud.google.com/storage/docs/buckets#naming): lowercase letters, digits,
-    ``-``, ``_`` and ``.``; starts and ends with a letter or digit; 3-63 characters, or up to 222
-    with dots where each dot-separated part is at most 63; not an IPv4 address; does not start
-    with ``goog`` and does not contain ``google`` (or the ``g00gle`` misspelling).
-
-    :param bucket: the bucket name, without ``gs://``.
-    :raises ValueError: naming the rule that the name breaks.
-    """
-    problem = _bucket_name_problem(bucket)
-    if problem:
-        raise ValueError(
-            f"checkpoint_bucket={bucket!r} is not a valid Cloud Storage bucket name: {problem}"
-        )
-
-
-def _bucket_name_problem(bucket: str) -> str | None:
-    if not isinstance(bucket, str) or not _BUCKET_CHARS_RE.match(bucket):
-        return (
-            "use lowercase letters, digits, '-', '_' and '.', starting and ending with a "
-            "letter or digit (no 'gs://' prefix)"
-        )
-    max_len = 222 if "." in bucket else 63
-    if not 3 <= len(bucket) <= max_len:
-        return f"length must be 3-{max_len} characters"
-    if any(len(part) > 63 or not part for part in bucket.split(".")):
-        return "each dot-separated part must be 1-63 characters"
-    try:
-        ipaddress.IPv4Address(bucket)
-        return "must not be an IP address"
-    except ValueError:
-        pass
-    if bucket.startswith("goog") or "google" in bucket or "g00gle" in bucket:
-        return "must not start with 'goog' or contain 'google'"
-    return None
-
-
-def _check_range(name: str, value: int, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is out of range: allowed integers are {low}-{high}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class GpuJobSpec:
-    """A Cloud Run job with one GPU per task and a Cloud Storage checkpoint volume.
+    """A Cloud Run job with one GPU per task (or, asked for by ``gpu_type=None``, none) and a
+    Cloud Storage checkpoint volume.
 
     Construction validates every field (see :meth:`validate`), so an invalid spec never exists.
 
@@ -199,12 +89,16 @@ class GpuJobSpec:
         turned into its string form.
     :param memory: memory limit (default ``"16Gi"``); at least the GPU type's minimum (GiB). A
         number means bytes.
-    :param gpu_type: one of :data:`GPU_TYPES` (default ``"nvidia-l4"``).
-    :param gpu_count: GPUs per instance; Cloud Run supports exactly 1 (default).
+    :param gpu_type: one of :data:`GPU_TYPES` (default ``"nvidia-l4"``), or ``None`` (an empty
+        rendered template too) for a CPU-only job, for example a smoke test on Cloud Run without
+        GPU quota: no GPU limit, no accelerator, no GPU minimums; a ``UserWarning`` states it.
+    :param gpu_count: GPUs per instance; Cloud Run supports exactly 1 (default). A CPU-only job
+        takes 1 (the default, ignored) or 0.
     :param gpu_zonal_redundancy: reserve failover capacity across zones (default ``False``, which
-        sets ``gpuZonalRedundancyDisabled=true`` like ``--no-gpu-zonal-redundancy``).
+        sets ``gpuZonalRedundancyDisabled=true`` like ``--no-gpu-zonal-redundancy``); must stay
+        ``False`` for a CPU-only job.
     :param task_timeout: per-attempt task timeout in seconds (default 3600); 1 to 604800 (168 h).
-        Above 3600 s the job uses the Preview launch stage (BETA).
+        Above 3600 s a GPU job uses the Preview launch stage (BETA).
     :param max_retries: Cloud Run retries per task, 0-10 (default 3). 0 emits a warning: a
         preempted task then fails its execution at once and only the operator's re-runs apply.
     :param task_count: tasks per execution, 1-10000 (default 1).
@@ -227,7 +121,7 @@ class GpuJobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cpu: str = "4"
     memory: str = "16Gi"
-    gpu_type: str = "nvidia-l4"
+    gpu_type: str | None = "nvidia-l4"
     gpu_count: int = 1
     gpu_zonal_redundancy: bool = False
     task_timeout: int = 3600
@@ -291,9 +185,9 @@ class GpuJobSpec:
                 f"task_timeout={self.task_timeout} s is out of range: allowed 1-"
                 f"{MAX_TASK_TIMEOUT_SECONDS} seconds (168 h)"
             )
-        _check_range("max_retries", self.max_retries, *MAX_RETRIES_RANGE)
-        _check_range("task_count", self.task_count, 1, MAX_TASK_COUNT)
-        _check_range("parallelism", self.parallelism, 0, MAX_TASK_COUNT)
+        check_range("max_retries", self.max_retries, *MAX_RETRIES_RANGE)
+        check_range("task_count", self.task_count, 1, MAX_TASK_COUNT)
+        check_range("parallelism", self.parallelism, 0, MAX_TASK_COUNT)
         self._validate_checkpoint()
         self._validate_env()
         self._validate_labels()
@@ -306,6 +200,13 @@ class GpuJobSpec:
             )
 
     def _validate_gpu(self) -> None:
+        if self.gpu_type is None:
+            if self.gpu_count not in (0, 1) or isinstance(self.gpu_count, bool):
+                raise ValueError(f"gpu_count={self.gpu_count!r}: a CPU-only job (gpu_type=None) takes 0 or 1 (ignored)")
+            if self.gpu_zonal_redundancy is not False:
+                raise ValueError("gpu_zonal_redundancy=True needs a GPU: it is invalid with gpu_type=None")
+            warnings.warn("gpu_type=None: a CPU-only job, with no GPU", UserWarning, stacklevel=5)
+            return
         if self.gpu_type not in GPU_TYPES:
             raise ValueError(f"gpu_type={self.gpu_type!r} is not supported; allowed: {sorted(GPU_TYPES)}")
         if self.gpu_count != 1:
@@ -314,7 +215,7 @@ class GpuJobSpec:
             raise ValueError(f"gpu_zonal_redundancy={self.gpu_zonal_redundancy!r} must be True or False")
 
     def _validate_resources(self) -> None:
-        min_cpu, min_gib, _ = GPU_TYPES[self.gpu_type]
+        min_cpu, min_gib, _ = GPU_TYPES[self.gpu_type] if self.gpu_type else (0.0, 0.0, False)
         if parse_cpu(self.cpu) < min_cpu:
             raise ValueError(
                 f"cpu={self.cpu!r} is below the {self.gpu_type} minimum of {min_cpu:g} vCPU"
@@ -352,12 +253,9 @@ class GpuJobSpec:
 
     def _validate_env(self) -> None:
         for key, value in self.env.items():
-            if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
-                raise ValueError(f"env name {key!r} is invalid: use letters, digits and '_'")
-            if key in RESERVED_ENV:
-                raise ValueError(f"env name {key!r} is reserved by Cloud Run: {sorted(RESERVED_ENV)}")
-            if not isinstance(value, str):
-                raise ValueError(f"env[{key!r}]={value!r} must be a string")
+            problem = env_var_problem(key, value)
+            if problem:
+                raise ValueError(f"env: {problem}")
         own = self.env.get(CHECKPOINT_DIR_ENV)
         if self.checkpoint_bucket and own is not None and own != self.checkpoint_mount_path:
             raise ValueError(
@@ -385,8 +283,11 @@ class GpuJobSpec:
     def needs_preview(self) -> bool:
         """Whether the job uses a Preview feature and so needs launch stage BETA.
 
-        True for a Preview GPU type (RTX PRO 6000) or a GPU task timeout above 3600 s.
+        True for a Preview GPU type (RTX PRO 6000) or a GPU task timeout above 3600 s; never for
+        a CPU-only job (its task timeout up to 168 h is generally available).
         """
+        if self.gpu_type is None:
+            return False
         return GPU_TYPES[self.gpu_type][2] or self.task_timeout > GA_GPU_TASK_TIMEOUT_SECONDS
 
     def container_env(self) -> dict[str, str]:
@@ -411,15 +312,19 @@ class GpuJobSpec:
             job.launch_stage = launch_stage_pb2.LaunchStage.BETA
         return job
 
+    def _limits(self) -> dict[str, str]:
+        limits = {"cpu": self.cpu, "memory": self.memory}
+        if self.gpu_type:
+            limits["nvidia.com/gpu"] = str(self.gpu_count)
+        return limits
+
     def _execution_template(self) -> run_v2.ExecutionTemplate:
         container = run_v2.Container(
             image=self.image,
             command=list(self.command),
             args=list(self.args),
             env=[run_v2.EnvVar(name=k, value=v) for k, v in self.container_env().items()],
-            resources=run_v2.ResourceRequirements(
-                limits={"cpu": self.cpu, "memory": self.memory, "nvidia.com/gpu": str(self.gpu_count)}
-            ),
+            resources=run_v2.ResourceRequirements(limits=self._limits()),
         )
         volumes = []
         if self.checkpoint_bucket:
@@ -435,9 +340,10 @@ class GpuJobSpec:
             volumes=volumes,
             max_retries=self.max_retries,
             timeout=duration_pb2.Duration(seconds=self.task_timeout),
-            node_selector=run_v2.NodeSelector(accelerator=self.gpu_type),
-            gpu_zonal_redundancy_disabled=not self.gpu_zonal_redundancy,
         )
+        if self.gpu_type:
+            task.node_selector = run_v2.NodeSelector(accelerator=self.gpu_type)
+            task.gpu_zonal_redundancy_disabled = not self.gpu_zonal_redundancy
         if self.service_account:
             task.service_account = self.service_account
         return run_v2.ExecutionTemplate(task_count=self.task_count, parallelism=self.parallelism, template=task)

@@ -63,9 +63,11 @@ def spec(**overrides) -> GpuJobSpec:
         ({"checkpoint_mount_path": "/"}, r"must be an absolute path other than '/'"),
         ({"task_count": 0}, r"task_count=0 is out of range: allowed integers are 1-10000"),
         ({"parallelism": -1}, r"parallelism=-1 is out of range"),
-        ({"env": {"CLOUD_RUN_TASK_INDEX": "3"}}, r"env name 'CLOUD_RUN_TASK_INDEX' is reserved by Cloud Run"),
-        ({"env": {"1X": "3"}}, r"env name '1X' is invalid"),
-        ({"env": {"X": 3}}, r"env\['X'\]=3 must be a string"),
+        ({"env": {"CLOUD_RUN_TASK_INDEX": "3"}}, r"env: name 'CLOUD_RUN_TASK_INDEX' is reserved by Cloud Run"),
+        ({"env": {"A=B": "3"}}, r"env: name 'A=B' must not contain '=' or NUL"),
+        ({"env": {"": "3"}}, r"env: name '' must be a non-empty string"),
+        ({"env": {"X": "a\x00b"}}, r"env: value of 'X' must not contain NUL"),
+        ({"env": {"X": 3}}, r"env: value 3 of 'X' must be a string"),
         ({"env": {"CHECKPOINT_DIR": "/elsewhere"}}, r"contradicts checkpoint_mount_path='/checkpoints'"),
         ({"env": {"TASK_TIMEOUT_SECONDS": "10"}}, r"env\[.TASK_TIMEOUT_SECONDS.\]=.10. contradicts task_timeout=3600; leave it unset"),
         ({"labels": {"run.googleapis.com/x": "y"}}, r"uses a prefix Cloud Run reserves"),
@@ -236,3 +238,37 @@ def test_mount_options_reach_the_volume_and_bad_ones_are_refused_naming_the_para
         spec(mount_options=["implicit-dirs=true", "implicit-dirs"])
     with pytest.raises(ValueError, match="must be a list of strings"):
         spec(mount_options="implicit-dirs")
+
+
+def test_cpu_only_spec_is_stated_and_asks_for_no_gpu():
+    with pytest.warns(UserWarning, match=r"gpu_type=None: a CPU-only job, with no GPU"):
+        cpu_only = spec(gpu_type=None, cpu="1", memory="512Mi", task_timeout=24 * 3600)
+    job = cpu_only.to_job()
+    task = job.template.template
+    assert dict(task.containers[0].resources.limits) == {"cpu": "1", "memory": "512Mi"}
+    assert "node_selector" not in task and "gpu_zonal_redundancy_disabled" not in task
+    assert cpu_only.needs_preview is False
+    assert job.launch_stage == launch_stage_pb2.LaunchStage.LAUNCH_STAGE_UNSPECIFIED
+    assert not template_matches(job, spec().to_job())  # a GPU job is another template
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"gpu_count": 2}, r"gpu_count=2: a CPU-only job \(gpu_type=None\) takes 0 or 1"),
+        ({"gpu_zonal_redundancy": True}, r"gpu_zonal_redundancy=True needs a GPU"),
+    ],
+)
+def test_cpu_only_spec_refuses_gpu_settings(overrides, match):
+    with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec(gpu_type=None, **overrides)
+
+
+def test_validators_name_the_callers_parameter():
+    from airflow_gpu_resilience.cloud_run_rules import validate_job_name
+
+    with pytest.raises(ValueError, match=r"^job_name='Bad' is not a valid Cloud Run job name"):
+        validate_job_name("Bad", "job_name")
+    with pytest.raises(ValueError, match=r"^bucket='ab' is not a valid Cloud Storage bucket name"):
+        validate_bucket_name("ab", "bucket")

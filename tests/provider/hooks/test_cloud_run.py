@@ -316,3 +316,16 @@ def test_delete_job_when_idle_keeps_a_job_that_is_not_ours_and_checks_its_argume
         hook.delete_job_when_idle(job_name=job_name, region=REGION, wait_seconds=-1)
     with pytest.raises(ValueError, match="poll_interval must be > 0"):
         hook.delete_job_when_idle(job_name=job_name, region=REGION, poll_interval=0)
+
+
+def test_a_cpu_only_job_deploys_and_runs_without_a_gpu(hook, job_name):
+    with pytest.warns(UserWarning, match="CPU-only"):
+        cpu_only = spec(job_name, gpu_type=None, cpu="1", memory="512Mi", task_timeout=24 * 3600)
+    job, action = hook.create_or_update_job(job_name=job_name, job=cpu_only, region=REGION)
+    assert action == "created"
+    task = job.template.template
+    assert "nvidia.com/gpu" not in task.containers[0].resources.limits and not task.node_selector.accelerator
+    _, execution = hook.run_job(job_name=job_name, region=REGION)
+    final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=60)
+    assert execution_state(final) is ExecutionState.SUCCEEDED
+    assert hook.create_or_update_job(job_name=job_name, job=cpu_only, region=REGION)[1] == "unchanged"
