@@ -33,7 +33,16 @@ if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
 fi
 echo "system_packages.sh: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null || {
-    apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+# Another package manager (unattended-upgrades, a second install) may hold apt's locks: wait for
+# them up to APT_LOCK_TIMEOUT seconds (default 600) instead of failing at once (apt's
+# DPkg::Lock::Timeout option, apt 1.9.11 or newer).
+lock_timeout=${APT_LOCK_TIMEOUT:-600}
+if ! [[ $lock_timeout =~ ^[0-9]+$ ]]; then
+    echo "system_packages.sh: APT_LOCK_TIMEOUT=$lock_timeout: use a whole number of seconds" >&2
+    exit 2
+fi
+apt=(apt-get -q -o "DPkg::Lock::Timeout=$lock_timeout")
+"${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null || {
+    "${apt[@]}" update >/dev/null
+    "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null
 }
