@@ -25,18 +25,13 @@ from google.cloud import run_v2
 
 from . import validation
 from .exceptions import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from .models import Execution, Job, Operation, Task, utcnow
+from .models import Execution, Job, Operation, Task, copy_message, utcnow
+from .overrides import apply_overrides
 from .runtime import RuntimeConfig
 from .supervisor import ExecutionSupervisor
 
 NAME = re.compile(r"^projects/(?P<p>[^/]+)/locations/(?P<l>[^/]+)(?:/|$)")
 _ALNUM = string.ascii_lowercase + string.digits
-
-
-def copy_message(msg):
-    """A deep copy of a proto-plus message."""
-    cls = type(msg)
-    return cls.deserialize(cls.serialize(msg))
 
 
 def paginate(items: list, page_size: int, page_token: str) -> tuple:
@@ -235,7 +230,7 @@ class CloudRunBackend:
         with self.cond:
             job = self._get(self.jobs, name, "Job")
             self._check_etag(job, etag)
-            template, task_count = self._apply_overrides(job.spec.template, overrides)
+            template, task_count = apply_overrides(job.spec.template, overrides)
             preview = validation.validate_task_template(template, self.registry.config.gcs.bucket_exists)
             if preview and job.launch_stage not in validation.PREVIEW:  # e.g. a GPU timeout override over 1 h
                 raise InvalidArgument(f"overrides: {preview} is a Preview feature, and the job's launch stage is GA; "
@@ -265,39 +260,6 @@ class CloudRunBackend:
         op.done = True
         if execution.failure_message and execution.state.name == "FAILED":
             op.error = (self.registry.config.policy.failed_execution_code, execution.failure_message)
-
-    @staticmethod
-    def _apply_overrides(template: run_v2.ExecutionTemplate, overrides) -> tuple:
-        """Effective TaskTemplate and task count: args replace, env merges, clearArgs clears."""
-        task_template = copy_message(template.template)
-        task_count = template.task_count or 1
-        if overrides is None:
-            return task_template, task_count
-        for i, override in enumerate(overrides.container_overrides):
-            container = CloudRunBackend._override_target(task_template, override.name, i)
-            if override.clear_args:
-                del container.args[:]
-            elif override.args:
-                container.args = list(override.args)
-            env = {e.name: e for e in container.env}
-            env.update({e.name: e for e in override.env})
-            container.env = list(env.values())
-        if overrides.task_count < 0:
-            raise InvalidArgument("overrides.task_count: must be >= 1.")
-        if overrides.task_count:
-            task_count = overrides.task_count
-        if "timeout" in overrides:
-            task_template.timeout = overrides.timeout
-        return task_template, task_count
-
-    @staticmethod
-    def _override_target(task_template: run_v2.TaskTemplate, name: str, i: int):
-        if not name:
-            return task_template.containers[0]
-        for container in task_template.containers:
-            if container.name == name:
-                return container
-        raise InvalidArgument(f"overrides.container_overrides[{i}].name: no container named '{name}'.")
 
     def _new_execution(self, job: Job, template: run_v2.TaskTemplate, task_count: int) -> Execution:
         short_job = job.name.rsplit("/", 1)[-1]

@@ -30,6 +30,12 @@ PREEMPTION_MESSAGE = (
 EXIT_ERROR_MESSAGE = "The container exited with an error."
 
 
+def copy_message(msg):
+    """A deep copy of a proto-plus message (a job's spec, an execution's template)."""
+    cls = type(msg)
+    return cls.deserialize(cls.serialize(msg))
+
+
 def utcnow() -> dt.datetime:
     """Current time, timezone-aware UTC."""
     return dt.datetime.now(dt.timezone.utc)

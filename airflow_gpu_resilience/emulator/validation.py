@@ -18,7 +18,16 @@ from its documentation, not confirmed):
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
   without ``..``; an env value, arg or command element under a GCS mount path does not lead out
   of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
-- labels/annotations in reserved namespaces (``run.googleapis.com`` etc.) are rejected.
+- labels/annotations in reserved namespaces (``run.googleapis.com`` etc.) are rejected;
+- environment variables (in the template and in RunJob's ``containerOverrides``): at most 1000
+  per container (Cloud Run's documented maximum); a name is required, at most 32768 characters
+  (the ``EnvVar`` proto), not one of the ``CLOUD_RUN_*`` names Cloud Run sets in each task (its
+  container runtime contract reserves them), without ``=`` or NUL; a value at most 32768 bytes
+  (the proto) without NUL. ``NAME=VALUE`` strings ending in NUL are what a process receives, so
+  such a variable cannot be passed on at all; Cloud Run's own message for it is unconfirmed. The
+  same holds for NUL in ``command`` and ``args`` elements (inferred: they are ``execve`` strings);
+- RunJob's ``taskCount`` override: 0 (not set) or 1 to 10,000, Cloud Run's limit of tasks per
+  execution, as in the job (:func:`validate_overrides`).
 
 Not validated: CPU/memory values beyond the GPU minimums, ports, probes, service accounts.
 """
@@ -127,6 +136,69 @@ def timeout_seconds(template: run_v2.TaskTemplate) -> float:
 
 #: Cloud Run's limit on tasks per execution (the ``--tasks`` range is 1 to 10,000).
 MAX_TASK_COUNT = 10_000
+#: The variables Cloud Run sets in every task (its container runtime contract); a job may not set them.
+RESERVED_ENV = ("CLOUD_RUN_JOB", "CLOUD_RUN_EXECUTION", "CLOUD_RUN_TASK_INDEX", "CLOUD_RUN_TASK_ATTEMPT",
+                "CLOUD_RUN_TASK_COUNT")
+#: Environment variables per container (Cloud Run's documented maximum).
+MAX_ENV_VARS = 1000
+#: Longest environment variable name (characters) and value (UTF-8 bytes), from the ``EnvVar`` proto.
+MAX_ENV_NAME, MAX_ENV_VALUE_BYTES = 32768, 32768
+
+
+def validate_env(env, field: str) -> None:
+    """Refuse environment variables Cloud Run refuses, or that no process could receive.
+
+    :param env: the ``EnvVar`` messages of one container (or of one container override).
+    :param field: their path in error messages, e.g. ``job.template.template.containers[0].env``.
+    :raises InvalidArgument: naming the variable's field (``...env[2].name``), the rule and the
+        allowed values (see the module docstring for the rules and their sources).
+    """
+    if len(env) > MAX_ENV_VARS:
+        raise InvalidArgument(f"{field}: {len(env)} variables; at most {MAX_ENV_VARS} are allowed per container.")
+    for i, var in enumerate(env):
+        name, where = var.name, f"{field}[{i}]"
+        if not name or "=" in name or "\0" in name or len(name) > MAX_ENV_NAME:
+            raise InvalidArgument(
+                f"{where}.name: {name!r} is not a valid environment variable name: it must be 1 to "
+                f"{MAX_ENV_NAME} characters without '=' or NUL.")
+        if name in RESERVED_ENV:
+            raise InvalidArgument(
+                f"{where}.name: {name!r} is reserved: Cloud Run sets {', '.join(RESERVED_ENV)} in every task.")
+        value = var.value if "value" in var else ""
+        if "\0" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_ENV_VALUE_BYTES:
+            raise InvalidArgument(
+                f"{where}.value: the value of {name!r} must be at most {MAX_ENV_VALUE_BYTES} bytes without NUL.")
+
+
+def validate_argv(container, field: str) -> None:
+    """Refuse a ``command`` or ``args`` element holding NUL (no process can be given it).
+
+    :param container: a ``Container`` or a container override (``args`` only).
+    :param field: its path in error messages.
+    :raises InvalidArgument: naming the element, e.g. ``...containers[0].args[1]``.
+    """
+    for kind in ("command", "args"):
+        for i, part in enumerate(getattr(container, kind, ())):
+            if "\0" in part:
+                raise InvalidArgument(f"{field}.{kind}[{i}]: {part!r} contains NUL, which no process can be given.")
+
+
+def validate_overrides(overrides: run_v2.RunJobRequest.Overrides) -> None:
+    """Check RunJob's overrides on their own, before they are applied to the job's template
+    (which is then checked whole by :func:`validate_task_template`).
+
+    :param overrides: the request's overrides.
+    :raises InvalidArgument: naming the field as the request spells it
+        (``overrides.container_overrides[0].env[1].name``, ``overrides.task_count``).
+    """
+    for i, override in enumerate(overrides.container_overrides):
+        field = f"overrides.container_overrides[{i}]"
+        validate_env(override.env, f"{field}.env")
+        validate_argv(override, field)
+    if not 0 <= overrides.task_count <= MAX_TASK_COUNT:
+        raise InvalidArgument(
+            f"overrides.task_count: must be between 1 and {MAX_TASK_COUNT} (Cloud Run's limit of tasks per "
+            f"execution; 0 or unset keeps the job's), got {overrides.task_count}.")
 
 
 def check_enum_values(message, prefix: str) -> None:
@@ -269,6 +341,8 @@ def _validate_containers(template: run_v2.TaskTemplate) -> str:
         field = f"{TT}.containers[{c}]"
         if not container.image:
             raise InvalidArgument(f"{field}.image: an image is required.")
+        validate_env(container.env, f"{field}.env")
+        validate_argv(container, field)
         limits = dict(container.resources.limits)
         for key in limits:
             if key not in ("cpu", "memory", GPU_KEY):

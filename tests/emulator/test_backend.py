@@ -19,6 +19,7 @@ from airflow_gpu_resilience.emulator.exceptions import (
 )
 from airflow_gpu_resilience.emulator.faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 from airflow_gpu_resilience.emulator.images import ImageTable
+from airflow_gpu_resilience.emulator.overrides import apply_overrides
 from airflow_gpu_resilience.emulator.models import (
     TASK_TRANSITIONS, ExecutionState, TaskState, transition,
 )
@@ -100,15 +101,15 @@ def test_overrides_replace_args_merge_env_and_clear():
     overrides = run_v2.RunJobRequest.Overrides(
         container_overrides=[{"args": ["y"], "env": [{"name": "B", "value": "3"}]}], task_count=4,
         timeout={"seconds": 30})
-    task_template, count = CloudRunBackend._apply_overrides(template, overrides)
+    task_template, count = apply_overrides(template, overrides)
     container = task_template.containers[0]
     assert list(container.args) == ["y"] and {e.name: e.value for e in container.env} == {"A": "1", "B": "3"}
     assert count == 4 and task_template.timeout.total_seconds() == 30
-    cleared, _ = CloudRunBackend._apply_overrides(
+    cleared, _ = apply_overrides(
         template, run_v2.RunJobRequest.Overrides(container_overrides=[{"clear_args": True}]))
     assert list(cleared.containers[0].args) == [] and list(template.template.containers[0].args) == ["x"]
     with pytest.raises(InvalidArgument, match="container_overrides"):
-        CloudRunBackend._apply_overrides(
+        apply_overrides(
             template, run_v2.RunJobRequest.Overrides(container_overrides=[{"name": "other"}]))
 
 
