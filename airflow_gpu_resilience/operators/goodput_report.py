@@ -1,9 +1,11 @@
 """Build the goodput account of an execute-operator run from Cloud Run's tasks and the worker's files.
 
 The glue between :mod:`airflow_gpu_resilience.goodput` (pure) and the hooks: Cloud Run gives
-each task's latest attempt's ``start_time``/``completion_time`` (earlier attempts of the same
-execution keep no times in the API); the worker's ``goodput-{execution}-{attempt}.json`` gives the
-rest. Best effort: a read that fails leaves the attempt's events out, it never fails the task.
+each task's attempt count (``retried`` + 1), its ``scheduled_time`` and its latest attempt's
+``start_time``/``completion_time`` (earlier attempts of the same execution keep no times in the
+API: the account places them between their neighbours and bills them); the worker's
+``goodput-{execution}-{attempt}.json`` gives the rest. Best effort: a read that fails leaves the
+attempt's events out, it never fails the task.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def attempt_inputs(
 
     :param executions: ``(full execution name, its tasks)`` in run order.
     :param events: task index -> ``(execution short id, attempt)`` -> the worker's events.
-    :return: task index -> its attempts (attempts ``0..retried`` of each execution).
+    :return: task index -> its attempts (attempts ``0..retried`` of each execution), each with
+        its task's ``scheduled_time`` (else ``create_time``) in that execution as ``scheduled``.
     """
     inputs: dict[int, list[AttemptInput]] = {}
     for name, tasks in executions:
@@ -58,13 +61,14 @@ def attempt_inputs(
         for task in tasks:
             found = events.get(task.index, {})
             last = int(task.retried)
+            scheduled = _epoch(task.scheduled_time) or _epoch(task.create_time)
             for attempt in range(last + 1):
                 platform = attempt == last and task.start_time
                 inputs.setdefault(task.index, []).append(AttemptInput(
                     execution=short, attempt=attempt,
                     start=_epoch(task.start_time) if platform else None,
                     end=_epoch(task.completion_time) if platform else None,
-                    events=found.get((short, attempt)),
+                    events=found.get((short, attempt)), scheduled=scheduled,
                 ))
     return inputs
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from airflow_gpu_resilience.goodput import BUCKETS, AttemptInput, account_task, describe, format_table, total
@@ -63,6 +65,46 @@ CASES = {
         dict(productive=0.0, startup=8.0 + 7.0 + 6.0, restore=1.0, recovery_gap=4.0 + 5.0, span_seconds=31.0,
              gpu_seconds=8.0 + 8.0 + 6.0, goodput=0.0, unknown_attempts=0),
     ),
+    # Cloud Run keeps the times of a task's latest attempt only: attempts stopped in their start-up,
+    # before their worker wrote its events file, have no times of their own, yet they were billed
+    "attempts without events or times are billed between the scheduled time and the next start": (
+        [AttemptInput(E, 0, scheduled=0.0), AttemptInput(E, 1, scheduled=0.0), AttemptInput(E, 2, scheduled=0.0),
+         AttemptInput(E, 3, 9.0, 20.0, {"first_step_at": 10.0}, scheduled=0.0)],
+        dict(startup=9.0 + 1.0, productive=10.0, recovery_gap=0.0, span_seconds=20.0, gpu_seconds=20.0,
+             unknown_attempts=0, inferred_attempts=3),
+    ),
+    "attempts without events between two timed ones share the time between them": (
+        [AttemptInput(E, 0, None, None, {"process_start": 0.0, "first_step_at": 2.0, "ended_at": 10.0}),
+         AttemptInput(E, 1), AttemptInput(E, 2),
+         AttemptInput(E, 3, 16.0, 30.0, {"first_step_at": 17.0})],
+        dict(startup=2.0 + 6.0 + 1.0, productive=8.0 + 13.0, recovery_gap=0.0, span_seconds=30.0, gpu_seconds=30.0,
+             inferred_attempts=2),
+    ),
+    "a killed worker's attempt runs to the next start: the time after its last write is wasted": (
+        [AttemptInput(E, 0, None, None, {"process_start": 0.0, "first_step_at": 2.0, "updated_at": 8.0}),
+         AttemptInput(E, 1, 11.0, 20.0, {"first_step_at": 12.0})],
+        dict(startup=2.0 + 1.0, productive=6.0 + 8.0, wasted=3.0, recovery_gap=0.0, span_seconds=20.0,
+             gpu_seconds=20.0, inferred_attempts=0),
+    ),
+    "a worker that wrote its end proves the gap after it: not billed": (
+        [AttemptInput(E, 0, None, None, {"process_start": 0.0, "first_step_at": 2.0, "ended_at": 8.0}),
+         AttemptInput(E, 1, 11.0, 20.0, {"first_step_at": 12.0})],
+        dict(wasted=0.0, recovery_gap=3.0, span_seconds=20.0, gpu_seconds=17.0),
+    ),
+    "ten preemptions, eight of them before the events file: every attempt billed": (
+        [AttemptInput("job-a", n, scheduled=100.0) for n in range(8)]
+        + [AttemptInput("job-a", 8, None, None, {"process_start": 140.0, "first_step_at": 143.0, "ended_at": 150.0},
+                        scheduled=100.0),
+           AttemptInput("job-a", 9, None, None, {"process_start": 150.5, "first_step_at": 153.0, "ended_at": 155.0},
+                        scheduled=100.0),
+           AttemptInput("job-a", 10, 155.2, 161.6, {"first_step_at": 157.0}, scheduled=100.0)],
+        dict(startup=40.0 + 3.0 + 2.5 + 1.8, recovery_gap=0.5 + 0.2, span_seconds=61.6, gpu_seconds=60.9,
+             inferred_attempts=8, unknown_attempts=0),
+    ),
+    "no scheduled time: attempts before the first timed one cannot be placed": (
+        [AttemptInput(E, 0), AttemptInput(E, 1, 5.0, 9.0, None)],
+        dict(startup=4.0, span_seconds=4.0, gpu_seconds=4.0, unknown_attempts=1, inferred_attempts=0),
+    ),
     "garbage in the events file: wrong types, NaN, negatives, not a mapping": (
         [AttemptInput(E, 0, 0.0, 10.0, {"first_step_at": "2", "restore_start": float("nan"), "restore_end": 3.0,
                                          "save_blocking_seconds": float("inf"), "steps_recomputed": -4,
@@ -97,6 +139,43 @@ def test_total_table_and_bad_input():
     assert table.splitlines()[0].split()[:7] == ["task", *BUCKETS] and table.splitlines()[-1].startswith("  all")
     with pytest.raises(ValueError, match="gpus_per_task"):
         account_task(0, [], gpus_per_task=-1)
+
+
+#: (bucket seconds, the table's whole percentages): the shares shown add up to exactly 100 %
+#: (largest remainder); rounding each share alone showed 99 % or 101 % for these.
+SHARES = {
+    "three equal thirds (each alone: 33 %)": ([1.0, 1.0, 1.0, 0.0, 0.0, 0.0], [34, 33, 33, 0, 0, 0]),
+    "six equal sixths (each alone: 17 %, 102 %)": ([1.0] * 6, [17, 17, 17, 17, 16, 16]),
+    "a failed task's account (each alone: 8 + 59 + 4 + 0 + 28 + 0 = 99 %)": (
+        [5.9, 44.6, 3.3, 0.2, 21.4, 0.3], [8, 59, 4, 0, 28, 1]),
+    "one bucket": ([0.0, 12.5, 0.0, 0.0, 0.0, 0.0], [0, 100, 0, 0, 0, 0]),
+    "nothing": ([0.0] * 6, [0] * 6),
+}
+
+
+@pytest.mark.parametrize("seconds, expected", SHARES.values(), ids=SHARES.keys())
+def test_the_tables_shares_add_up_to_100(seconds, expected):
+    account = account_task(0, [])
+    account.update(dict(zip(BUCKETS, seconds)), span_seconds=sum(seconds))
+    [_, row] = format_table([account]).splitlines()
+    shown = [int(p) for p in re.findall(r"(?<![\d.])(\d+)%", row)]
+    assert shown == expected
+    assert sum(shown) == (100 if sum(seconds) else 0)
+
+
+@pytest.mark.parametrize("seconds, expected", SHARES.values(), ids=SHARES.keys())
+def test_shares(seconds, expected):
+    from airflow_gpu_resilience.goodput import shares
+
+    assert shares(seconds) == expected
+
+
+@pytest.mark.parametrize("bad", [[-1.0, 2.0], [float("nan")], [float("inf"), 1.0], ["3"]])
+def test_shares_refuse_what_is_not_an_amount(bad):
+    from airflow_gpu_resilience.goodput import shares
+
+    with pytest.raises(ValueError, match=r"^values=.* must all be finite numbers >= 0$"):
+        shares(bad)
 
 
 HEADLINES = {
@@ -139,20 +218,31 @@ def test_headline_of_several_tasks_and_of_none():
 
 P = {"step_seconds": 0.5, "save_blocking_seconds": 0.0}
 UNFINISHED = {
+    # attempt 1 recomputed 10 steps (wasted) and added 10 that no checkpoint kept: none of its
+    # training seconds, its steps' measured time or the rest, was productive
     "the last attempt's steps past the newest commit are wasted, once": (
         [AttemptInput(E, 0, 0.0, 50.0, {**P, "first_step_at": 5.0, "resumed_from_step": 0, "steps": 90}),
          AttemptInput(E, 1, 60.0, 100.0, {**P, "first_step_at": 70.0, "resumed_from_step": 80, "steps": 20,
                                            "steps_recomputed": 10})],
-        90, dict(productive=45.0 + 20.0, wasted=5.0 + 5.0, steps_recomputed=10, steps_uncommitted=10),
+        90, dict(productive=45.0, wasted=5.0 + 25.0, steps_recomputed=10, steps_uncommitted=10),
     ),
-    "the last attempt never trained: the one before lost its uncommitted steps": (
+    "the last attempt never trained: the one before kept the share of its steps committed": (
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40}),
          AttemptInput(E, 1, 40.0, 50.0, {"process_start": 40.0})],
-        30, dict(productive=28.0 - 5.0, wasted=5.0, startup=2.0 + 10.0, steps_uncommitted=10),
+        30, dict(productive=28.0 * 30 / 40, wasted=28.0 * 10 / 40, startup=2.0 + 10.0, steps_uncommitted=10),
     ),
-    "no checkpoint ever committed: every step of the last attempt": (
+    "no checkpoint ever committed: no productive second, whatever the step time says": (
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
-        0, dict(productive=8.0, wasted=20.0, steps_uncommitted=40),
+        0, dict(productive=0.0, wasted=28.0, steps_uncommitted=40, goodput=0.0),
+    ),
+    "no checkpoint, a killed worker's tail and an attempt without events: nothing productive, all billed": (
+        [AttemptInput(E, 0, None, None, {**P, "process_start": 0.0, "first_step_at": 2.0, "resumed_from_step": 0,
+                                          "steps": 10, "updated_at": 9.0}, scheduled=0.0),
+         AttemptInput(E, 1, scheduled=0.0),
+         AttemptInput(E, 2, 14.0, 20.0, {**P, "first_step_at": 15.0, "resumed_from_step": 0, "steps": 8,
+                                          "steps_recomputed": 10}, scheduled=0.0)],
+        0, dict(productive=0.0, startup=2.0 + 5.0 + 1.0, wasted=7.0 + 5.0, gpu_seconds=20.0, goodput=0.0,
+                inferred_attempts=1),
     ),
     "everything committed: nothing moves": (
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "resumed_from_step": 0, "steps": 40})],
@@ -166,9 +256,13 @@ UNFINISHED = {
                                           "steps_recomputed": 20})],
         0, dict(productive=0.0, wasted=10.0 + 5.0 + 3.0, steps_recomputed=40, steps_uncommitted=20),
     ),
-    "no resumed step recorded: nothing can be said": (
+    "no resumed step recorded, no checkpoint: still nothing kept": (
         [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "steps": 40})],
-        0, dict(productive=28.0, wasted=0.0, steps_uncommitted=0),
+        0, dict(productive=0.0, wasted=28.0, steps_uncommitted=40),
+    ),
+    "no resumed step recorded: at most the committed steps are kept": (
+        [AttemptInput(E, 0, 0.0, 30.0, {**P, "first_step_at": 2.0, "steps": 40})],
+        20, dict(productive=14.0, wasted=14.0, steps_uncommitted=20),
     ),
 }
 
