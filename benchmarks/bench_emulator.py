@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     machine = common.machine_info()  # other work on the machine skews every number
     with tempfile.TemporaryDirectory(prefix="bench-emulator-") as tmp:
-        with EmulatorProcess(Path(tmp) / "emu", images_file=write_images(Path(tmp)), grace_seconds=1.0) as emu:
+        with EmulatorProcess(Path(tmp) / "emu", images_file=write_images(Path(tmp)), grace_seconds=1.0,
+                             max_task_processes=max(p for _, p in args.sizes)) as emu:  # parallelism is measured
             rows = [run_size(emu.endpoint, count, parallelism, args.task_seconds) for count, parallelism in args.sizes]
     machine.update(load_at_end=common.load(), system=platform.system(), cpus_usable=_cpus())
     print("\n".join(common.machine_lines(machine)) + "\n")

@@ -4,7 +4,7 @@ Start it::
 
     python -m airflow_gpu_resilience.emulator serve --port 8123 --gcs-port 9023 \\
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
-        [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] \\
+        [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] [--max-task-processes N] \\
         [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]] \\
         [--volumes auto|fuse|folder] [--fuse-strict]
 
@@ -62,8 +62,11 @@ Known differences from Cloud Run:
   gets ``status.code`` 14 and a maintenance message (the real text is unconfirmed).
 - Attempts start through ``setpriv --pdeathsig KILL`` (util-linux) when it exists, so they die
   with a hard-killed emulator; without it a ``preexec_fn`` does the same, more slowly. On two
-  cores 1,000 short tasks at parallelism 50 run at about 180 per second
-  (``benchmarks/bench_emulator.py``).
+  cores 1,000 short tasks at parallelism 50 (``--max-task-processes 50``) run at about 180 per
+  second (``benchmarks/bench_emulator.py``).
+- All tasks share one machine: at most ``--max-task-processes`` task processes run at once over
+  all executions (default twice the CPUs, at most 8); further tasks stay PENDING, as beyond
+  ``parallelism``. ``/_emulator/health`` reports the bound, the processes running and the peak.
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and
   ALREADY_EXISTS raises ``Conflict``. A failed execution's LRO carries gRPC code 9 (so

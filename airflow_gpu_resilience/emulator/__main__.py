@@ -1,7 +1,7 @@
 """Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
 
 ``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
-[--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
+[--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
 which); ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts
 a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`).
 
@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="whether a preempted attempt uses up one of maxRetries (default: yes)")
     serve.add_argument("--gpu-quota", type=int, default=0,
                        help="GPU task attempts running at once per project and location (0: unlimited)")
+    serve.add_argument("--max-task-processes", type=int, default=None,
+                       help="task processes running at once on this machine, over all executions; further "
+                            "tasks wait as pending (default: twice the CPUs, at most 8)")
     serve.add_argument("--preempt-every", type=float, default=0.0, metavar="MEAN_SECONDS",
                        help="seeded maintenance preemptions, exponential inter-arrival with this mean (0: off)")
     serve.add_argument("--preempt-seed", type=int, default=0, help="seed of the preemption schedule")
@@ -64,6 +67,7 @@ _POLICY_FLAGS = {
     "--task-start-delay": ("task_start_delay", "start_delay_seconds"),
     "--gpu-quota": ("gpu_quota", "gpu_quota"),
     "--failed-execution-code": ("failed_execution_code", "failed_execution_code"),
+    "--max-task-processes": ("max_task_processes", "max_task_processes"),
 }
 
 
@@ -74,6 +78,8 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     from .runtime import policy_value
 
     for flag, (dest, attr) in _POLICY_FLAGS.items():
+        if getattr(args, dest) is None:  # not given: the setting's default
+            continue
         try:
             policy_value(attr, getattr(args, dest))
         except ValueError as exc:
@@ -94,6 +100,8 @@ def main(argv=None) -> int:
         policy = RuntimePolicy(grace_seconds=args.grace_seconds, failed_execution_code=args.failed_execution_code,
                                start_delay_seconds=args.task_start_delay,
                                preemption_consumes_retry=args.preemption_consumes_retry, gpu_quota=args.gpu_quota)
+        if args.max_task_processes is not None:
+            policy.max_task_processes = args.max_task_processes
         plan = (PreemptionPlan(args.preempt_every, args.preempt_seed, name_prefix=args.preempt_prefix)
                 if args.preempt_every > 0 else None)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,

@@ -2,8 +2,10 @@
 namespace ``/_emulator``.
 
 Admin endpoints:
-- ``GET /_emulator/health`` -> ``{"status": "ok", "gcsEndpoint", "loggingRequests"}``
-  (``loggingRequests``: Cloud Logging ``entries:list`` requests served so far).
+- ``GET /_emulator/health`` -> ``{"status": "ok", "gcsEndpoint", "loggingRequests", "taskProcesses"}``
+  (``loggingRequests``: Cloud Logging ``entries:list`` requests served so far; ``taskProcesses``:
+  ``{"limit", "running", "peak"}``, the task processes running now and at most at once, over
+  all executions, under ``serve --max-task-processes``).
 - ``POST /_emulator/reset`` -> stop the preemption schedule and all executions and forget all
   resources; body ``{"gcs": true}`` also wipes the GCS emulator.
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
@@ -13,7 +15,7 @@ Admin endpoints:
   "namePrefix", "maxPreemptions"}`` starts (replaces) a seeded preemption schedule; ``GET``
   reports it and its preemptions, ``DELETE`` stops it (see :class:`~.faults.PreemptionSchedule`).
 - ``POST /_emulator/transitions`` with any of ``{"taskStartDelaySeconds",
-  "preemptionConsumesRetry", "graceSeconds", "gpuQuota"}`` -> the current values (runtime pacing; takes
+  "preemptionConsumesRetry", "graceSeconds", "gpuQuota", "maxTaskProcesses"}`` -> the current values (runtime pacing; takes
   effect for attempts started or stopped afterwards; ``graceSeconds`` is the default grace of
   preemption, timeout and cancel).
 - ``GET /_emulator/logs/{execution or task name}`` -> the attempts' combined logs (text).
@@ -187,7 +189,9 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/_emulator/health")
     def health():
-        return {"status": "ok", "gcsEndpoint": state.gcs.endpoint, "loggingRequests": state.logging_requests}
+        config = state.registry.config
+        return {"status": "ok", "gcsEndpoint": state.gcs.endpoint, "loggingRequests": state.logging_requests,
+                "taskProcesses": config.slots.describe(config.policy.max_task_processes)}
 
     @app.post("/_emulator/reset")
     async def reset(request: HttpRequest):
@@ -216,6 +220,12 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/_emulator/preempt")
     async def preempt(request: HttpRequest):
         return await run_in_threadpool(_preempt, state, await _json_body(request))
+
+    _add_report_routes(app, state)
+
+
+def _add_report_routes(app: FastAPI, state: AppState) -> None:
+    """What happened: attempts, logs, volumes."""
 
     @app.get("/_emulator/attempts/{name:path}")
     def attempts(name: str):
@@ -270,6 +280,7 @@ _TRANSITION_KEYS = {
     "preemptionConsumesRetry": ("preemption_consumes_retry", "bool"),
     "graceSeconds": ("grace_seconds", "float"),
     "gpuQuota": ("gpu_quota", "int"),
+    "maxTaskProcesses": ("max_task_processes", "int"),
 }
 
 

@@ -259,7 +259,8 @@ class CloudRunBackend:
     def _on_finish(self, op: Operation, execution: Execution) -> None:
         op.done = True
         if execution.failure_message and execution.state.name == "FAILED":
-            op.error = (self.registry.config.policy.failed_execution_code, execution.failure_message)
+            code = 13 if execution.failure_internal else self.registry.config.policy.failed_execution_code
+            op.error = (code, execution.failure_message)
 
     def _new_execution(self, job: Job, template: run_v2.TaskTemplate, task_count: int) -> Execution:
         short_job = job.name.rsplit("/", 1)[-1]

@@ -74,7 +74,7 @@ EXECUTION_TRANSITIONS = {
         ExecutionState.CANCELLING, ExecutionState.FAILING, ExecutionState.SUCCEEDED,
         ExecutionState.FAILED, ExecutionState.CANCELLED,
     },
-    ExecutionState.CANCELLING: {ExecutionState.CANCELLED},
+    ExecutionState.CANCELLING: {ExecutionState.CANCELLED, ExecutionState.FAILED},  # FAILED: its supervisor failed
     ExecutionState.FAILING: {ExecutionState.FAILED},
     ExecutionState.SUCCEEDED: set(),
     ExecutionState.FAILED: set(),
@@ -215,6 +215,7 @@ class Execution:
     state: ExecutionState = ExecutionState.RUNNING
     completion_time: Optional[dt.datetime] = None
     failure_message: str = ""
+    failure_internal: bool = False  # failed by the emulator itself (its supervisor), not by a task
     deleted: bool = False
 
     @property
@@ -252,7 +253,10 @@ class Execution:
             completed.message = f"Execution completed successfully; {self.task_count} task(s) succeeded."
         elif self.state is ExecutionState.FAILED:
             completed.state = Cond.State.CONDITION_FAILED
-            completed.execution_reason = Cond.ExecutionReason.NON_ZERO_EXIT_CODE
+            if self.failure_internal:
+                completed.reason = Cond.CommonReason.INTERNAL
+            else:
+                completed.execution_reason = Cond.ExecutionReason.NON_ZERO_EXIT_CODE
             completed.message = self.failure_message
         elif self.state is ExecutionState.CANCELLED:
             completed.state = Cond.State.CONDITION_FAILED

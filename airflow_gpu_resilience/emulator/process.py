@@ -55,13 +55,18 @@ class EmulatorProcess:
     :param grace_seconds: preemption/timeout/cancel grace in seconds (default 10).
     :param extra_args: more ``serve`` arguments.
     :param start_timeout: seconds to wait for the ready line (default 30).
+    :param max_task_processes: task processes running at once over all executions (``serve
+        --max-task-processes``; ``None``, the default: the emulator's default, see
+        :func:`~.runtime.default_max_task_processes`).
     """
 
     def __init__(self, data_dir, images_file=None, grace_seconds: float = 10.0, extra_args=(),
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, max_task_processes: Optional[int] = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
                       "--gcs-port", "0", "--data-dir", str(self.data_dir), "--grace-seconds", str(grace_seconds)]
+        if max_task_processes is not None:
+            self._argv += ["--max-task-processes", str(max_task_processes)]
         tables = images_file if isinstance(images_file, (list, tuple)) else [images_file]
         for table in (t for t in tables if t is not None):
             self._argv += ["--images", str(table)]
@@ -136,6 +141,11 @@ class EmulatorProcess:
     def preemption_schedule(self, stop: bool = False) -> dict:
         """The schedule's status and preemptions so far; ``stop=True`` stops it first."""
         return self._admin("DELETE" if stop else "GET", "/_emulator/preemptions/schedule", None)
+
+    def task_processes(self) -> dict:
+        """``{"limit", "running", "peak"}``: task processes allowed, running now and at most at
+        once so far, over all executions (``/_emulator/health``)."""
+        return self._admin("GET", "/_emulator/health", None)["taskProcesses"]
 
     def attempts(self, name: str) -> list:
         """Every ended attempt of an execution (or task): see ``/_emulator/attempts`` in :mod:`.app`."""

@@ -34,6 +34,7 @@ import ctypes.util
 import dataclasses
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -108,6 +109,10 @@ class RuntimePolicy:
     :param gpu_quota: GPU attempts that may run at once per project and location; further GPU
         tasks wait as pending (0, the default: unlimited). The real quota semantics are
         inferred: Cloud Run's behaviour when the quota is exceeded is not documented.
+    :param max_task_processes: task attempts running at once on this machine, across every
+        execution of the emulator; further tasks wait as pending, as beyond ``parallelism``
+        (default :func:`default_max_task_processes`). Cloud Run runs each task on an instance of
+        its own; here they share one machine, so the bound is the emulator's, not Cloud Run's.
     """
 
     grace_seconds: float = 10.0
@@ -116,6 +121,46 @@ class RuntimePolicy:
     start_delay_seconds: float = 0.0
     preemption_consumes_retry: bool = True
     gpu_quota: int = 0
+    max_task_processes: int = dataclasses.field(default_factory=lambda: default_max_task_processes())
+
+
+def default_max_task_processes() -> int:
+    """The default bound on task processes at once: twice the CPUs, at most 8 (at least 2).
+
+    A task here is a whole training process (a PyTorch worker takes hundreds of MB), not a
+    container on a machine of its own, so the bound follows a laptop's CPUs and stays small
+    whatever the job asks for: an execution of 10,000 tasks with ``parallelism`` 0 must not start
+    10,000 processes. Waiting tasks cost nothing; raise it with ``serve --max-task-processes``.
+    """
+    return max(2, min(2 * (os.cpu_count() or 1), 8))
+
+
+class ProcessSlots:
+    """How many task processes run (or are being started) on this machine, over all executions.
+
+    Not locked itself: the supervisors take and give slots holding the registry's lock. A slot
+    is taken when a pending task is claimed, before its process is spawned, and given back once
+    its process is reaped (or could not be started), so the bound holds for processes alive.
+    """
+
+    def __init__(self) -> None:
+        self.in_use = 0
+        self.peak = 0
+
+    def free(self, limit: int) -> int:
+        """Slots free under ``limit`` (0 when the bound was lowered below the processes running)."""
+        return max(0, limit - self.in_use)
+
+    def take(self) -> None:
+        self.in_use += 1
+        self.peak = max(self.peak, self.in_use)
+
+    def give(self, count: int = 1) -> None:
+        self.in_use -= count
+
+    def describe(self, limit: int) -> dict:
+        """``{"limit", "running", "peak"}`` (``/_emulator/health``'s ``taskProcesses``)."""
+        return {"limit": limit, "running": self.in_use, "peak": self.peak}
 
 
 #: The :class:`RuntimePolicy` settings a user sets (``serve`` flags, ``/_emulator/transitions``):
@@ -125,6 +170,7 @@ POLICY_LIMITS = {
     "start_delay_seconds": ("float", 0.0, 3600.0),
     "gpu_quota": ("int", 0, 1_000_000),
     "failed_execution_code": ("int", 1, 16),
+    "max_task_processes": ("int", 1, 10_000),
 }
 
 
@@ -158,6 +204,8 @@ class RuntimeConfig:
     :param policy: pacing and retry settings.
     :param mounts: the :class:`~.gcsfuse.VolumeMounts` that serve GCS volumes as FUSE mounts, or
         ``None`` for plain bucket folders.
+    :param slots: the task processes running on this machine (bounded by
+        ``policy.max_task_processes``).
     """
 
     data_dir: Path
@@ -165,6 +213,7 @@ class RuntimeConfig:
     gcs: object
     policy: RuntimePolicy = dataclasses.field(default_factory=RuntimePolicy)
     mounts: Optional[object] = None
+    slots: ProcessSlots = dataclasses.field(default_factory=ProcessSlots)
 
 
 def mount_map(template: run_v2.TaskTemplate, gcs, mounts=None) -> list:
@@ -224,6 +273,19 @@ class Attempt:
     stop_reason: Optional[str] = None  # "preempted" | "timeout" | "cancelled"
     kill_at: Optional[float] = None  # monotonic time SIGKILL is due
     started: dt.datetime = dataclasses.field(default_factory=utcnow)
+    pidfd: Optional[int] = None  # readable once the process has exited (Linux), see wait_for_exit
+
+    def __post_init__(self) -> None:
+        try:
+            self.pidfd = os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3, or the process is gone already
+            self.pidfd = None
+
+    def close(self) -> None:
+        """Release the process descriptor (after the process was reaped)."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the attempt's process group, ignoring a group already gone."""
@@ -253,6 +315,24 @@ class Attempt:
         if returncode < 0:
             return AttemptResult(2, f"The container was terminated by signal {-returncode}.", **code)
         return AttemptResult(2, "The container exited with an error.", **code)
+
+
+def wait_for_exit(attempts: list, timeout: float) -> None:
+    """Block until a process of ``attempts`` exits, or ``timeout`` seconds pass (just the
+    timeout when there is none, or one has no process descriptor), so that a supervisor reaps
+    an attempt and starts the next at once instead of at its next poll.
+
+    :param attempts: running :class:`Attempt` objects.
+    :param timeout: the longest wait (s).
+    """
+    fds = [a.pidfd for a in attempts]
+    if not fds or None in fds:
+        time.sleep(timeout)
+        return
+    try:
+        select.select(fds, [], [], timeout)
+    except (OSError, ValueError):  # a descriptor closed meanwhile (shutdown): the caller looks again
+        pass
 
 
 def task_env(task: Task, attempt: int, task_count: int, entry: ImageEntry, mounts: list) -> dict:

@@ -1,15 +1,24 @@
 """The per-execution supervisor thread: the only writer of an execution's state once created.
 
-Loop (every ``poll_seconds``, under the backend's lock): reap finished attempts, enforce
-timeouts and SIGKILL deadlines, stop work when cancelling or failing, claim pending tasks up to
-``parallelism``, and finish the execution when nothing runs any more. The claimed attempts'
+Loop (under the backend's lock): reap finished attempts, enforce timeouts and SIGKILL
+deadlines, stop work when cancelling or failing, claim pending tasks up to ``parallelism``, the
+GPU quota and the free local process slots (:class:`~.runtime.ProcessSlots`, shared by every
+execution), and finish the execution when nothing runs any more. The claimed attempts'
 processes are then spawned *outside* the lock (a fork-exec costs milliseconds, and a step may
-start dozens), and registered under it again. HTTP handlers only read, or post requests
-(cancel, preempt) that this loop carries out.
+start dozens), and registered under it again. Between steps the thread waits until an attempt's
+process exits or ``poll_seconds`` pass. HTTP handlers only read, or post requests (cancel,
+preempt) that this loop carries out. Memory per execution is its task records; threads and
+processes are bounded by executions and slots, not by ``taskCount``.
+
+Should the loop raise (an emulator bug, or an image table entry no process can be started
+with), the execution does not stay RUNNING: every attempt's process group is killed and reaped,
+running tasks fail and pending ones are cancelled, and the execution ends FAILED with the
+exception in its ``Completed`` condition (reason ``INTERNAL``).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import threading
@@ -20,7 +29,11 @@ from .models import (
     Execution, ExecutionState, TaskState, EXECUTION_TRANSITIONS, TASK_TRANSITIONS, TERMINAL_TASK, AttemptResult,
     transition, utcnow,
 )
-from .runtime import Attempt, RuntimeConfig, gcs_buckets, launch, uses_gpu
+from .runtime import Attempt, RuntimeConfig, gcs_buckets, launch, uses_gpu, wait_for_exit
+
+logger = logging.getLogger(__name__)
+#: ``status.code`` of an attempt that was running when its supervisor failed (INTERNAL).
+INTERNAL = 13
 
 
 class ExecutionSupervisor(threading.Thread):
@@ -48,6 +61,7 @@ class ExecutionSupervisor(threading.Thread):
         self.running: dict = {}  # task index -> Attempt
         self.starting: dict = {}  # task index -> attempt number, claimed but not yet spawned
         self._shutdown = False
+        self._first_pending = 0  # no task below this index is PENDING
 
     # --- requests from other threads (caller holds cond) -------------------------------
     def request_cancel(self) -> None:
@@ -77,10 +91,19 @@ class ExecutionSupervisor(threading.Thread):
                 pass
             attempt.signal_group(signal.SIGKILL)
             attempt.popen.wait()
+            attempt.close()
+        self.config.slots.give(len(self.running))
         self.running.clear()
 
     # --- the loop ------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # never leave the execution RUNNING with nobody to finish it
+            logger.exception("the supervisor of %s failed", self.execution.name)
+            self._abort(f"The emulator failed to run this execution: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
         while True:
             with self.cond:
                 if self._shutdown:
@@ -94,32 +117,37 @@ class ExecutionSupervisor(threading.Thread):
                 if self.execution.done:
                     return
                 claimed = [(self._task(i), n) for i, n in self.starting.items()]
+                running = list(self.running.values())
             if claimed:
                 self._spawn(claimed)
             else:
-                time.sleep(self.config.policy.poll_seconds)
+                wait_for_exit(running, self.config.policy.poll_seconds)
 
     def _task(self, index: int):
         return self.execution.tasks[index]
 
     def _spawn(self, claimed: list) -> None:
-        """Start the claimed attempts' processes without the lock, then register them."""
+        """Start the claimed attempts' processes without the lock, then register them (also
+        those started before a launch raised something unexpected, which then propagates)."""
         outcomes = []
-        for task, number in claimed:
-            try:
-                outcomes.append((task, launch(task, number, self.execution.task_count, self.config)))
-            except (LookupError, OSError) as exc:
-                outcomes.append((task, exc))
-        with self.cond:
-            for task, outcome in outcomes:
-                del self.starting[task.index]
-                self._register(task, outcome)
-            self.cond.notify_all()
+        try:
+            for task, number in claimed:
+                try:
+                    outcomes.append((task, launch(task, number, self.execution.task_count, self.config)))
+                except (LookupError, OSError) as exc:
+                    outcomes.append((task, exc))
+        finally:
+            with self.cond:
+                for task, outcome in outcomes:
+                    del self.starting[task.index]
+                    self._register(task, outcome)
+                self.cond.notify_all()
 
     def _register(self, task, outcome) -> None:
         """Record a spawned attempt (stopped at once if the execution is winding down or the
         emulator shutting down meanwhile), or the failure to spawn it."""
         if isinstance(outcome, (LookupError, OSError)):
+            self.config.slots.give()
             retryable = isinstance(outcome, OSError)  # an image not in the table is not retryable
             task.last_result = (AttemptResult(2, f"The container failed to start: {outcome}", exit_code=127)
                                 if retryable else AttemptResult(5, str(outcome)))
@@ -128,6 +156,8 @@ class ExecutionSupervisor(threading.Thread):
         elif self._shutdown:  # terminate() and reap() have run already: nobody else will reap it
             outcome.signal_group(signal.SIGKILL)
             outcome.popen.wait()
+            outcome.close()
+            self.config.slots.give()
         else:
             self.running[task.index] = outcome
             if self.execution.state in (ExecutionState.CANCELLING, ExecutionState.FAILING):
@@ -151,6 +181,8 @@ class ExecutionSupervisor(threading.Thread):
         for index, attempt, returncode in finished:
             del self.running[index]
             attempt.signal_group(signal.SIGKILL)  # stragglers in the group, like a container stop
+            attempt.close()
+            self.config.slots.give()
             self._record(attempt, attempt.result(returncode))
         if finished:
             self._sync_gcs()
@@ -185,6 +217,7 @@ class ExecutionSupervisor(threading.Thread):
             task.retries_charged += int(charge)
             task.not_before = time.monotonic() + self.config.policy.start_delay_seconds
             transition(task, TaskState.PENDING, TASK_TRANSITIONS)
+            self._first_pending = min(self._first_pending, task.index)
             return
         self._end_task(task, TaskState.FAILED)
         if self.execution.state is ExecutionState.RUNNING:
@@ -220,16 +253,25 @@ class ExecutionSupervisor(threading.Thread):
         return changed
 
     def _start_pending(self) -> bool:
-        """Claim pending tasks up to ``parallelism`` (and the GPU quota): RUNNING, to be spawned."""
-        limit = self.execution.parallelism or self.execution.task_count
-        changed = False
-        for task in self.execution.tasks:
-            if len(self.running) + len(self.starting) >= limit or (self.gpu and self._gpu_slots_left() <= 0):
+        """Claim pending tasks, lowest index first, up to ``parallelism``, the free local process
+        slots and the GPU quota: RUNNING, a slot taken, to be spawned."""
+        free = min((self.execution.parallelism or self.execution.task_count) - len(self.running) - len(self.starting),
+                   self.config.slots.free(self.config.policy.max_task_processes))
+        if self.gpu and free > 0:
+            free = min(free, self._gpu_slots_left())
+        tasks, now, changed = self.execution.tasks, time.monotonic(), False
+        while self._first_pending < len(tasks) and tasks[self._first_pending].state is not TaskState.PENDING:
+            self._first_pending += 1  # finished tasks are not looked at again (10,000 of them)
+        for index in range(self._first_pending, len(tasks)):
+            if free <= 0:
                 break
-            if task.state is TaskState.PENDING and time.monotonic() >= task.not_before:
+            task = tasks[index]
+            if task.state is TaskState.PENDING and now >= task.not_before:
                 transition(task, TaskState.RUNNING, TASK_TRANSITIONS)
                 task.start_time = utcnow()
                 self.starting[task.index] = task.retried
+                self.config.slots.take()
+                free -= 1
                 changed = True
         return changed
 
@@ -241,7 +283,46 @@ class ExecutionSupervisor(threading.Thread):
             ExecutionState.CANCELLING: ExecutionState.CANCELLED,
         }[ex.state]
         transition(ex, final, EXECUTION_TRANSITIONS)
-        ex.completion_time = utcnow()
-        self._sync_gcs()
-        for callback in self.finish_callbacks:
-            callback(ex)
+        self._complete()
+
+    def _complete(self) -> None:
+        """The execution has ended: its completion time, the buckets indexed, the callbacks run
+        (also when indexing fails, so that its operation is done all the same)."""
+        self.execution.completion_time = utcnow()
+        try:
+            self._sync_gcs()
+        finally:
+            for callback in self.finish_callbacks:
+                callback(self.execution)
+
+    # --- after a failure of the loop -----------------------------------------------------
+    def _abort(self, reason: str) -> None:
+        """Kill and reap every attempt, fail the running tasks and cancel the pending ones with
+        ``reason``, and end the execution FAILED with it (unless it has ended already)."""
+        with self.cond:
+            attempts = list(self.running.values())
+            self.running.clear()  # shutdown's reap() must not wait for (or give back) these too
+            self.config.slots.give(len(attempts) + len(self.starting))
+            self.starting.clear()
+            for attempt in attempts:
+                attempt.signal_group(signal.SIGKILL)
+        for attempt in attempts:  # outside the lock: a process in the kernel may take a moment to die
+            attempt.popen.wait()
+            attempt.close()
+        with self.cond:
+            result = AttemptResult(INTERNAL, reason)
+            for task in self.execution.tasks:
+                if task.state is TaskState.RUNNING:
+                    task.last_result = result
+                    task.history.append(result.record(task.retried, None, utcnow(), None, ""))
+                    self._end_task(task, TaskState.FAILED)
+                elif task.state is TaskState.PENDING:
+                    self._end_task(task, TaskState.CANCELLED)
+            if not self.execution.done:
+                self.execution.failure_message, self.execution.failure_internal = reason, True
+                transition(self.execution, ExecutionState.FAILED, EXECUTION_TRANSITIONS)
+                try:
+                    self._complete()
+                except Exception:  # the execution has ended all the same
+                    logger.exception("finishing %s after its supervisor failed", self.execution.name)
+            self.cond.notify_all()

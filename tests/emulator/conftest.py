@@ -58,6 +58,9 @@ def images_file(tmp_path_factory):
         "local/stubborn": {"entrypoint": ["{python}", "-c", STUBBORN_SCRIPT]},
         "local/short": {"entrypoint": ["/bin/sh", "-c", SHORT_SCRIPT]},
         "local/sh": {"entrypoint": ["/bin/sh", "-c"]},  # the job's args[0] is the script
+        "local/true": {"entrypoint": ["true"]},  # the cheapest task there is
+        # an entry no process can be started with (Popen refuses the env name): its supervisor fails
+        "local/bad-env": {"entrypoint": ["/bin/true"], "env": {"A=B": "1"}},
     }
     path.write_text(json.dumps({"images": images}))
     return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 
@@ -334,6 +335,7 @@ def _all_processes_gone() -> bool:
 
 
 def test_cancel_while_attempts_are_being_spawned(backend, tmp_path):
+    backend.registry.config.policy.max_task_processes = 30
     op = _slow(backend, tmp_path, "slow", task_count=30, parallelism=30)
     _wait_for(lambda: op.target.tasks[-1].state is TaskState.RUNNING)  # all claimed in one step
     backend.cancel_execution(op.target.name)  # most are not spawned yet
@@ -343,7 +345,33 @@ def test_cancel_while_attempts_are_being_spawned(backend, tmp_path):
 
 
 def test_reset_while_attempts_are_being_spawned(registry, tmp_path):
+    registry.config.policy.max_task_processes = 30
     op = _slow(registry.for_name(PARENT), tmp_path, "slow", task_count=30, parallelism=30)
     _wait_for(lambda: op.target.tasks[-1].state is TaskState.RUNNING)
     registry.reset()
+    _wait_for(_all_processes_gone)
+
+
+def test_a_failing_supervisor_kills_and_reaps_the_running_attempts_and_fails_the_execution(backend, tmp_path):
+    """Task 0 runs; task 1 waits for a local process slot; then the image's entry turns into one
+    no process can be started with (``Popen`` refuses an env name with ``=``) and a slot opens:
+    the launch of task 1 raises in the supervisor, which kills and reaps task 0's process and
+    ends the execution FAILED with the exception as the reason."""
+    backend.registry.config.policy.max_task_processes = 1
+    op = _slow(backend, tmp_path, "slow", task_count=2)
+    _wait_for(lambda: 0 in backend.supervisors[op.target.name].running)
+    pid = backend.supervisors[op.target.name].running[0].popen.pid
+    backend.registry.config.images = ImageTable({"slow": {"entrypoint": ["/bin/true"], "env": {"A=B": "1"}}}, tmp_path)
+    backend.registry.config.policy.max_task_processes = 2
+    assert backend.wait_operation(op.name, 20).done
+    execution = op.target
+    assert execution.state is ExecutionState.FAILED and execution.failure_internal
+    assert "ValueError: illegal environment variable name" in execution.failure_message
+    assert [t.state for t in execution.tasks] == [TaskState.FAILED, TaskState.FAILED]
+    assert op.error == (13, execution.failure_message)
+    completed = execution.to_proto().conditions[-1]
+    assert completed.reason == run_v2.Condition.CommonReason.INTERNAL and completed.message == execution.failure_message
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # killed and reaped: no longer this process's child
+    assert backend.registry.config.slots.in_use == 0 and not backend.supervisors[op.target.name].running
     _wait_for(_all_processes_gone)

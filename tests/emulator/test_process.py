@@ -14,6 +14,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
 from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from airflow_gpu_resilience.emulator.runtime import default_max_task_processes
 
 from .conftest import PARENT, make_job, task_name
 
@@ -90,6 +91,9 @@ def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
     plan = seen[0].preemptions
     assert (plan.mean_seconds, plan.seed, plan.name_prefix) == (30.0, 4, "projects/p/locations/l/jobs/train")
     assert cli.main(["serve", "--data-dir", str(tmp_path)]) == 0 and seen[1].preemptions is None
+    assert seen[1].policy.max_task_processes == default_max_task_processes()
+    assert cli.main(["serve", "--data-dir", str(tmp_path), "--max-task-processes", "12"]) == 0
+    assert seen[2].policy.max_task_processes == 12
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -97,6 +101,7 @@ def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
     (["--task-start-delay", "-5"], "--task-start-delay"), (["--gpu-quota", "-1"], "--gpu-quota"),
     (["--preempt-every", "-3"], "--preempt-every"), (["--preempt-every", "inf"], "--preempt-every"),
     (["--failed-execution-code", "99"], "--failed-execution-code"),
+    (["--max-task-processes", "0"], "--max-task-processes"),
 ])
 def test_serve_refuses_out_of_range_flags_before_it_starts(tmp_path, flags, named):
     """A user's bad flag is one usage error naming it and the allowed values (exit 2), not an
