@@ -30,7 +30,9 @@ drawn at random. ``POST /_emulator/preemptions/schedule`` (or ``serve --preempt-
 
 The arrival times depend on the seed only; the pick at an arrival is the seeded draw among
 the attempts running then (sorted by task name), so a run is reproducible as far as task
-timing is. An arrival with nothing running is counted as missed. ``GET`` on the same path
+timing is. An arrival with nothing running is counted as missed. Arrivals are at least
+:data:`MIN_GAP_SECONDS` apart (a shorter draw is lengthened to it), so a tiny ``meanSeconds``
+gives at most one arrival per gap instead of a thread spinning at one core. ``GET`` on the same path
 reports the plan and every preemption so far (``{"active", "plan", "missed", "preemptions":
 [{"scheduledAtSeconds", "atSeconds", "task", "attempt"}]}``); ``DELETE`` (or
 ``/_emulator/reset``) stops it.
@@ -49,6 +51,10 @@ from .exceptions import DeadlineExceeded, EmulatorError, InvalidArgument, Resour
 _ERRORS = {503: Unavailable, 429: ResourceExhausted}
 _LOST_ANSWER_ERRORS = {500: EmulatorError, 504: DeadlineExceeded}
 _MUTATING = ("POST", "PATCH", "DELETE")
+#: Shortest time between two scheduled preemptions (s). Each arrival takes the registry's lock,
+#: which API requests and supervisor steps need too, and a preempted attempt is only replaced at
+#: its supervisor's next step, so closer arrivals would find nothing new to preempt.
+MIN_GAP_SECONDS = 0.01
 
 
 @dataclasses.dataclass
@@ -148,10 +154,11 @@ class PreemptionPlan:
 
     def arrival_offsets(self):
         """Seconds from the schedule's start of each preemption arrival (an endless generator;
-        exponential inter-arrival times drawn from a generator seeded with :attr:`seed` only)."""
+        exponential inter-arrival times drawn from a generator seeded with :attr:`seed` only, each
+        at least :data:`MIN_GAP_SECONDS`)."""
         arrivals, offset = random.Random(f"arrivals-{self.seed}"), 0.0
         while True:
-            offset += arrivals.expovariate(1.0 / self.mean_seconds)
+            offset += max(MIN_GAP_SECONDS, arrivals.expovariate(1.0 / self.mean_seconds))
             yield offset
 
     def to_json(self) -> dict:

@@ -18,7 +18,9 @@ from airflow_gpu_resilience.emulator.backend import CloudRunBackend, Registry, p
 from airflow_gpu_resilience.emulator.exceptions import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
 )
-from airflow_gpu_resilience.emulator.faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
+from airflow_gpu_resilience.emulator.faults import (
+    MIN_GAP_SECONDS, ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule,
+)
 from airflow_gpu_resilience.emulator.images import ImageTable
 from airflow_gpu_resilience.emulator.overrides import apply_overrides
 from airflow_gpu_resilience.emulator.models import (
@@ -297,6 +299,19 @@ def test_preemption_plan_arrivals_depend_on_the_seed_only():
         PreemptionPlan.from_json({"meanSeconds": 0})
     with pytest.raises(InvalidArgument, match="meanSeconds"):
         PreemptionPlan.from_json({"seed": 1})
+
+
+def test_a_tiny_mean_does_not_make_the_schedule_spin(registry):
+    """Over a fixed wait with nothing to preempt, the schedule's thread goes round its loop once
+    per arrival, each a miss: with a mean of a microsecond it went round as fast as it could
+    (tens of thousands of misses a second, one core busy); now at most once per minimum gap."""
+    schedule = PreemptionSchedule(registry)
+    started = time.monotonic()
+    schedule.start(PreemptionPlan(1e-6, seed=1, name_prefix="projects/none/"))
+    time.sleep(1.0)
+    missed = schedule.stop()["missed"]
+    elapsed = time.monotonic() - started
+    assert 0 < missed <= elapsed / MIN_GAP_SECONDS + 1, (missed, elapsed)
 
 
 def test_preemption_schedule_preempts_running_tasks_on_its_seeded_times(backend, registry, tmp_path):
