@@ -368,11 +368,11 @@ class VolumeMounts:
         options = list(options or ())
         parsed = parse_mount_options(options, "mountOptions", emulator=True)
         only_dir = parsed.pop("only-dir", "")
-        if not self.fuse:
-            return source / only_dir if only_dir else source
         source.mkdir(parents=True, exist_ok=True)  # the mount makes nothing but objects in buckets
         if only_dir:  # gcsfuse mounts a prefix that holds no object yet as an empty folder
             (source / only_dir).mkdir(parents=True, exist_ok=True)
+        if not self.fuse:  # folders: the bucket's folder, or its only-dir folder
+            return source / only_dir if only_dir else source
         key = mount_key(parsed)  # only-dir is a folder of the same mount
         with self._mu:
             mount = self._mounts.get(key)

@@ -20,6 +20,9 @@ e.g. the bundled worker's and a user image's)::
   the table file's directory. (Plain substitution, so other braces in ``-c`` scripts are safe.)
 - ``cwd`` (default ``"."``) and each relative ``PYTHONPATH`` entry resolve against the table
   file's directory. ``env`` is applied under the container's own env.
+- ``workdir`` (optional): the image's own working directory (its Dockerfile's ``WORKDIR``, e.g.
+  ``"/src"``), which ``cwd`` plays here: a container ``workingDir`` at or below it runs in
+  ``cwd`` or that folder of it (see :func:`~.runtime.working_dir` for the other cases).
 - Several files: each file's relative paths resolve against its own directory; an exact match
   in any file wins, then the first matching pattern in file order (earlier files first); for a
   key in two files, the earlier file's entry is used.
@@ -40,12 +43,14 @@ from typing import Optional, Sequence, Union
 
 @dataclasses.dataclass(frozen=True)
 class ImageEntry:
-    """One resolved image: argv parts, working directory and environment."""
+    """One resolved image: argv parts, working directory (and the container path it plays,
+    ``""`` when not given) and environment."""
 
     entrypoint: tuple
     cmd: tuple
     cwd: Path
     env: dict
+    workdir: str = ""
 
     def argv(self, command: list, args: list) -> list:
         """The process argv for a container ``command``/``args`` (Kubernetes override rules)."""
@@ -96,6 +101,7 @@ class ImageTable:
             cmd=tuple(self._sub(s) for s in spec.get("cmd", [])),
             cwd=(self._base / self._sub(spec.get("cwd", "."))).resolve(),
             env=env,
+            workdir=str(spec.get("workdir", "")),
         )
 
     def resolve(self, image: str) -> Optional[ImageEntry]:

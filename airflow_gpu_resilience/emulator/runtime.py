@@ -24,6 +24,8 @@ Known differences from Cloud Run:
   leaves that directory (validation refuses such jobs, :func:`rewrite` refuses them again).
   With FUSE available that directory is the bucket's FUSE mount (see :mod:`.gcsfuse`).
 - Only the first container runs; sidecars, probes, secrets (``valueSource``) are ignored.
+- ``workingDir`` maps to a local folder (:func:`working_dir`); a relative or missing one fails
+  the attempt's start.
 """
 
 from __future__ import annotations
@@ -202,8 +204,8 @@ class RuntimeConfig:
     :param images: image table.
     :param gcs: the :class:`~.gcs.GcsService` backing GCS volumes.
     :param policy: pacing and retry settings.
-    :param mounts: the :class:`~.gcsfuse.VolumeMounts` that serve GCS volumes as FUSE mounts, or
-        ``None`` for plain bucket folders.
+    :param mounts: the :class:`~.gcsfuse.VolumeMounts` that serve GCS volumes (FUSE mounts, or
+        the bucket folders); ``None``: bucket folders (a ``VolumeMounts`` in ``folder`` mode).
     :param slots: the task processes running on this machine (bounded by
         ``policy.max_task_processes``).
     """
@@ -215,10 +217,17 @@ class RuntimeConfig:
     mounts: Optional[object] = None
     slots: ProcessSlots = dataclasses.field(default_factory=ProcessSlots)
 
+    def __post_init__(self) -> None:
+        if self.mounts is None:
+            from .gcsfuse import VolumeMounts
 
-def mount_map(template: run_v2.TaskTemplate, gcs, mounts=None) -> list:
-    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts: the bucket's
-    folder, or its FUSE mount (with the volume's ``mountOptions``) when ``mounts`` is given.
+            self.mounts = VolumeMounts(self.data_dir, self.gcs.bucket_dir, mode="folder")
+
+
+def mount_map(template: run_v2.TaskTemplate, mounts) -> list:
+    """``[(mount_path, local_dir)]`` for the first container's GCS volume mounts: the folder
+    ``mounts`` (a :class:`~.gcsfuse.VolumeMounts`) serves for the bucket with the volume's
+    ``mountOptions`` (its FUSE mount, or the bucket's folder; the ``only-dir`` folder of either).
 
     :raises PathEscape: when a ``subPath`` leads out of its bucket's folder (validation refuses
         such a job first; this is the last line).
@@ -228,8 +237,7 @@ def mount_map(template: run_v2.TaskTemplate, gcs, mounts=None) -> list:
     for mount in template.containers[0].volume_mounts if template.containers else []:
         if mount.name in volumes:
             volume = volumes[mount.name]
-            local = (mounts.local_dir(volume.bucket, list(volume.mount_options)) if mounts is not None
-                     else gcs.bucket_dir(volume.bucket))
+            local = mounts.local_dir(volume.bucket, list(volume.mount_options))
             pairs.append((mount.mount_path.rstrip("/") or "/", contained(local, mount.sub_path) if mount.sub_path else local))
     return pairs
 
@@ -352,6 +360,38 @@ def task_env(task: Task, attempt: int, task_count: int, entry: ImageEntry, mount
     return env
 
 
+def working_dir(path: str, entry: ImageEntry, mounts: list) -> Path:
+    """The local folder an attempt runs in for a container's ``workingDir``.
+
+    - unset: the image entry's ``cwd`` (the image's own working directory);
+    - under a GCS volume's mount path: that folder of the bucket (as env values and args are);
+    - at or below the entry's ``workdir`` (the container path its ``cwd`` plays): ``cwd`` or that
+      folder of it;
+    - any other absolute path: that folder of this machine (there is no container file system).
+
+    :param path: the container's ``workingDir``.
+    :param entry: the image's table entry.
+    :param mounts: ``[(mount_path, local_dir)]`` from :func:`mount_map`.
+    :raises OSError: when ``path`` is relative (a container runtime refuses a relative working
+        directory: the container does not start) or the folder does not exist (Docker would
+        create it inside the container; the emulator creates no folder on this machine): the
+        attempt fails to start, visibly, and is retried like any failed start.
+    """
+    if not path:
+        return entry.cwd
+    if not path.startswith("/"):
+        raise OSError(f"workingDir '{path}' is not an absolute path")
+    local = rewrite(path, mounts)
+    if local == path and entry.workdir:
+        split = under_mount(path, entry.workdir.rstrip("/"))  # "/" plays the whole path
+        if split is not None:
+            local = str(contained(entry.cwd, split[1].lstrip("/")))
+    if not Path(local).is_dir():
+        shown = path if local == path else f"{path}' (here '{local}"
+        raise OSError(f"workingDir '{shown}' is not an existing folder")
+    return Path(local)
+
+
 def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> Attempt:
     """Start one attempt; raises ``LookupError`` for an image not in the table, ``OSError``
     when the command cannot be started."""
@@ -360,7 +400,7 @@ def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> 
     if entry is None:
         raise LookupError(f"Image '{container.image}' is not in the emulator's image table.")
     try:
-        mounts = mount_map(task.template, config.gcs, config.mounts)
+        mounts = mount_map(task.template, config.mounts)
     except (RuntimeError, ValueError) as exc:
         raise OSError(f"the cloud-storage volume could not be mounted: {exc}") from exc
     argv = [rewrite(a, mounts) for a in entry.argv(list(container.command), list(container.args))]
@@ -368,9 +408,10 @@ def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> 
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"task{task.index}-attempt{attempt}.log"
     env = task_env(task, attempt, task_count, entry, mounts)
-    argv, preexec = _spawn_args(argv, entry.cwd, env)
+    cwd = working_dir(container.working_dir, entry, mounts)
+    argv, preexec = _spawn_args(argv, cwd, env)
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            argv, cwd=entry.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=preexec)
     return Attempt(task, attempt, popen, log_path, time.monotonic() + task.timeout_s)

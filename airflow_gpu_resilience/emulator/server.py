@@ -95,7 +95,7 @@ def serve(config: ServeConfig) -> None:
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
-                            policy=config.policy, mounts=mounts if mounts.fuse else None)
+                            policy=config.policy, mounts=mounts)
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))

@@ -16,7 +16,7 @@ from its documentation, not confirmed):
 - every GCS volume's bucket exists and its ``mountOptions`` are gcsfuse flags the emulator knows
   (see :data:`airflow_gpu_resilience.mount_options.GCSFUSE_MOUNT_OPTIONS`); every volume mount names a declared volume; a
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
-  without ``..``; an env value, arg or command element under a GCS mount path does not lead out
+  without ``..``; an env value, arg, command element or ``workingDir`` under a GCS mount path does not lead out
   of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
 - labels/annotations in reserved namespaces (``run.googleapis.com`` etc.) are rejected;
 - environment variables (in the template and in RunJob's ``containerOverrides``): at most 1000
@@ -327,6 +327,7 @@ def _validate_paths_in_volumes(container: run_v2.Container, field: str, mount_pa
     values = [(f"{field}.env[{i}].value", var.value) for i, var in enumerate(container.env)]
     values += [(f"{field}.args[{i}]", arg) for i, arg in enumerate(container.args)]
     values += [(f"{field}.command[{i}]", part) for i, part in enumerate(container.command)]
+    values += [(f"{field}.working_dir", container.working_dir)] if container.working_dir else []
     for where, value in values:
         for mount_path in mount_paths:
             split = under_mount(value, mount_path)

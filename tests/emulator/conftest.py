@@ -59,6 +59,8 @@ def images_file(tmp_path_factory):
         "local/short": {"entrypoint": ["/bin/sh", "-c", SHORT_SCRIPT]},
         "local/sh": {"entrypoint": ["/bin/sh", "-c"]},  # the job's args[0] is the script
         "local/true": {"entrypoint": ["true"]},  # the cheapest task there is
+        # writes its working folder to $OUT; its cwd (this folder) plays the image's WORKDIR /src
+        "local/pwd": {"entrypoint": ["/bin/sh", "-c", 'pwd > "$OUT"'], "workdir": "/src"},
         # an entry no process can be started with (Popen refuses the env name): its supervisor fails
         "local/bad-env": {"entrypoint": ["/bin/true"], "env": {"A=B": "1"}},
     }
