@@ -1,7 +1,10 @@
-"""Unit tests of asynchronous saves: CPU snapshot, one in flight, errors re-raised."""
+"""Unit tests of asynchronous saves: CPU snapshot, one in flight, errors re-raised, failed saves
+counted at their outcomes (three in a row end the attempt)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from pathlib import Path
 
@@ -9,7 +12,11 @@ import pytest
 import torch
 
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError
+from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError, WorkerError
 from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.policies import (
+    GIVE_UP, GO_ON, MAX_FAILED_SAVES_IN_A_ROW, OUT_OF_SPACE, failed_save_verdict,
+)
 from gpu_resilience_worker.storage import LocalStorage
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
@@ -89,25 +96,131 @@ def test_forced_save_is_synchronous(tmp_path: Path) -> None:
         assert not manager.in_flight and manager.latest_step() == 7
 
 
-def test_trainer_goes_on_after_a_failed_save_and_stops_after_three_in_a_row() -> None:
-    from types import SimpleNamespace
+class _FullFile:
+    """A file on a full disk: it takes ``room`` bytes, then every write fails with ENOSPC (and no
+    path, as ``os.write``'s error has none)."""
 
-    from gpu_resilience_worker.config import config_from_args
-    from gpu_resilience_worker.preemption import PreemptionWatcher
-    from gpu_resilience_worker.train import MAX_FAILED_SAVES_IN_A_ROW, Trainer
+    def __init__(self, handle, room: int) -> None:
+        self._handle, self._room = handle, room
 
-    class Failing:
-        failed_saves = 0
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= size
+        return self._handle.write(data)
 
-        def save(self, step: int, *, force: bool = False) -> bool:
-            self.failed_saves += 1
-            raise CheckpointSaveError("disk full")
+    def fileno(self) -> int:
+        return self._handle.fileno()
 
-    log = ListLog()
-    trainer = Trainer(config_from_args(["train"], {}), StructuredLogger(log), PreemptionWatcher())
-    parts, manager = SimpleNamespace(state=SimpleNamespace(checkpoints=0)), Failing()
-    for step in range(1, MAX_FAILED_SAVES_IN_A_ROW):
-        assert trainer._save(manager, parts, step) is False  # logged, training goes on
-    with pytest.raises(CheckpointSaveError):
-        trainer._save(manager, parts, MAX_FAILED_SAVES_IN_A_ROW)
-    assert [r["failed_in_a_row"] for r in log.records if r["message"].startswith("checkpoint save failed")] == [1, 2, 3]
+
+class FullDiskStorage(LocalStorage):
+    """Local storage whose checkpoint data files, while ``full``, fail after their first 4 KiB
+    with ENOSPC: inside ``torch.save``'s write of a record of 1 MiB or more (see :func:`_big_box`)."""
+
+    def __init__(self) -> None:
+        self.full = True
+
+    def write(self, path: str, data, *, atomic: bool = False) -> None:
+        if self.full and callable(data) and path.endswith(".pt"):
+            produce = data
+            data = lambda handle: produce(_FullFile(handle, 4096))  # noqa: E731 - one use
+        super().write(path, data, atomic=atomic)
+
+
+def _big_box() -> Box:
+    """A state whose tensor (1 MiB) torch writes as one record, past the writer's small buffer."""
+    box = Box()
+    box.tensor = torch.zeros(1 << 18)
+    return box
+
+
+def test_a_save_failing_inside_torch_save_reports_the_write_error_with_its_path(tmp_path: Path) -> None:
+    """The write's ENOSPC, with the file's path, is what the caller gets: not the error of torch's
+    zip writer ending its archive after the failed write ("unexpected pos")."""
+    with _manager(tmp_path, _big_box(), FullDiskStorage()) as manager:
+        with pytest.raises(CheckpointSaveError) as raised:
+            manager.save(10, force=True)
+    cause = raised.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
+    assert cause.filename == manager.path(10)
+    assert "No space left on device" in str(raised.value) and manager.path(10) in str(raised.value)
+    assert "unexpected pos" not in str(raised.value)
+    assert not (tmp_path / "ckpt-00000010.pt").exists()  # its space is given back
+
+
+def test_background_saves_on_a_full_disk_end_the_attempt_after_three_failures_with_74(tmp_path: Path) -> None:
+    """Driven as a training loop drives it (a failed save is reported and training goes on): each
+    background save's failure is counted when the save ends, not undone when the next one starts,
+    so the third in a row (reported at the save after it) raises the exit-74 error."""
+    log, reported = ListLog(), []
+    manager = _manager(tmp_path, _big_box(), FullDiskStorage(), log)
+    with pytest.raises(WorkerError) as raised:
+        for step in range(1, 201):
+            try:
+                manager.save(step)
+            except CheckpointSaveError:
+                reported.append(step)
+    assert raised.value.exit_code == 74  # EX_IOERR
+    assert str(tmp_path) in raised.value.reason and "No space left on device" in raised.value.reason
+    # saves of 10, 30, 50 started and failed; 20 and 40 reported the failures before them
+    assert reported == [20, 40] and step == 60 and manager.failed_saves == 3
+    failed = [r for r in log.records if r["message"] == "background checkpoint save failed"]
+    assert [(r["step"], r["failed_in_a_row"]) for r in failed] == [(10, 1), (30, 2), (50, 3)]
+
+
+@pytest.mark.parametrize(("outcomes", "ends_at"), [
+    ("FFF", 3),  # three in a row
+    ("FFRFF", None),  # a commit in between starts the count again
+    ("FFRFFF", 6),
+    ("RFFRFRFF", None),
+])
+@pytest.mark.parametrize("mode", [AsyncMode.ASYNC, AsyncMode.DISABLED])
+def test_failed_saves_in_a_row_count_outcomes(tmp_path: Path, outcomes: str, ends_at, mode) -> None:
+    """Each save's outcome (F: failed on a full disk, R: committed), background or not, awaited
+    before the next: the attempt ends at the third failure in a row, and only there."""
+    storage = FullDiskStorage()
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, async_mode=mode)
+    manager = CheckpointManager(config, {"box": _big_box()}, storage=storage, logger=StructuredLogger(ListLog()))
+    ended = None
+    for index, outcome in enumerate(outcomes, start=1):
+        storage.full = outcome == "F"
+        try:
+            manager.save(10 * index)
+            manager.wait_until_finished()
+        except CheckpointSaveError:
+            assert outcome == "F"
+        except OutOfSpaceError:
+            ended = index
+            break
+    assert ended == ends_at
+    assert manager.failed_in_a_row == (3 if ends_at else len(outcomes) - 1 - outcomes.rindex("R"))
+
+
+@pytest.mark.parametrize(("in_a_row", "error", "verdict"), [
+    (1, OSError(errno.ENOSPC, "No space left on device"), GO_ON),
+    (2, OSError(errno.EIO, "Input/output error"), GO_ON),
+    (3, OSError(errno.ENOSPC, "No space left on device"), OUT_OF_SPACE),
+    (3, OSError(errno.EDQUOT, "Disk quota exceeded"), OUT_OF_SPACE),
+    (4, OSError(errno.ENOSPC, "No space left on device"), OUT_OF_SPACE),
+    (3, OSError(errno.EIO, "Input/output error"), GIVE_UP),  # a mount's EIO may pass: retryable
+    (3, OSError("no errno"), GIVE_UP),
+    (3, RuntimeError("torch failed"), GIVE_UP),
+])
+def test_failed_save_verdict(in_a_row: int, error: BaseException, verdict: str) -> None:
+    assert MAX_FAILED_SAVES_IN_A_ROW == 3
+    assert failed_save_verdict(in_a_row, error) == verdict
+
+
+def test_three_failures_of_another_kind_end_the_attempt_retryably(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.fail = True
+    storage.gate.set()
+    config = CheckpointConfig(folder=str(tmp_path), interval=1, async_mode=AsyncMode.DISABLED)
+    manager = CheckpointManager(config, {"box": Box()}, storage=storage, logger=StructuredLogger(ListLog()))
+    for step in (1, 2):
+        with pytest.raises(CheckpointSaveError):
+            manager.save(step)
+    with pytest.raises(SavesFailingError, match="3 checkpoint saves failed in a row") as raised:
+        manager.save(3)
+    assert not isinstance(raised.value, (CheckpointSaveError, WorkerError))  # the catch-all's exit 1

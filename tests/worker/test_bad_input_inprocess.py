@@ -16,7 +16,8 @@ from gpu_resilience_worker import __main__ as cli
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
 from gpu_resilience_worker.data import load_dataset
 from gpu_resilience_worker.fastio import chunk_digests
-from gpu_resilience_worker.errors import DataError
+from gpu_resilience_worker.errors import DataError, OutOfSpaceError
+from gpu_resilience_worker.fatal import fatal_marker_code, free_bytes, invocation, space_came_back, write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
 
@@ -229,3 +230,33 @@ def test_an_unreadable_fatal_marker_is_removed_not_obeyed(capsys, tmp_path: Path
     (namespace / "FATAL").write_bytes(content)
     assert _run(capsys, tmp_path / "ckpt", digits_npz)[0] == 0
     assert not (namespace / "FATAL").exists()
+
+
+@pytest.mark.parametrize(("recorded", "now", "came_back"), [
+    (4096, 8192, True),
+    (4096, 4096, False),  # nothing freed (or a volume whose figure never changes): obeyed
+    (8192, 4096, False),  # fuller still (the marker itself took a block)
+    (None, 8192, False),  # a marker that recorded no figure: obeyed
+    (4096, None, False),  # no figure now (statvfs failed): obeyed
+    ("4096", 8192, False),  # not a count: obeyed
+    (True, 8192, False),
+])
+def test_a_full_disk_marker_holds_until_more_space_is_free(recorded, now, came_back: bool) -> None:
+    assert space_came_back(recorded, now) is came_back
+
+
+def test_a_full_disk_marker_is_obeyed_until_space_is_freed(tmp_path: Path) -> None:
+    """``FATAL`` of exit 74 records the folder's free bytes; the same invocation exits at once with
+    74 while no more is free, and goes on (the marker removed) once more is."""
+    log, called_as = ListLog(), invocation(["train"])
+    error = OutOfSpaceError(f"checkpoint folder {tmp_path} has no room for a checkpoint: No space left on device")
+    assert write_fatal(str(tmp_path), error, StructuredLogger(log), called_as) == 74
+    marker = json.loads((tmp_path / "FATAL").read_text())
+    assert marker["exit_code"] == 74 and isinstance(marker["free_bytes"], int)
+    marker["free_bytes"] = free_bytes(str(tmp_path)) + (1 << 40)  # as if the disk had more room then
+    (tmp_path / "FATAL").write_text(json.dumps(marker))
+    assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) == 74
+    marker["free_bytes"] = 0  # the disk was full then; it has room now
+    (tmp_path / "FATAL").write_text(json.dumps(marker))
+    assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) is None
+    assert not (tmp_path / "FATAL").exists()

@@ -230,8 +230,8 @@ def test_local_copy_counts_a_longer_file_and_frees_on_close(tmp_path: Path) -> N
 
 
 def test_a_restore_under_a_file_size_limit_reads_into_memory(tmp_path: Path) -> None:
-    """Where no local file can hold the copy (RLIMIT_FSIZE below the checkpoint's size, as in
-    the disk-full fault test), the restore still reads once, into anonymous memory."""
+    """Where no local file can hold the copy (RLIMIT_FSIZE below the checkpoint's size), the
+    restore still reads once, into anonymous memory."""
     import resource
     import signal
 

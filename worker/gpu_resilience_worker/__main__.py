@@ -1,8 +1,9 @@
 """``python -m gpu_resilience_worker train [flags]``: the container entry point.
 
-Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data, 73 the
-checkpoint folder cannot be written (all three non-retryable, with a ``FATAL`` marker in the
-namespace when it can be written), 1 any other error (retryable).
+Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data, 70
+diverged, 73 the checkpoint folder cannot be written, 74 three checkpoint saves in a row found
+its file system full (all non-retryable, with a ``FATAL`` marker in the namespace when it can
+be written), 1 any other error (retryable).
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the chec
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
     ParsedName,
 )
+from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError
 from gpu_resilience_worker.fastio import LocalCopy, SnapshotBuffers
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
-    AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN, SaveStats,
-    TimeIntervalPolicy, YoungDalyPolicy,
+    GO_ON, OUT_OF_SPACE, AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN,
+    SaveStats, TimeIntervalPolicy, YoungDalyPolicy, failed_save_verdict,
 )
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -75,7 +76,13 @@ def _shared_mmap_is_thread_local() -> bool:
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint save failed (raised for a background save by the next wait or save)."""
+    """A checkpoint save failed (raised for a background save by the next wait or save); training
+    may go on. ``__cause__``: the save's own error (for a write, an ``OSError`` with the path)."""
+
+
+def _describe(error: BaseException) -> str:
+    """:return: the type and message, with an ``OSError``'s path (``repr`` leaves it out)."""
+    return f"{type(error).__name__}: {error}"
 
 
 class RestoreInterrupted(Exception):
@@ -98,6 +105,12 @@ class CheckpointManager:
     Constructing a manager, or asking it what is there (:meth:`latest_step`,
     :meth:`valid_steps`, :meth:`verify`, :meth:`load`), deletes nothing: stale files of a killed
     attempt are removed at the first save (or by :meth:`cleanup_stale`).
+
+    A failed save raises :class:`CheckpointSaveError` (training goes on) until
+    :data:`~gpu_resilience_worker.policies.MAX_FAILED_SAVES_IN_A_ROW` failed in a row, each counted
+    at its outcome (a commit resets the count; a background save counts when it ends, not when the
+    next starts); that one raises :class:`~gpu_resilience_worker.errors.OutOfSpaceError` (exit 74)
+    or :class:`~gpu_resilience_worker.errors.SavesFailingError` (exit 1) instead.
 
     Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
     the caller blocks only while the state is copied into reused host buffers (pinned when the
@@ -141,9 +154,10 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
         self.failed_saves = 0
+        self.failed_in_a_row = 0  # counted at each save's outcome (class docs)
         self._cleaned = False
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: tuple[int, BaseException] | None = None
         self._closed = False
         self._log_auto_interval()
 
@@ -156,7 +170,7 @@ class CheckpointManager:
             return
         try:  # do not hide the exception in flight behind a save error
             self.close()
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 - logged: the exception in flight is the one raised
             self._log.error("background checkpoint save failed during shutdown", error=str(exc))
 
     def path(self, step: int, kind: str = DATA) -> str:
@@ -238,7 +252,8 @@ class CheckpointManager:
         :param force: save regardless of the interval, synchronously (final step, preemption).
         :return: whether a checkpoint was written (or, in async mode, started).
         :raises CheckpointSaveError: when the previous background save failed (this save is
-            then not started), or when a synchronous save fails.
+            then not started), or when a synchronous save fails; at too many failures in a row
+            :class:`~gpu_resilience_worker.errors.OutOfSpaceError` or ``SavesFailingError`` instead.
         """
         if step == self.last_saved_step or not (force or self.due(step)):
             return False
@@ -260,8 +275,8 @@ class CheckpointManager:
         try:
             self._commit(step, self._state_dicts(), started)
         except Exception as exc:
-            self.failed_saves += 1
-            raise CheckpointSaveError(f"checkpoint save of step {step} failed: {exc!r}") from exc
+            self.failed_saves, self.failed_in_a_row = self.failed_saves + 1, self.failed_in_a_row + 1
+            raise self._failure(f"checkpoint save of step {step} failed", exc) from exc
         self.stats.blocking.append(self._clock() - started)
         self._log_auto_interval()
         return True
@@ -275,13 +290,28 @@ class CheckpointManager:
         try:
             self._commit(step, snapshot, started)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished
-            self.failed_saves += 1
-            self._error = exc
-            self._log.error("background checkpoint save failed", step=step, error=repr(exc),
-                            file=self.path(step))
+            self.failed_saves, self.failed_in_a_row = self.failed_saves + 1, self.failed_in_a_row + 1
+            self._error = (step, exc)
+            self._log.error("background checkpoint save failed", step=step, error=_describe(exc),
+                            file=self.path(step), failed_in_a_row=self.failed_in_a_row)
+
+    def _failure(self, what: str, error: BaseException) -> Exception:
+        """:return: the exception reporting a failed save to the caller, by
+        :func:`~gpu_resilience_worker.policies.failed_save_verdict` on the count so far."""
+        message = f"{what}: {_describe(error)}"
+        verdict = failed_save_verdict(self.failed_in_a_row, error)
+        if verdict == GO_ON:
+            return CheckpointSaveError(message)
+        folder, count = self.config.folder, self.failed_in_a_row
+        if verdict == OUT_OF_SPACE:
+            return OutOfSpaceError(f"checkpoint folder {folder} has no room for a checkpoint: {count} saves "
+                                   f"failed in a row, the last with {error}; free space there, or give "
+                                   "the run a folder with room")
+        return SavesFailingError(f"{count} checkpoint saves failed in a row in {folder}; the last: {message}")
 
     def _commit(self, step: int, state: dict[str, Any], started: float) -> None:
         record = self._store.write(step, state)
+        self.failed_in_a_row = 0
         seconds = self._clock() - started
         self.stats.durations.append(seconds)
         self.stats.sizes.append(record.size)
@@ -391,16 +421,18 @@ class CheckpointManager:
 
         :param timeout: seconds to wait at most; default no limit.
         :return: ``False`` when the save is still running after ``timeout``, else ``True``.
-        :raises CheckpointSaveError: when the background save failed (raised once).
+        :raises CheckpointSaveError: when the background save failed (raised once; at too many
+            failures in a row ``OutOfSpaceError`` or ``SavesFailingError`` instead).
         """
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return False
             self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointSaveError(f"background checkpoint save failed: {error!r}") from error
+        failed, self._error = self._error, None
+        if failed is not None:
+            step, error = failed
+            raise self._failure(f"background checkpoint save of step {step} failed", error) from error
         return True
 
     def abandon(self) -> None:

@@ -346,7 +346,14 @@ class CommitStore:
 
         def produce(handle: Any) -> None:
             writer = HashingWriter(handle, digest=digest)
-            save_without_crc32(state, writer)
+            try:
+                save_without_crc32(state, writer)
+            except RuntimeError as exc:
+                # torch's zip writer ends its archive even when a write of it raised, and that
+                # fails too ("unexpected pos"): the write's own error (ENOSPC...) is what happened
+                if isinstance(exc.__context__, OSError):
+                    raise exc.__context__ from None
+                raise
             result["chunks"], result["size"] = writer.digests(), writer.size
 
         try:

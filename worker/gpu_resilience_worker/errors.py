@@ -7,6 +7,7 @@ EXIT_FAILURE = 1
 EXIT_DATAERR = 65
 EXIT_SOFTWARE = 70
 EXIT_CANTCREAT = 73
+EXIT_IOERR = 74
 EXIT_CONFIG = 78
 EXIT_PREEMPTED = 143
 
@@ -41,6 +42,26 @@ class OutputError(WorkerError):
     the way): not retryable, exit 73 (``EX_CANTCREAT``)."""
 
     exit_code = EXIT_CANTCREAT
+
+
+class OutOfSpaceError(WorkerError):
+    """The checkpoint folder's file system has no room for a checkpoint (ENOSPC, or EDQUOT: a
+    quota), and :data:`~gpu_resilience_worker.policies.MAX_FAILED_SAVES_IN_A_ROW` saves failed in
+    a row for it: not retryable, exit 74 (``EX_IOERR``). Its ``FATAL`` marker also records the free
+    space then; a later attempt that finds more goes on (see
+    :func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
+
+    :param reason: names the folder and the error (``No space left on device``).
+    """
+
+    exit_code = EXIT_IOERR
+
+
+class SavesFailingError(Exception):
+    """:data:`~gpu_resilience_worker.policies.MAX_FAILED_SAVES_IN_A_ROW` checkpoint saves failed in
+    a row, not for want of space: the attempt ends with exit 1 (retryable: a mount's EIO may pass).
+    Deliberately not a :class:`~gpu_resilience_worker.checkpoint.CheckpointSaveError`, which a
+    training loop answers by going on without the checkpoint."""
 
 
 class DivergedError(WorkerError):

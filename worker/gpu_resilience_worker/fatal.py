@@ -4,6 +4,9 @@ A process that hits an error that will happen again on every retry (bad configur
 input, divergence) writes ``{namespace}/FATAL`` = ``{exit_code, reason, created_at,
 invocation}`` and exits with that code; a later attempt of the same invocation (a Cloud Run
 retry) finds the marker and exits at once with the same code instead of burning a GPU attempt.
+Two codes are looked at again instead, since what they report can be fixed outside the run: 73
+(the folder is checked again, in no time) and 74 (a full file system: obeyed until it has more
+free space than the marker recorded).
 A configuration that does not parse has no namespace to look in until it is parsed: such an
 attempt finds its error again (no work is done) and leaves a marker of the same error and
 invocation as it is (:func:`write_fatal`), so ``FATAL`` is written once per invocation.
@@ -18,7 +21,7 @@ import stat
 from typing import Sequence
 
 from gpu_resilience_worker.commit import CheckpointName
-from gpu_resilience_worker.errors import EXIT_CANTCREAT, OutputError, WorkerError
+from gpu_resilience_worker.errors import EXIT_CANTCREAT, EXIT_IOERR, OutputError, WorkerError
 from gpu_resilience_worker.files import ATTEMPTS, FATAL, METRICS, PROGRESS, read_json, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import LocalStorage
@@ -36,6 +39,28 @@ def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
     except OSError:
         stat = None
     return {"argv": list(argv), "data": [stat.st_size, stat.st_mtime_ns] if stat else None}
+
+
+def free_bytes(folder: str) -> int | None:
+    """:return: the bytes an unprivileged writer may still use on ``folder``'s file system
+    (``statvfs``: available blocks times the fragment size), or ``None`` when it cannot be asked."""
+    try:
+        info = os.statvfs(folder)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def space_came_back(recorded: object, now: int | None) -> bool:
+    """Whether a ``FATAL`` marker of a full file system (exit 74) no longer holds.
+
+    :param recorded: the marker's ``free_bytes`` (read from a file: anything, ``None`` included).
+    :param now: :func:`free_bytes` of the folder now; ``None`` when unknown.
+    :return: ``True`` only when both are byte counts and more is free now; an unknown count keeps
+        the marker (a volume whose free-space figure never changes keeps it until it is removed).
+    """
+    known = all(isinstance(v, int) and not isinstance(v, bool) for v in (recorded, now))
+    return known and now > recorded
 
 
 def _already_recorded(path: str, record: dict) -> bool:
@@ -70,6 +95,8 @@ def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLog
     if namespace is not None:
         record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
                   "invocation": called_as}
+        if error.exit_code == EXIT_IOERR:  # a full disk: obeyed until more space is free
+            record["free_bytes"] = free_bytes(namespace)
         path = os.path.join(namespace, FATAL)
         try:
             kept = _already_recorded(path, record)
@@ -140,7 +167,9 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
     """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if it applies.
 
     A marker written for another :func:`invocation` (other arguments, or an input file changed
-    since) is stale: it is removed with a warning, and ``None`` is returned.
+    since) is stale: it is removed with a warning, and ``None`` is returned. So is one of exit 73
+    (the folder is checked again) and one of exit 74 whose folder has more free space now than
+    it recorded (:func:`space_came_back`).
     """
     path = os.path.join(namespace, FATAL)
     if not os.path.exists(path):
@@ -161,6 +190,11 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
         # check_writable looks again before any work, in no time: a folder fixed since (a
         # permission granted, a folder in the way removed) must not stay refused by its marker
         logger.info("a FATAL marker of an unwritable checkpoint folder: checking the folder again", file=path)
+        LocalStorage().remove(path)
+        return None
+    if record["exit_code"] == EXIT_IOERR and space_came_back(record.get("free_bytes"), free_bytes(namespace)):
+        logger.info("a FATAL marker of a full checkpoint folder, which has more free space now: trying again",
+                    file=path, free_bytes_then=record.get("free_bytes"), free_bytes_now=free_bytes(namespace))
         LocalStorage().remove(path)
         return None
     if called_as is not None and record.get("invocation") not in (None, called_as):

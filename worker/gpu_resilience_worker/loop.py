@@ -16,7 +16,8 @@ rest, the way ``python -m gpu_resilience_worker train`` does it:
    (``PREEMPTION_GRACE_SECONDS``, default 10 s), and return 143;
 5. at the end, save the final step, write ``metrics.json`` (with what ``finish()`` returns) and
    return 0; a :class:`~gpu_resilience_worker.errors.WorkerError` (bad configuration, data,
-   divergence) writes ``FATAL`` and returns its code; any other error returns 1 (retryable).
+   divergence, no space for checkpoints) writes ``FATAL`` and returns its code; any other error
+   returns 1 (retryable). A failed save is logged and training goes on, until three fail in a row.
 
 Pass the return value to :func:`exit_now` (``sys.exit`` works too, but tearing down a process
 with torch loaded takes seconds of the grace period).
@@ -54,8 +55,6 @@ from gpu_resilience_worker.storage import LocalStorage, Storage
 #: ``preemption_save`` choices: save at the stop only when it fits in the grace period
 #: (``deadline``, the default), always, or never.
 PREEMPTION_SAVES = ("deadline", "always", "never")
-#: Consecutive failed saves after which the loop gives up (exit 1, retryable).
-MAX_FAILED_SAVES_IN_A_ROW = 3
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
 #: before the expected kill); an ``os.fork()`` waiting for a save gives way this long plus the
@@ -196,7 +195,6 @@ class ResilientLoop:
         self.resumed_from_step = 0
         self.namespace: str | None = self._folder
         self._attempts: list[dict[str, Any]] = []
-        self._failed_in_a_row = 0
         self._started = time.monotonic()
 
     @property
@@ -223,9 +221,9 @@ class ResilientLoop:
             the run with exit 70 (diverged, ``FATAL``).
         :param finish: called once after the last step; its mapping (JSON types: e.g. the
             held-out accuracy) goes into ``metrics.json``.
-        :return: the exit code: 0 done, 143 stopped (resumable), 78/65/70 a
-            :class:`~gpu_resilience_worker.errors.WorkerError` (``FATAL`` written), 73 the
-            folder is not writable, 1 any other error (retryable).
+        :return: the exit code: 0 done, 143 stopped (resumable), 78/65/70/74 a
+            :class:`~gpu_resilience_worker.errors.WorkerError` (``FATAL`` written; 74: three saves
+            in a row found no space), 73 the folder is not writable, 1 any other error (retryable).
         """
         if not callable(step_fn):
             raise ValueError(f"step_fn must be callable, got {step_fn!r}")
@@ -372,16 +370,12 @@ class ResilientLoop:
     def _save(self, manager: CheckpointManager, *, force: bool) -> bool:
         try:
             saved = manager.save(self.state.step, force=force)
-        except CheckpointSaveError as exc:
-            self._failed_in_a_row += 1
+        except CheckpointSaveError as exc:  # the manager ends the attempt at too many in a row
             self._log.error("checkpoint save failed; training goes on", step=self.state.step, error=str(exc),
-                            failed_in_a_row=self._failed_in_a_row)
-            if self._failed_in_a_row >= MAX_FAILED_SAVES_IN_A_ROW:
-                raise
+                            failed_in_a_row=manager.failed_in_a_row)
             return False
         if saved:
             self.state.checkpoints += 1
-            self._failed_in_a_row = 0
         return saved
 
     def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter, step_torn: bool = False) -> int:
@@ -457,7 +451,7 @@ def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, St
     :param total_steps: optimizer steps of the whole run.
     :param finish: metrics for ``metrics.json`` after the last step, or ``None``.
     :param options: the other keyword parameters of :class:`ResilientLoop`.
-    :return: the exit code (0, 143, 78/65/70/73, 1); hand it to :func:`exit_now`.
+    :return: the exit code (0, 143, 78/65/70/73/74, 1); hand it to :func:`exit_now`.
     :raises ValueError: a bad parameter (before anything is touched).
     """
     return ResilientLoop(states, total_steps=total_steps, **options).run(step_fn, finish)

@@ -5,8 +5,36 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import math
 from typing import Any, Iterable
+
+
+#: Checkpoint saves that fail in a row before the attempt ends, in every driver (the bundled
+#: trainer, :class:`~gpu_resilience_worker.loop.ResilientLoop`): counted by the checkpoint manager
+#: when each save's outcome is known (its commit, or its error), background saves alike.
+MAX_FAILED_SAVES_IN_A_ROW = 3
+#: ``errno`` values of a file system without room for the checkpoint: ENOSPC, EDQUOT (a quota).
+OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: :func:`failed_save_verdict`'s answers.
+GO_ON, GIVE_UP, OUT_OF_SPACE = "go on", "give up", "out of space"
+
+
+def failed_save_verdict(failed_in_a_row: int, error: BaseException) -> str:
+    """What a failed checkpoint save means for the attempt.
+
+    :param failed_in_a_row: saves failed in a row, this one included (>= 1).
+    :param error: this save's error (an ``OSError`` of the write, or any other).
+    :return: :data:`GO_ON` below :data:`MAX_FAILED_SAVES_IN_A_ROW` (training goes on without
+        the checkpoint); at it, :data:`OUT_OF_SPACE` when ``error`` is an ``OSError`` with an
+        errno of :data:`OUT_OF_SPACE_ERRNOS` (exit 74, not retryable), else :data:`GIVE_UP`
+        (exit 1, retryable: EIO and its kind pass).
+    """
+    if failed_in_a_row < MAX_FAILED_SAVES_IN_A_ROW:
+        return GO_ON
+    if isinstance(error, OSError) and error.errno in OUT_OF_SPACE_ERRNOS:
+        return OUT_OF_SPACE
+    return GIVE_UP
 
 
 @dataclasses.dataclass(frozen=True)

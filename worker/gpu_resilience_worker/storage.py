@@ -72,7 +72,8 @@ class LocalStorage:
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
         """Write, flush and fsync ``data`` to ``path``, as a new file written sequentially from
         its start (an existing file is deleted first, never truncated or overwritten in place).
-        Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails.
+        Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails. An
+        ``OSError`` without a path (``os.write``'s ENOSPC) is given the file's.
 
         The file is opened, written and closed on a thread with a descriptor table of its own
         (:func:`~gpu_resilience_worker.forkguard.write_privately`), so that no child process,
@@ -105,8 +106,12 @@ class LocalStorage:
 
         if callable(data):  # a checkpoint's writer hashes on these threads: not started in there
             fastio.start_hash_threads()
-        # no child process may hold the file: its close would finalize it early on GCS FUSE
-        forkguard.write_privately(write_file)
+        try:  # no child process may hold the file: its close would finalize it early on GCS FUSE
+            forkguard.write_privately(write_file)
+        except OSError as exc:
+            if exc.filename is None:  # say which file the disk was full for
+                exc.filename = target
+            raise
         if atomic:
             os.replace(target, path)
         _fsync_dir(folder)

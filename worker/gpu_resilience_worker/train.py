@@ -102,10 +102,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((predicted == y).float().mean().item())
 
 
-#: Consecutive failed checkpoint saves after which the attempt fails (exit 1, retryable).
-MAX_FAILED_SAVES_IN_A_ROW = 3
-
-
 class Trainer:
     """Runs one attempt of the task.
 
@@ -126,7 +122,6 @@ class Trainer:
         self._started = time.monotonic()
         self._attempts: list[dict[str, Any]] = []
         self._high_water_step = 0
-        self._failed_in_a_row = 0
         self._failed_total = 0
         identity = config.identity
         self.goodput = GoodputRecorder(self._storage, config.namespace, identity.execution,
@@ -286,23 +281,20 @@ class Trainer:
 
     def _save(self, manager: ckpt.CheckpointManager, parts: Components, step: int,
               force: bool = False) -> bool:
-        """Save through ``manager``; a failed save is logged and training goes on, until
-        :data:`MAX_FAILED_SAVES_IN_A_ROW` fail in a row (then the error propagates: exit 1)."""
+        """Save through ``manager``; a failed save is logged and training goes on, until the
+        manager ends the attempt (too many failed in a row: exit 74 for want of space, else 1;
+        see :class:`~gpu_resilience_worker.checkpoint.CheckpointManager`)."""
         began = time.monotonic()
         try:
             saved = manager.save(step, force=force)
         except ckpt.CheckpointSaveError as exc:
             self.goodput.save(time.monotonic() - began, saved=False)
-            self._failed_in_a_row += 1
             self._log.error("checkpoint save failed; training goes on", step=step, error=str(exc),
-                            failed_in_a_row=self._failed_in_a_row, failed_saves=manager.failed_saves)
-            if self._failed_in_a_row >= MAX_FAILED_SAVES_IN_A_ROW:
-                raise
+                            failed_in_a_row=manager.failed_in_a_row, failed_saves=manager.failed_saves)
             return False
         self.goodput.save(time.monotonic() - began, saved=saved)
         if saved:  # the previous background save, if any, committed too
             parts.state.checkpoints += 1
-            self._failed_in_a_row = 0
         self._failed_total = manager.failed_saves
         return saved
 
