@@ -62,6 +62,14 @@ def test_a_relative_or_missing_working_dir_fails_the_attempt(jobs, tasks, job_id
     assert not (tmp_path / "pwd.txt").exists()
 
 
+def test_a_working_dir_leading_out_of_a_volume_is_refused(jobs, job_id, bucket, tmp_path):
+    from google.api_core import exceptions as gexc
+
+    with pytest.raises(gexc.BadRequest, match=r"containers\[0\].working_dir: '/checkpoints/../x' leads out"):
+        jobs.create_job(parent=PARENT, job=_pwd_job(tmp_path / "pwd.txt", "/checkpoints/../x", bucket=bucket.name),
+                        job_id=job_id).result(timeout=10)
+
+
 def test_only_dir_with_folder_volumes_shows_the_task_that_folder_of_the_bucket(tmp_path, images_file):
     from google.cloud import storage
 
