@@ -1,5 +1,6 @@
 """``pip install ./worker`` into a clean virtual environment: no Airflow, no Google package, and
-the README's own-loop example runs there.
+the README's own-loop example runs there; and the worker's wheel, built from its folder alone,
+carries the repository's license.
 
 The environment is a real ``python -m venv`` (no system site-packages, no pip of its own: this
 environment's pip installs into it with ``--python``, which saves the ``ensurepip`` step). torch
@@ -76,3 +77,24 @@ def test_pip_install_worker_in_a_clean_venv_pulls_no_airflow_or_google_and_runs_
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads((work / "checkpoints" / "own-loop" / "metrics.json").read_text())["steps"] == 100
     print("\n".join(f"{what:>24}: {seconds:6.1f} s" for what, seconds in timings.items()), file=sys.stderr)
+
+
+def test_the_worker_wheel_built_from_its_folder_alone_carries_the_license(tmp_path: Path) -> None:
+    """The worker folder copied away from the repository (as a user's image build may take it)
+    builds a wheel that carries the repository's license: ``*.dist-info/licenses/LICENSE``, the
+    same text, named in the metadata (``License-File``)."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "worker"
+    shutil.copytree(REPO / "worker", source, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"))
+    out = tmp_path / "wheel"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--no-input", "-w", str(out),
+                            str(source)], env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    wheel = zipfile.ZipFile(next(out.glob("airflow_gpu_resilience_worker-*.whl")))
+    licenses = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert len(licenses) == 1, wheel.namelist()
+    assert wheel.read(licenses[0]) == (REPO / "LICENSE").read_bytes()
+    metadata = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-File: LICENSE" in metadata.splitlines() and "License-Expression: Apache-2.0" in metadata
