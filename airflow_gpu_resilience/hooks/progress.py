@@ -65,17 +65,24 @@ class TaskProgress:
     steps_per_second: float = 0.0
 
     @classmethod
-    def from_json(cls, task_index: int, data: Any) -> TaskProgress | None:
-        """Parse a ``progress.json`` object; ``None`` unless ``step`` and ``total_steps`` are integers.
+    def from_json(cls, task_index: int, data: Any, source: str = PROGRESS_FILE) -> TaskProgress | None:
+        """Parse a ``progress.json`` object; ``None`` unless ``step`` and ``total_steps`` are integers >= 0.
+
+        A ``step`` beyond ``total_steps`` (a torn or forged file: the worker never counts past the
+        run's steps) is shown as ``total_steps``, with a warning naming ``source`` and the field.
 
         :param task_index: the task the file belongs to.
         :param data: the decoded JSON.
+        :param source: the file's name for the warning (default ``progress.json``).
         """
         if not isinstance(data, dict):
             return None
         step, total = data.get("step"), data.get("total_steps")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, total)):
             return None
+        if step > total:
+            log.warning("%s: step %d is beyond total_steps %d; shown as %d", source, step, total, total)
+            step = total
         return cls(
             task_index=task_index, step=step, total_steps=total, status=str(data.get("status") or ""),
             updated_at=str(data.get("updated_at") or ""), loss=_number(data.get("loss")),
@@ -105,11 +112,40 @@ class TaskProgress:
         return {**asdict(self), "eta_seconds": self.eta_seconds}
 
 
-def lost_work_entries(task_index: int, data: Any) -> list[dict[str, Any]]:
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def most_lost_steps(resumed_from_step: Any, total_steps: int | None) -> int | None:
+    """The most steps one resume can have lost: those of the run past the step it resumed from.
+
+    A resume loses the steps between the checkpoint it loaded (a committed one) and the step the
+    previous attempt had reached, and the worker never counts past the run's ``total_steps``: a
+    real history stays within this bound.
+
+    :param resumed_from_step: the entry's ``resumed_from_step`` (anything: an integer >= 0 is used).
+    :param total_steps: the run's steps (``progress.json``), ``None`` when unknown.
+    :return: ``total_steps`` less the resumed step (0 when it resumed at or past the end),
+        ``total_steps`` when the resumed step is not a count, ``None`` without ``total_steps``.
+    """
+    if total_steps is None:
+        return None
+    resumed = _count(resumed_from_step)
+    return total_steps if resumed is None else max(0, total_steps - resumed)
+
+
+def lost_work_entries(task_index: int, data: Any, total_steps: int | None = None,
+                      source: str = ATTEMPTS_FILE) -> list[dict[str, Any]]:
     """The attempts that lost work, from ``metrics.json`` or ``attempts.json``.
+
+    ``lost_steps`` is the worker's claim, computed from an earlier ``progress.json``: a torn or
+    forged file can make it absurd. It is bounded by :func:`most_lost_steps` (a warning names
+    ``source``, the field and the entry); an entry left with nothing lost is dropped.
 
     :param task_index: the task the file belongs to.
     :param data: the decoded JSON: its ``attempts`` list, else its ``history`` list is read.
+    :param total_steps: the run's steps (``progress.json``'s ``total_steps``); ``None``: unbounded.
+    :param source: the file's name for the warning (default ``attempts.json``).
     :return: ``[{task_index, execution, attempt, resumed_from_step, lost_steps}]`` with
         ``lost_steps > 0``, in file order.
     """
@@ -118,12 +154,19 @@ def lost_work_entries(task_index: int, data: Any) -> list[dict[str, Any]]:
     entries = data.get("attempts") or data.get("history") or []
     result = []
     for entry in entries if isinstance(entries, list) else []:
-        if not isinstance(entry, dict) or not isinstance(entry.get("lost_steps"), int) or entry["lost_steps"] <= 0:
+        if not isinstance(entry, dict) or not _count(entry.get("lost_steps")):
             continue
-        result.append({
-            "task_index": task_index, "execution": entry.get("execution"), "attempt": entry.get("attempt"),
-            "resumed_from_step": entry.get("resumed_from_step"), "lost_steps": entry["lost_steps"],
-        })
+        lost, most = entry["lost_steps"], most_lost_steps(entry.get("resumed_from_step"), total_steps)
+        if most is not None and lost > most:
+            log.warning("%s: lost_steps %d of execution %s attempt %s (resumed from step %s) is more than the "
+                        "run's total_steps %d allows; counted as %d", source, lost, entry.get("execution"),
+                        entry.get("attempt"), entry.get("resumed_from_step"), total_steps, most)
+            lost = most
+        if lost > 0:
+            result.append({
+                "task_index": task_index, "execution": entry.get("execution"), "attempt": entry.get("attempt"),
+                "resumed_from_step": entry.get("resumed_from_step"), "lost_steps": lost,
+            })
     return result
 
 
@@ -228,14 +271,21 @@ class CheckpointFilesHook:
 
     def progress(self, task_index: int) -> TaskProgress | None:
         """The task's ``progress.json``, or ``None``."""
-        return TaskProgress.from_json(task_index, self.read_json(task_index, PROGRESS_FILE))
+        return TaskProgress.from_json(task_index, self.read_json(task_index, PROGRESS_FILE),
+                                      source=self._uri(task_index, PROGRESS_FILE))
 
     def lost_work(self, task_index: int) -> list[dict[str, Any]]:
-        """The task's attempts that lost work (``metrics.json``, else ``attempts.json``)."""
-        data = self.read_json(task_index, METRICS_FILE)
+        """The task's attempts that lost work (``metrics.json``, else ``attempts.json``), each
+        bounded by the run's ``total_steps`` from ``progress.json`` (see :func:`lost_work_entries`)."""
+        name, data = METRICS_FILE, self.read_json(task_index, METRICS_FILE)
         if not isinstance(data, dict):
-            data = self.read_json(task_index, ATTEMPTS_FILE)
-        return lost_work_entries(task_index, data)
+            name, data = ATTEMPTS_FILE, self.read_json(task_index, ATTEMPTS_FILE)
+        progress = self.progress(task_index)
+        return lost_work_entries(task_index, data, None if progress is None else progress.total_steps,
+                                 source=self._uri(task_index, name))
+
+    def _uri(self, task_index: int, file_name: str) -> str:
+        return f"gs://{self.bucket}/{self.object_name(task_index, file_name)}"
 
     def goodput_events(self, task_index: int) -> dict[tuple[str, int], dict[str, Any]]:
         """The task's goodput events files, by ``(execution, attempt)``; ``{}`` when unreadable.

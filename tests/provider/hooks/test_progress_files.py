@@ -1,0 +1,36 @@
+"""CheckpointFilesHook against the embedded GCS emulator: a forged ``progress.json`` is not believed."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
+from tests.provider.conftest import BUCKET, PROJECT
+
+
+def test_a_step_of_10_to_the_12_in_progress_json_bounds_the_lost_work(emulator, gcp_conn, gcs_emulator_host, capfd):
+    """The worker believed a ``progress.json`` claiming step 10**12 and wrote that it lost
+    999999999910 steps; the run has 100, and the attempt resumed from step 90: at most 10."""
+    prefix = f"job-{uuid.uuid4().hex[:8]}"
+    bucket = storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": emulator.gcs_endpoint}).bucket(BUCKET)
+    files = {"progress.json": {"step": 10**12, "total_steps": 100, "status": "running"},
+             "attempts.json": {"attempts": [{"execution": "job-x", "attempt": 1, "task_index": 0,
+                                             "resumed_from_step": 90, "lost_steps": 999999999910}]}}
+    for name, content in files.items():
+        bucket.blob(f"{prefix}/task-0/{name}").upload_from_string(json.dumps(content))
+    hook = CheckpointFilesHook(BUCKET, prefix, gcp_conn_id=gcp_conn)
+    lost = hook.lost_work(0)
+    progress = hook.progress(0)
+    assert [item["lost_steps"] for item in lost] == [10]
+    assert progress is not None and progress.step == 100
+    out = capfd.readouterr()
+    messages = out.out + out.err  # the warnings, as Airflow's logging writes them
+    assert f"gs://{BUCKET}/{prefix}/task-0/attempts.json: lost_steps 999999999910 of execution job-x attempt 1 " \
+           "(resumed from step 90) is more than the run's total_steps 100 allows; counted as 10" in messages
+    assert f"gs://{BUCKET}/{prefix}/task-0/progress.json: step 1000000000000 is beyond total_steps 100; " \
+           "shown as 100" in messages
