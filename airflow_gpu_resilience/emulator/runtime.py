@@ -337,10 +337,10 @@ def wait_for_exit(attempts: list, timeout: float) -> None:
     if not fds or None in fds:
         time.sleep(timeout)
         return
-    try:
-        select.select(fds, [], [], timeout)
-    except (OSError, ValueError):  # a descriptor closed meanwhile (shutdown): the caller looks again
-        pass
+    poller = select.poll()  # not select(): no limit on descriptor numbers
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)  # a descriptor closed meanwhile (shutdown) answers at once: looked at again
 
 
 def task_env(task: Task, attempt: int, task_count: int, entry: ImageEntry, mounts: list) -> dict:
