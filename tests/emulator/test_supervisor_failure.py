@@ -17,8 +17,7 @@ from .conftest import PARENT, make_job
 Cond = run_v2.Condition
 
 
-def test_an_execution_whose_supervisor_fails_ends_failed_with_the_reason(jobs, executions, tasks, emulator,
-                                                                        job_id):
+def test_an_execution_whose_supervisor_fails_ends_failed_with_the_reason(jobs, executions, tasks, job_id):
     spec = make_job("local/bad-env", task_count=3, parallelism=1)
     job = jobs.create_job(parent=PARENT, job=spec, job_id=job_id).result(timeout=10)
     op = jobs.run_job(name=job.name)
@@ -32,4 +31,3 @@ def test_an_execution_whose_supervisor_fails_ends_failed_with_the_reason(jobs, e
     listed = list(tasks.list_tasks(parent=execution.name))
     assert all(t.completion_time and not t.reconciling for t in listed)
     assert "illegal environment variable name" in listed[0].last_attempt_result.status.message
-    assert emulator.task_processes()["running"] == 0  # its slot was given back
