@@ -33,7 +33,8 @@ Definitions (all from the worker's own JSON logs, the emulator's API and its sch
   (:mod:`airflow_gpu_resilience.goodput`, as the execute operator builds it), from Cloud Run's
   task times and the worker's ``goodput-*.json`` files: seconds of productive training,
   start-up, restore, save stall, wasted (steps recomputed) and recovery gap; its goodput is
-  productive over the span from the first attempt's start to the last one's end.
+  productive over the span from the first attempt's start to the last one's end; ``GPU-s``, what it bills, beside
+  ``recorded s``, the emulator's record; ``inferred`` / ``untimed``: attempts without times it placed / could not.
 - the downtime's parts (third table, from the worker's ``goodput-*.json`` files): per
   preemption, ``stop`` (preemption to the preempted attempt's exit), ``restart`` (that exit to
   the next attempt's process start), ``startup`` (process start to checkpoint load) and
@@ -51,6 +52,7 @@ Not a timed test: numbers depend on the machine and its load, which the output r
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -245,8 +247,6 @@ DOWNTIME_PARTS = ("stop", "restart", "startup", "restore")
 
 def goodput_events(lab: Lab, job_id: str) -> dict:
     """:return: ``(execution short id, attempt)`` -> the worker's goodput events file of that attempt."""
-    import json
-
     events = {}
     for path in sorted(lab.namespace(job_id).glob("goodput-*.json")):
         try:
@@ -344,7 +344,7 @@ def summarize(lab: Lab, job_id: str, run: dict, schedule: dict, sched_start: flo
 
 
 def goodput_account(lab: Lab, job_id: str, executions: list, durable: int | None = None) -> dict:
-    """The provider's goodput account of task 0 over ``executions`` (seconds per bucket).
+    """The provider's goodput account of task 0 over ``executions``, with ``recorded_seconds``.
 
     :param durable: for a run stopped before it finished (the benchmark's cap), the step of its
         newest committed checkpoint, as the execute operator passes it for a failed task: the last
@@ -354,10 +354,10 @@ def goodput_account(lab: Lab, job_id: str, executions: list, durable: int | None
     from airflow_gpu_resilience.operators.goodput_report import attempt_inputs
 
     tasks = [(name, list(lab.clients["tasks"].list_tasks(parent=name))) for name in executions]
-    events = goodput_events(lab, job_id)
-    account = account_task(0, attempt_inputs(tasks, {0: events}).get(0, []), gpus_per_task=1, durable_step=durable)
-    return {key: (round(value, 3) if isinstance(value, float) else value)
-            for key, value in account.items() if key != "attempts"}
+    account = account_task(0, attempt_inputs(tasks, {0: goodput_events(lab, job_id)}).get(0, []), durable_step=durable)
+    recorded = sum(a["seconds"] for name in executions for a in lab.emulator.attempts(name))
+    return {**{key: (round(value, 3) if isinstance(value, float) else value)
+               for key, value in account.items() if key != "attempts"}, "recorded_seconds": round(recorded, 3)}
 
 
 def _r(value, digits: int = 4):
@@ -507,8 +507,8 @@ def table_rows(rows: list) -> list:
 
 
 ACCOUNT_HEADERS = ["M s", "seed", "strategy", "goodput (bench)", "goodput (account)", "productive s", "startup s",
-                   "restore s", "save stall s", "wasted s", "recovery gap s", "span s", "GPU-s", "steps redone",
-                   "untimed"]
+                   "restore s", "save stall s", "wasted s", "recovery gap s", "span s", "GPU-s", "recorded s",
+                   "steps redone", "inferred", "untimed"]
 
 
 def account_rows(rows: list) -> list:
@@ -520,8 +520,8 @@ def account_rows(rows: list) -> list:
         out.append(["inf" if r["mtbi_s"] is None else f"{r['mtbi_s']:.1f}", r["seed"] if r["seed"] is not None else "-",
                     r["strategy"], f"{100 * r['goodput']:.1f}%", "-" if share is None else f"{100 * share:.1f}%",
                     *(a.get(k, "-") for k in ("productive", "startup", "restore", "save_stall", "wasted", "recovery_gap",
-                                              "span_seconds", "gpu_seconds", "steps_recomputed",
-                                              "unknown_attempts"))])
+                                              "span_seconds", "gpu_seconds", "recorded_seconds", "steps_recomputed",
+                                              "inferred_attempts", "unknown_attempts"))])
     return out
 
 

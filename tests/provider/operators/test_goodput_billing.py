@@ -34,7 +34,8 @@ PREEMPTIONS = 20
 IN_STARTUP = 0.2
 
 
-def preempt_every_startup(emulator, job_name: str, count: int, answers: list, stop: threading.Event) -> threading.Thread:
+def preempt_every_startup(emulator, job_name: str, count: int, answers: list,
+                          stop: threading.Event) -> threading.Thread:
     """In the background: preempt task 0's attempts one after another, each :data:`IN_STARTUP`
     seconds after it was seen running, ``count`` times, in whichever execution is the newest."""
     hook = CloudRunGpuHook()
