@@ -115,9 +115,11 @@ def test_exit_1_fails_after_airflow_retries_with_exit_code_in_message(gcp_conn, 
     assert error.exit_code == 1 and error.outcome == "FAILED"
     assert "exit code 1" in str(error) and "attempt 2" in str(error) and "Logs: http" in str(error)
     assert len(executions(job_name)) == 2  # one per Airflow try
-    # the failed try's goodput account: its one execution, both attempts (the first without times)
+    # the failed try's goodput account: its one execution, both attempts (the first without times of
+    # its own: placed before the second, billed)
     [account] = error.goodput["tasks"]
-    assert (len(account["attempts"]), account["unknown_attempts"], account["productive"]) == (1, 1, 0.0)
+    assert (len(account["attempts"]), account["inferred_attempts"], account["productive"]) == (2, 1, 0.0)
+    assert account["unknown_attempts"] == 0
     assert error.goodput["headline"] in str(error)
 
 
@@ -566,8 +568,9 @@ def test_container_logs_in_the_task_log_polling_in_the_worker_and_the_goodput_ac
     assert ti.state == TaskInstanceState.SUCCESS
     [summary] = CAPTURED["summaries"]
     [account] = summary["goodput"]["tasks"]
-    assert [(a["attempt"], a["times_from"]) for a in account["attempts"]] == [(1, "platform")]
-    assert account["unknown_attempts"] == 1  # attempt 0 has no times: the stub writes no events file
+    # attempt 0 has no times (the stub writes no events file): placed before attempt 1, billed
+    assert [(a["attempt"], a["times_from"]) for a in account["attempts"]] == [(0, "inferred"), (1, "platform")]
+    assert account["unknown_attempts"] == 0
     out = capfd.readouterr()
     # the task log as dag.test() prints it: Airflow 3 "... Container log: <line> [airflow.task.operators...]",
     # Airflow 2.11 "[time] {cloud_run.py:N} INFO - Container log: <line>", every line twice (two handlers)
