@@ -177,7 +177,7 @@ def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
     started = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     try:
-        assert op._attach_or_start({"ti": ti}, state).execution == started
+        assert op.run_manager({"ti": ti}).attach_or_start(state).execution == started
         assert ti.xcom["execution_name"] == started and len(executions(job_name)) == 1
     finally:
         hook.cancel_execution(execution=started, wait=True)
@@ -194,7 +194,7 @@ def test_a_finished_execution_is_adopted_only_if_no_try_acted_on_it(gcp_conn, jo
     finished = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
                                     overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     hook.wait_for_execution(finished, poll_interval=0.1, timeout=30)
-    step = op._attach_or_start({"ti": ti}, state)
+    step = op.run_manager({"ti": ti}).attach_or_start(state)
     if adopted:
         result = step.summary
         assert result["outcome"] == "SUCCEEDED" and result["executions"][0]["name"] == finished
@@ -423,21 +423,21 @@ def test_on_kill_cancels_the_running_execution(gcp_conn, job_name):
     deploy(job_name, ["sleep", "60"], max_retries=3)
     op = CloudRunGpuExecuteJobOperator(task_id="execute", job_name=job_name, region=REGION, deferrable=False,
                                        poll_interval=0.1)
-    outcome = {}
+    outcome, ti = {}, _TI()
 
     def run():
         allow_execute_in_this_thread()
         try:
-            op.execute({"ti": _TI()})
+            op.execute({"ti": ti})
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
-    while not op._running_execution and time.monotonic() < deadline:
+    while "execution_name" not in ti.xcom and time.monotonic() < deadline:
         time.sleep(0.05)
-    wait_until_running(CloudRunGpuHook(), op._running_execution)
+    wait_until_running(CloudRunGpuHook(), ti.xcom["execution_name"])
     op.on_kill()
     thread.join(timeout=30)
     [execution] = executions(job_name)

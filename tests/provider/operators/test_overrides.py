@@ -6,7 +6,8 @@ import datetime
 
 import pytest
 
-from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator, check_overrides
+from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
+from airflow_gpu_resilience.overrides import check_overrides
 
 
 @pytest.mark.parametrize("overrides", [

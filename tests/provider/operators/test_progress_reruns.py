@@ -275,11 +275,11 @@ def test_rerun_limits_are_checked_when_the_dag_is_parsed(name, value):
 
 
 @pytest.mark.parametrize("name", ["max_reruns_without_progress", "max_total_reruns"])
-def test_templated_rerun_limits_are_checked_once_rendered(name):
+def test_templated_rerun_limits_are_checked_once_rendered(name, gcp_conn):
     op = CloudRunGpuExecuteJobOperator(task_id="e", job_name="j", **{name: "{{ params.n }}"})
     assert name in op.template_fields
     setattr(op, name, "-2")  # as rendered
     with pytest.raises(ValueError, match=f"{name}='-2' must be an integer >= 0"):
         op.execute({})
     setattr(op, name, "5")
-    assert op._budget() == 3  # the fixed budget stays max_preemption_reruns
+    assert op.run_manager({}).settings.max_preemption_reruns == 3  # the fixed budget stays max_preemption_reruns

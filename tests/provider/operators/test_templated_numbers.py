@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_gpu_resilience.operators.cloud_run import _coerce, _count
+from airflow_gpu_resilience.operator_args import coerce_spec_value, parse_count
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -17,17 +17,17 @@ from airflow_gpu_resilience.operators.cloud_run import _coerce, _count
     ("", ""),
 ])
 def test_a_rendered_int_field_is_converted_only_from_ascii_digits(value, expected) -> None:
-    assert _coerce("task_timeout", value) == expected
+    assert coerce_spec_value("task_timeout", value) == expected
 
 
 @pytest.mark.parametrize("value", ["²", "٣", "-3", "3.0", ""])
 def test_a_count_names_its_parameter(value) -> None:
     with pytest.raises(ValueError, match=r"^max_reruns=.* must be an integer >= 0$"):
-        _count("max_reruns", value)
+        parse_count("max_reruns", value)
 
 
 def test_the_spec_refuses_what_was_left_by_name() -> None:
     from airflow_gpu_resilience.job_spec import GpuJobSpec
 
     with pytest.raises(ValueError, match=r"^task_timeout='²' must be an integer of seconds"):
-        GpuJobSpec(name="j", image="i", task_timeout=_coerce("task_timeout", "²"))
+        GpuJobSpec(name="j", image="i", task_timeout=coerce_spec_value("task_timeout", "²"))
