@@ -19,9 +19,10 @@ task's latest attempt only (``start_time``/``completion_time``) and the task's
   ``startup`` (``times_from`` ``inferred``). This bound is from above: it includes the retry
   delays between them, which Cloud Run does not report;
 - a killed worker writes no ``ended_at``; its last ``updated_at`` is only a lower bound of its
-  end, so the attempt runs on to the next attempt's start in its execution, and the seconds
-  after its last write are ``wasted`` (``startup`` before its first step): nothing it did then
-  left a record;
+  end, so the attempt runs on to the next attempt's start in its execution (attempts without
+  times right after it take that time instead), and the seconds after its last write are
+  ``wasted`` (``startup`` before its first step): nothing it did then left a record; only an
+  end the platform or the worker recorded proves a gap that was not billed;
 - an attempt that cannot be placed (no times, and no timed attempt after it in its execution)
   is left out and counted in ``unknown_attempts``.
 
