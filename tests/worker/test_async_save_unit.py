@@ -4,6 +4,7 @@ counted at their outcomes (three in a row end the attempt)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 from pathlib import Path
@@ -224,3 +225,18 @@ def test_three_failures_of_another_kind_end_the_attempt_retryably(tmp_path: Path
     with pytest.raises(SavesFailingError, match="3 checkpoint saves failed in a row") as raised:
         manager.save(3)
     assert not isinstance(raised.value, (CheckpointSaveError, WorkerError))  # the catch-all's exit 1
+
+
+def test_resilient_loop_on_a_full_disk_returns_74_after_three_background_saves_failed(tmp_path: Path) -> None:
+    """The other driver of the rule: ``ResilientLoop`` with background saves stops at the third
+    failure in a row (reported at step 60), returns 74 and writes ``FATAL``, instead of training
+    to the end and failing the final save with exit 1."""
+    from gpu_resilience_worker.loop import ResilientLoop
+
+    log = ListLog()
+    loop = ResilientLoop({"box": _big_box()}, total_steps=200, folder=str(tmp_path / "run"), checkpoint_every=10,
+                         storage=FullDiskStorage(), env={}, argv=["own-loop"], logger=StructuredLogger(log))
+    assert loop.run(lambda step: 0.5) == 74
+    assert loop.step == 60
+    marker = json.loads((tmp_path / "run" / "FATAL").read_text())
+    assert "No space left on device" in marker["reason"] and str(tmp_path / "run") in marker["reason"]
