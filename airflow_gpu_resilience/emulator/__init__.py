@@ -1,28 +1,32 @@
-"""Local Cloud Run Admin API v2 emulator for the unmodified ``google-cloud-run`` REST client.
+"""Local Cloud Run Admin API v2 emulator for the unmodified ``google-cloud-run`` clients, over
+REST and gRPC (their default transport), sync and async.
 
 Start it::
 
-    python -m airflow_gpu_resilience.emulator serve --port 8123 --gcs-port 9023 \\
+    python -m airflow_gpu_resilience.emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 \\
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
         [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] [--max-task-processes N] \\
         [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]] \\
         [--volumes auto|fuse|folder] [--fuse-strict]
 
-It binds 127.0.0.1 only, answers only loopback ``Host`` values, refuses cross-origin requests and
-non-JSON bodies, and reads at most 4 MiB of a body (see :mod:`.guards`); it prints one JSON ready
-line,
-``{"ready": true, "endpoint": "http://127.0.0.1:PORT", "gcsEndpoint": "http://127.0.0.1:PORT2",
-"dataDir": ..., "pid": ...}`` (``--port 0``/``--gcs-port 0`` pick free ports). SIGTERM or SIGINT
-stops it and every task process it started; a hard-killed emulator takes them along (Linux).
-From Python use :class:`~.process.EmulatorProcess`. Point clients at it with::
+It binds 127.0.0.1 only; its REST server answers only loopback ``Host`` values, refuses
+cross-origin requests and non-JSON bodies, and reads at most 4 MiB of a body (see :mod:`.guards`);
+its gRPC server speaks HTTP/2 gRPC only, which no browser page can send (see :mod:`.grpc_server`).
+It prints one JSON ready line, ``{"ready": true, "endpoint": "http://127.0.0.1:PORT",
+"grpcEndpoint": "127.0.0.1:PORT3", "gcsEndpoint": "http://127.0.0.1:PORT2", "dataDir": ...,
+"pid": ...}`` (port 0 picks a free one). SIGTERM or SIGINT stops it and every task process it
+started; a hard-killed emulator takes them along (Linux). From Python use
+:class:`~.process.EmulatorProcess`. Point clients at it with::
 
     run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
                       client_options={"api_endpoint": emu.endpoint})
+    run_v2.JobsClient(transport=JobsGrpcTransport(channel=grpc.insecure_channel(emu.grpc_endpoint)))
+    os.environ["CLOUD_RUN_EMULATOR_HOST"] = emu.grpc_endpoint  # this project's hooks: gRPC, anonymous
     os.environ["STORAGE_EMULATOR_HOST"] = emu.gcs_endpoint   # google-cloud-storage
 
-Served (``/v2``, see :mod:`.urls`): CreateJob, GetJob, ListJobs, UpdateJob, DeleteJob, RunJob,
-GetExecution, ListExecutions, CancelExecution, DeleteExecution, GetTask, ListTasks, and the
-operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
+Served (gRPC: see :mod:`.rpcs`; REST ``/v2``: see :mod:`.urls`): CreateJob, GetJob, ListJobs,
+UpdateJob, DeleteJob, RunJob, GetExecution, ListExecutions, CancelExecution, DeleteExecution,
+GetTask, ListTasks, and the operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
 ``$alt=json;enum-encoding=int``. Admin endpoints (``/_emulator``: health, reset, preempt,
 preemptions/schedule, faults, transitions, logs, attempts) are listed in :mod:`.app`; the image table
 format is in :mod:`.images`.
@@ -36,13 +40,14 @@ maintenance status, retried per ``maxRetries``); ``POST /_emulator/preemptions/s
 Each attempt's stdout and stderr go to their own file; ``logUri`` of an execution or task is
 ``{endpoint}/_emulator/logs/{name}``, which serves the attempts' logs one after another.
 
-The Airflow google provider's own ``CloudRunHook`` reaches the emulator when a subclass
-overrides ``_get_api_endpoint`` (returning the endpoint) and forces ``transport="rest"``; see
-``tests/emulator/google_provider_dags.py``.
+The Airflow google provider's own ``CloudRunHook`` honours no ``*_EMULATOR_HOST`` variable and
+always opens a TLS channel on gRPC; see ``tests/emulator/google_provider_dags.py`` for how its
+operators reach the emulator.
 
 Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend` (state per
 project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
-processes), :mod:`.validation`, :mod:`.responses` / :mod:`.urls` / :mod:`.app` (HTTP),
+processes), :mod:`.validation`, :mod:`.rpcs` (the methods, for both transports),
+:mod:`.responses` / :mod:`.urls` / :mod:`.app` (REST), :mod:`.grpc_server` (gRPC),
 :mod:`.exceptions`, :mod:`.faults`, :mod:`.gcs` (in-process GCS emulator and mounts),
 :mod:`.guards` (who may send what; paths stay inside the data folder),
 :mod:`.server` and ``__main__`` (CLI).
@@ -56,7 +61,7 @@ Known differences from Cloud Run:
   and shown by ``/_emulator/attempts``, the logs and ``/_emulator/volumes``), or, without FUSE,
   to the bucket's folder (one line at start says which); the GCS emulator re-indexes a bucket's
   files before each Storage API request (see :mod:`.gcs`).
-- REST only (no gRPC, so no ``JobsAsyncClient``); no IAM, secrets, probes, VPC,
+- No IAM (its methods answer UNIMPLEMENTED), secrets, probes, VPC,
   ``showDeleted``, execution tokens, Cloud Logging (``logUri`` points at the emulator).
 - Preemption is an emulator event only: nothing in the v2 API models it; a preempted attempt
   gets ``status.code`` 14 and a maintenance message (the real text is unconfirmed).
@@ -69,6 +74,7 @@ Known differences from Cloud Run:
   ``parallelism``. ``/_emulator/health`` reports the bound, the processes running and the peak.
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and
-  ALREADY_EXISTS raises ``Conflict``. A failed execution's LRO carries gRPC code 9 (so
+  ALREADY_EXISTS raises ``Conflict``; over gRPC each code raises its own class
+  (``InvalidArgument``, ``FailedPrecondition``, ``AlreadyExists``), with the same message. A failed execution's LRO carries gRPC code 9 (so
   ``operation.result()`` raises ``FailedPrecondition``); the real code is unconfirmed.
 """

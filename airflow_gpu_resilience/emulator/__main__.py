@@ -1,9 +1,11 @@
 """Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
 
-``serve --port 8123 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
-[--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator (``--port 0`` / ``--gcs-port 0`` pick free ports; the ready line says
-which); ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts
-a seeded preemption schedule (see :class:`~.faults.PreemptionSchedule`).
+``serve --port 8123 --grpc-port 8124 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
+[--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator: REST on
+``--port``, gRPC on ``--grpc-port`` (``CLOUD_RUN_EMULATOR_HOST`` is ``127.0.0.1:`` that port), the
+GCS emulator on ``--gcs-port`` (0 picks a free port; the ready line says which);
+``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts a seeded
+preemption schedule (see :class:`~.faults.PreemptionSchedule`).
 
 ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]`` asks a running
 emulator for a maintenance preemption and prints its JSON answer.
@@ -24,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m airflow_gpu_resilience.emulator")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the Cloud Run Admin API v2 emulator")
-    serve.add_argument("--port", type=int, default=8123, help="API port on 127.0.0.1 (0: any free)")
+    serve.add_argument("--port", type=int, default=8123, help="REST API port on 127.0.0.1 (0: any free)")
+    serve.add_argument("--grpc-port", type=int, default=8124,
+                       help="gRPC API port on 127.0.0.1, for CLOUD_RUN_EMULATOR_HOST (0: any free)")
     serve.add_argument("--gcs-port", type=int, default=9023, help="GCS emulator port (0: any free)")
     serve.add_argument("--data-dir", type=Path, required=True, help="GCS objects and attempt logs")
     serve.add_argument("--images", type=Path, action="append", default=None,
@@ -84,6 +88,9 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             policy_value(attr, getattr(args, dest))
         except ValueError as exc:
             parser.error(f"{flag} {exc}")
+    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port), ("--gcs-port", args.gcs_port)):
+        if not 0 <= port <= 65535:
+            parser.error(f"{flag} must be a port number from 0 to 65535 (0: any free port), got {port}")
     if not (math.isfinite(args.preempt_every) and args.preempt_every >= 0):
         parser.error(f"--preempt-every must be a finite number of seconds >= 0 (0: off), got {args.preempt_every!r}")
 
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
             policy.max_task_processes = args.max_task_processes
         plan = (PreemptionPlan(args.preempt_every, args.preempt_seed, name_prefix=args.preempt_prefix)
                 if args.preempt_every > 0 else None)
-        serve(ServeConfig(data_dir=args.data_dir, port=args.port, gcs_port=args.gcs_port,
+        serve(ServeConfig(data_dir=args.data_dir, port=args.port, grpc_port=args.grpc_port, gcs_port=args.gcs_port,
                           images_file=args.images, policy=policy, preemptions=plan, volumes=args.volumes,
                           fuse_strict=args.fuse_strict))
         return 0

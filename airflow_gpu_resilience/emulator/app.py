@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -53,16 +51,16 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from starlette.concurrency import run_in_threadpool
 
-from . import logging_api, responses, urls
+from . import logging_api, responses, rpcs, urls
 from .backend import Registry
 from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 from .gcsfuse import event_line
 from .guards import GuardMiddleware, contained
+from .rpcs import internal_error
 from .runtime import policy_value
 
 _TASK_NAME = "/tasks/"
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -103,40 +101,22 @@ def serialize(message, int_enums: bool) -> Response:
 
 
 def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) -> Response:
-    """Route one ``/v2`` request, apply injected faults, run the handler, map errors.
-
-    The handler and the rendering run under the registry's lock, so a response never mixes two
-    states; WaitOperation and preempt release it while they wait (``Condition.wait``).
-    """
+    """Route one ``/v2`` request to its method's request message, run it with
+    :func:`~.rpcs.call` (faults, the registry's lock, the same handler as gRPC), map errors."""
+    int_enums = "enum-encoding=int" in query.get("$alt", "")
     try:
-        delay, fault = state.faults.next_fault()
-        if delay:
-            time.sleep(delay)
-        if fault:
-            raise fault
         found = urls.match(method, path)
         if found is None:
             if urls.path_exists(path):
                 raise Unimplemented(f"Method {method} is not supported on /v2/{path}.")
             raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
-        handler, params = found
-        with state.registry.cond:  # a consistent snapshot: supervisors change state under it
-            result = handler(responses.Request(state.registry, params, query, body))
-            answer = serialize(result, "enum-encoding=int" in query.get("$alt", ""))
-        lost = state.faults.lost_answer(method)  # applied, but the client never hears so
-        if lost:
-            raise lost
-        return answer
+        builder, params, rpc = found
+        request = builder(responses.Request(params, query, body))
+        return rpcs.call(state.registry, state.faults, rpc, request, lambda result: serialize(result, int_enums))
     except EmulatorError as err:
         return error_response(err)
     except Exception as exc:  # an emulator bug: still answer in Google's error shape
         return error_response(internal_error(exc))
-
-
-def internal_error(exc: Exception) -> EmulatorError:
-    """Log an unexpected exception and wrap it as INTERNAL."""
-    logger.exception("internal error")
-    return EmulatorError(f"Internal emulator error: {type(exc).__name__}: {exc}")
 
 
 def _locked(cond, func, *args):

@@ -5,18 +5,20 @@ endpoint ``POST /_emulator/preempt`` calls it). This module holds the API-level 
 configured by ``POST /_emulator/faults`` with a JSON body (all keys optional; ``{}`` clears
 every fault)::
 
-    {"failNext": 2,          # the next N API requests fail
+    {"failNext": 2,          # the next N API requests fail (REST or gRPC)
      "errorRate": 0.2,       # then each request fails with this probability
-     "codes": [503, 429],    # HTTP codes to draw from (503 UNAVAILABLE, 429 RESOURCE_EXHAUSTED)
+     "codes": [503, 429],    # HTTP codes to draw from (503 UNAVAILABLE, 429 RESOURCE_EXHAUSTED;
+                             #   over gRPC their codes, 14 and 8)
      "delaySeconds": 0.5,    # added latency per request
      "seed": 1,              # random seed, for reproducible runs
-     "loseAnswerNext": 1,    # the next N POST/PATCH/DELETE requests are applied, and then
-     "loseAnswerCode": 500}  #   answered with this error (500 INTERNAL or 504 DEADLINE_EXCEEDED)
+     "loseAnswerNext": 1,    # the next N mutating requests (REST: POST/PATCH/DELETE) are applied, then
+     "loseAnswerCode": 500}  #   answered with this error (500 INTERNAL or 504 DEADLINE_EXCEEDED;
+                             #   over gRPC its code, 13 or 4)
 
 ``loseAnswerNext`` is the case a client cannot tell from a rejection: the change (a RunJob, say)
 took effect, but the answer never arrived.
 
-Faults apply to the Cloud Run API only, never to ``/_emulator`` or the GCS emulator.
+Faults apply to the Cloud Run API only, over both transports, never to ``/_emulator`` or the GCS emulator.
 
 And the :class:`PreemptionSchedule`: maintenance preemptions arriving as a Poisson process
 (exponential inter-arrival times with a given mean), each hitting one running task attempt
@@ -50,7 +52,6 @@ from .exceptions import DeadlineExceeded, EmulatorError, InvalidArgument, Resour
 
 _ERRORS = {503: Unavailable, 429: ResourceExhausted}
 _LOST_ANSWER_ERRORS = {500: EmulatorError, 504: DeadlineExceeded}
-_MUTATING = ("POST", "PATCH", "DELETE")
 #: Shortest time between two scheduled preemptions (s). Each arrival takes the registry's lock,
 #: which API requests and supervisor steps need too, and a preempted attempt is only replaced at
 #: its supervisor's next step, so closer arrivals would find nothing new to preempt.
@@ -114,11 +115,13 @@ class ApiFaults:
                 error = _ERRORS[code](f"Injected fault: the service is temporarily unavailable ({code}).")
             return cfg.delay_seconds, error
 
-    def lost_answer(self, method: str) -> EmulatorError | None:
-        """:return: the error that replaces the answer of a request already applied (while
-        ``loseAnswerNext`` lasts, for POST/PATCH/DELETE only), or ``None``."""
+    def lost_answer(self, mutating: bool) -> EmulatorError | None:
+        """:param mutating: whether the request changes state (over REST: a POST, PATCH or
+            DELETE; see :attr:`~.rpcs.Rpc.mutating`).
+        :return: the error that replaces the answer of a request already applied (while
+            ``loseAnswerNext`` lasts, for mutating requests only), or ``None``."""
         with self._lock:
-            if method not in _MUTATING or self._lose_remaining <= 0:
+            if not mutating or self._lose_remaining <= 0:
                 return None
             self._lose_remaining -= 1
             code = self.config.lose_answer_code

@@ -5,7 +5,10 @@ Example::
     with EmulatorProcess(tmp_path, images_file="images.json") as emu:
         jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
                                  client_options={"api_endpoint": emu.endpoint})
+        # or gRPC, the clients' default transport:
+        jobs = run_v2.JobsClient(transport=JobsGrpcTransport(channel=grpc.insecure_channel(emu.grpc_endpoint)))
         os.environ["STORAGE_EMULATOR_HOST"] = emu.gcs_endpoint
+        os.environ[EMULATOR_HOST_ENV] = emu.grpc_endpoint  # the provider's hooks then use gRPC
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from typing import Optional
 
 from ..mount_options import mount_key, parse_mount_options
 from .gcs import bucket_path
+
+#: The variable naming the emulator's gRPC server (``host:port``), after Google's
+#: ``*_EMULATOR_HOST`` convention: clients that honour it (this project's Cloud Run hook) open an
+#: insecure channel there with anonymous credentials.
+EMULATOR_HOST_ENV = "CLOUD_RUN_EMULATOR_HOST"
 
 #: Environment that keeps google-auth from probing a metadata server (nothing local reaches
 #: Google Cloud): set it in processes whose Google clients talk to the emulators.
@@ -48,7 +56,11 @@ def post_json(url: str, payload: Optional[dict], timeout: float = 30.0, method: 
 
 
 class EmulatorProcess:
-    """``serve --port 0 --gcs-port 0`` in a child process, as a context manager.
+    """``serve --port 0 --grpc-port 0 --gcs-port 0`` in a child process, as a context manager.
+
+    Once entered, :attr:`endpoint` is the REST API (``http://127.0.0.1:PORT``),
+    :attr:`grpc_endpoint` the gRPC API (``127.0.0.1:PORT``, for ``CLOUD_RUN_EMULATOR_HOST``) and
+    :attr:`gcs_endpoint` the GCS emulator.
 
     :param data_dir: the emulator's data directory (created if missing).
     :param images_file: image table JSON (see :mod:`.images`), a list of them (combined), or ``None``.
@@ -64,7 +76,8 @@ class EmulatorProcess:
                  start_timeout: float = 30.0, max_task_processes: Optional[int] = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
-                      "--gcs-port", "0", "--data-dir", str(self.data_dir), "--grace-seconds", str(grace_seconds)]
+                      "--grpc-port", "0", "--gcs-port", "0", "--data-dir", str(self.data_dir),
+                      "--grace-seconds", str(grace_seconds)]
         if max_task_processes is not None:
             self._argv += ["--max-task-processes", str(max_task_processes)]
         tables = images_file if isinstance(images_file, (list, tuple)) else [images_file]
@@ -73,7 +86,7 @@ class EmulatorProcess:
         self._argv += list(extra_args)
         self._start_timeout = start_timeout
         self._popen: Optional[subprocess.Popen] = None
-        self.endpoint = self.gcs_endpoint = ""
+        self.endpoint = self.grpc_endpoint = self.gcs_endpoint = ""
         self.children: list = []
 
     def __enter__(self) -> "EmulatorProcess":
@@ -89,7 +102,8 @@ class EmulatorProcess:
             raise RuntimeError(f"emulator did not start (exit {self._popen.returncode}); "
                                f"see {self.data_dir / 'emulator.log'}")
         ready = json.loads(line)
-        self.endpoint, self.gcs_endpoint = ready["endpoint"], ready["gcsEndpoint"]
+        self.endpoint, self.grpc_endpoint = ready["endpoint"], ready["grpcEndpoint"]
+        self.gcs_endpoint = ready["gcsEndpoint"]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,8 +1,10 @@
-"""REST handlers: parse the request, make one backend call, serialize the result.
+"""REST transcoding: each function turns one HTTP request into its RPC's request message.
 
-Each handler takes a :class:`Request` and returns a protobuf or proto-plus message (or a list
-response); the route table in :mod:`.urls` names these functions, and :mod:`.app` turns their
-result into JSON (camelCase, integer enums when ``$alt`` asks).
+Each takes a :class:`Request` (path parameters, query, JSON body) and returns the request
+message of the method that :mod:`.urls` pairs it with, filled as Google's HTTP rules for the
+Cloud Run Admin API v2 map it; :func:`~.rpcs.call` then runs that method exactly as the gRPC
+server does, and :mod:`.app` renders the result as JSON (camelCase, integer enums when ``$alt``
+asks).
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ import dataclasses
 
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
-from google.protobuf import empty_pb2, json_format
+from google.protobuf import json_format
 
-from .backend import Registry
 from .exceptions import InvalidArgument
 
 
@@ -21,33 +22,35 @@ from .exceptions import InvalidArgument
 class Request:
     """One parsed API request.
 
-    :param registry: the emulator's backends.
     :param params: path parameters (``name`` or ``parent``).
     :param query: query parameters (first value of each).
     :param body: the raw JSON body (``b""`` when absent).
     """
 
-    registry: Registry
     params: dict
     query: dict
     body: bytes
 
     @property
-    def path_name(self) -> str:
-        return self.params.get("name") or self.params["parent"]
+    def name(self) -> str:
+        return self.params["name"]
 
     @property
-    def backend(self):
-        return self.registry.for_name(self.path_name, "name" if "name" in self.params else "parent")
+    def parent(self) -> str:
+        return self.params["parent"]
 
     def flag(self, key: str) -> bool:
         return str(self.query.get(key, "")).lower() in ("1", "true")
 
     def int(self, key: str) -> int:
+        """A query parameter as an int32 (0 when absent), as the request fields are."""
         try:
-            return int(self.query.get(key) or 0)
+            value = int(self.query.get(key) or 0)
         except ValueError:
             raise InvalidArgument(f"{key}: not an integer.") from None
+        if not -(2**31) <= value < 2**31:
+            raise InvalidArgument(f"{key}: {value} is out of the range of a 32-bit integer.")
+        return value
 
     def message(self, cls):
         """The body parsed into proto-plus ``cls`` (unknown fields are an error, as in Google)."""
@@ -68,80 +71,80 @@ class Request:
             raise InvalidArgument("Invalid JSON payload: nested too deeply.") from None
 
 
-def create_job(req: Request):
+def create_job(req: Request) -> run_v2.CreateJobRequest:
+    return run_v2.CreateJobRequest(parent=req.parent, job=req.message(run_v2.Job), job_id=req.query.get("jobId", ""),
+                                   validate_only=req.flag("validateOnly"))
+
+
+def get_job(req: Request) -> run_v2.GetJobRequest:
+    return run_v2.GetJobRequest(name=req.name)
+
+
+def list_jobs(req: Request) -> run_v2.ListJobsRequest:
+    return run_v2.ListJobsRequest(parent=req.parent, page_size=req.int("pageSize"),
+                                  page_token=req.query.get("pageToken", ""))
+
+
+def update_job(req: Request) -> run_v2.UpdateJobRequest:
     job = req.message(run_v2.Job)
-    return req.backend.create_job(req.query.get("jobId", ""), job, req.flag("validateOnly")).to_pb()
+    job.name = req.name  # the path is /v2/{job.name}
+    return run_v2.UpdateJobRequest(job=job, allow_missing=req.flag("allowMissing"),
+                                   validate_only=req.flag("validateOnly"))
 
 
-def get_job(req: Request):
-    return req.backend.get_job(req.path_name).to_proto()
+def delete_job(req: Request) -> run_v2.DeleteJobRequest:
+    return run_v2.DeleteJobRequest(name=req.name, etag=req.query.get("etag", ""), validate_only=req.flag("validateOnly"))
 
 
-def list_jobs(req: Request):
-    jobs, token = req.backend.list_jobs(req.int("pageSize"), req.query.get("pageToken", ""))
-    return run_v2.ListJobsResponse(jobs=[j.to_proto() for j in jobs], next_page_token=token)
+def run_job(req: Request) -> run_v2.RunJobRequest:
+    request = req.message(run_v2.RunJobRequest)  # the body is the whole request ("*")
+    request.name = req.name
+    return request
 
 
-def update_job(req: Request):
-    job = req.message(run_v2.Job)
-    job.name = req.path_name
-    op = req.backend.update_job(job, req.flag("allowMissing"), req.flag("validateOnly"))
-    return op.to_pb()
+def list_executions(req: Request) -> run_v2.ListExecutionsRequest:
+    return run_v2.ListExecutionsRequest(parent=req.parent, page_size=req.int("pageSize"),
+                                        page_token=req.query.get("pageToken", ""))
 
 
-def delete_job(req: Request):
-    return req.backend.delete_job(req.path_name, req.query.get("etag", ""), req.flag("validateOnly")).to_pb()
+def get_execution(req: Request) -> run_v2.GetExecutionRequest:
+    return run_v2.GetExecutionRequest(name=req.name)
 
 
-def run_job(req: Request):
-    body = req.message(run_v2.RunJobRequest)
-    overrides = body.overrides if "overrides" in body else None
-    return req.backend.run_job(req.path_name, body.etag, overrides, body.validate_only).to_pb()
+def delete_execution(req: Request) -> run_v2.DeleteExecutionRequest:
+    return run_v2.DeleteExecutionRequest(name=req.name, etag=req.query.get("etag", ""),
+                                         validate_only=req.flag("validateOnly"))
 
 
-def list_executions(req: Request):
-    items, token = req.backend.list_executions(req.path_name, req.int("pageSize"), req.query.get("pageToken", ""))
-    return run_v2.ListExecutionsResponse(executions=[e.to_proto() for e in items], next_page_token=token)
+def cancel_execution(req: Request) -> run_v2.CancelExecutionRequest:
+    request = req.message(run_v2.CancelExecutionRequest)  # the body is the whole request ("*")
+    request.name = req.name
+    return request
 
 
-def get_execution(req: Request):
-    return req.backend.get_execution(req.path_name).to_proto()
+def list_tasks(req: Request) -> run_v2.ListTasksRequest:
+    return run_v2.ListTasksRequest(parent=req.parent, page_size=req.int("pageSize"),
+                                   page_token=req.query.get("pageToken", ""))
 
 
-def delete_execution(req: Request):
-    op = req.backend.delete_execution(req.path_name, req.query.get("etag", ""), req.flag("validateOnly"))
-    return op.to_pb()
+def get_task(req: Request) -> run_v2.GetTaskRequest:
+    return run_v2.GetTaskRequest(name=req.name)
 
 
-def cancel_execution(req: Request):
-    body = req.message(run_v2.CancelExecutionRequest)
-    return req.backend.cancel_execution(req.path_name, body.etag, body.validate_only).to_pb()
+def list_operations(req: Request) -> operations_pb2.ListOperationsRequest:
+    return operations_pb2.ListOperationsRequest(name=req.name, filter=req.query.get("filter", ""),
+                                                page_size=req.int("pageSize"), page_token=req.query.get("pageToken", ""))
 
 
-def list_tasks(req: Request):
-    items, token = req.backend.list_tasks(req.path_name, req.int("pageSize"), req.query.get("pageToken", ""))
-    return run_v2.ListTasksResponse(tasks=[t.to_proto() for t in items], next_page_token=token)
+def get_operation(req: Request) -> operations_pb2.GetOperationRequest:
+    return operations_pb2.GetOperationRequest(name=req.name)
 
 
-def get_task(req: Request):
-    return req.backend.get_task(req.path_name).to_proto()
+def wait_operation(req: Request) -> operations_pb2.WaitOperationRequest:
+    request = req.pb(operations_pb2.WaitOperationRequest)  # the body is the whole request ("*")
+    request.name = req.name
+    return request
 
 
-def list_operations(req: Request):
-    ops, token = req.backend.list_operations(req.int("pageSize"), req.query.get("pageToken", ""))
-    return operations_pb2.ListOperationsResponse(operations=[o.to_pb() for o in ops], next_page_token=token)
-
-
-def get_operation(req: Request):
-    return req.backend.get_operation(req.path_name).to_pb()
-
-
-def wait_operation(req: Request):
-    body = req.pb(operations_pb2.WaitOperationRequest)
-    timeout = body.timeout.ToTimedelta().total_seconds() if body.HasField("timeout") else 60.0
-    return req.backend.wait_operation(req.path_name, timeout).to_pb()
-
-
-def delete_operation(req: Request):
-    req.backend.delete_operation(req.path_name)
-    return empty_pb2.Empty()
+def delete_operation(req: Request) -> operations_pb2.DeleteOperationRequest:
+    return operations_pb2.DeleteOperationRequest(name=req.name)

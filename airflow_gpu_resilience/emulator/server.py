@@ -1,11 +1,13 @@
-"""Assemble and run the emulator: GCS emulator, backends, FastAPI app, uvicorn.
+"""Assemble and run the emulator: GCS emulator, backends, FastAPI app, uvicorn, gRPC server.
 
-Everything binds to 127.0.0.1, and both servers apply the checks of :mod:`.guards` (loopback
-``Host``, no foreign ``Origin``, JSON bodies, a body limit). Once both accept connections one JSON
-line is printed
-to stdout: ``{"ready": true, "endpoint", "gcsEndpoint", "dataDir", "pid"}``. On SIGTERM or
-SIGINT uvicorn stops, then every task attempt's process group gets SIGTERM, and SIGKILL after
-a short grace, before the process exits.
+Everything binds to 127.0.0.1; both HTTP servers apply the checks of :mod:`.guards` (loopback
+``Host``, no foreign ``Origin``, JSON bodies, a body limit), and the gRPC server, which serves
+the same backends, speaks HTTP/2 gRPC only (see :mod:`.grpc_server`). Once all accept
+connections one JSON line is printed to stdout: ``{"ready": true, "endpoint", "grpcEndpoint",
+"gcsEndpoint", "dataDir", "pid"}`` (``endpoint`` is REST, ``http://127.0.0.1:PORT``;
+``grpcEndpoint`` is ``127.0.0.1:PORT``, the value of ``CLOUD_RUN_EMULATOR_HOST``). On SIGTERM or
+SIGINT uvicorn stops, then the gRPC server, then every task attempt's process group gets SIGTERM,
+and SIGKILL after a short grace, before the process exits.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 import uvicorn
 
+from . import grpc_server
 from .app import AppState, create_app
 from .backend import Registry
 from .faults import ApiFaults, PreemptionPlan
@@ -38,7 +41,8 @@ class ServeConfig:
     """Settings of ``serve``.
 
     :param data_dir: directory for GCS objects (``gcs/``) and attempt logs (``logs/``).
-    :param port: API port on 127.0.0.1; 0 picks a free one.
+    :param port: REST API port on 127.0.0.1; 0 picks a free one.
+    :param grpc_port: gRPC API port on 127.0.0.1; 0 picks a free one.
     :param gcs_port: GCS emulator port; 0 picks a free one.
     :param images_file: image table JSON (see :mod:`.images`), a list of them (combined), or
         ``None`` for an empty one.
@@ -52,6 +56,7 @@ class ServeConfig:
 
     data_dir: Path
     port: int = 8123
+    grpc_port: int = 8124
     gcs_port: int = 9023
     images_file: Union[None, Path, Sequence[Path]] = None
     shutdown_grace_seconds: float = 2.0
@@ -92,14 +97,15 @@ def serve(config: ServeConfig) -> None:
     endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
     gcs = GcsService(data_dir, config.gcs_port)
     mounts = VolumeMounts(data_dir, gcs.bucket_dir, mode=config.volumes, strict=config.fuse_strict)
-    print(mounts.banner(), file=sys.stderr, flush=True)
-    mounts.start()
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
                             policy=config.policy, mounts=mounts)
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
-    ready = {"ready": True, "endpoint": endpoint, "gcsEndpoint": gcs.endpoint,
+    rpc_server, grpc_endpoint = grpc_server.start(registry, state.faults, config.grpc_port)  # first to fail
+    print(mounts.banner(), file=sys.stderr, flush=True)
+    mounts.start()
+    ready = {"ready": True, "endpoint": endpoint, "grpcEndpoint": grpc_endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}
     gcs.start()
     if config.preemptions is not None:
@@ -108,6 +114,7 @@ def serve(config: ServeConfig) -> None:
     try:
         server.run(sockets=[sock])
     finally:
+        rpc_server.stop(0.5)
         state.schedule.stop()
         registry.shutdown(config.shutdown_grace_seconds)
         mounts.stop()

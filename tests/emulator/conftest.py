@@ -1,14 +1,20 @@
 """Fixtures for emulator tests: stand-in images, one emulator subprocess per session, the real
-``run_v2`` REST clients pointed at it, and a GCS client on its storage emulator."""
+``run_v2`` clients pointed at it (REST: ``jobs``, ``executions``, ``tasks``; gRPC on an insecure
+channel: ``grpc_jobs``, ``grpc_executions``, ``grpc_tasks``), and a GCS client on its storage
+emulator."""
 
 from __future__ import annotations
 
 import json
 import uuid
 
+import grpc
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
+from google.cloud.run_v2.services.executions.transports import ExecutionsGrpcTransport
+from google.cloud.run_v2.services.jobs.transports import JobsGrpcTransport
+from google.cloud.run_v2.services.tasks.transports import TasksGrpcTransport
 
 from airflow_gpu_resilience.emulator.process import EmulatorProcess
 
@@ -92,6 +98,29 @@ def executions(emulator):
 @pytest.fixture(scope="session")
 def tasks(emulator):
     return run_v2.TasksClient(**_opts(emulator))
+
+
+@pytest.fixture(scope="session")
+def grpc_channel(emulator):
+    """An insecure channel to the emulator's gRPC server (as ``*_EMULATOR_HOST`` clients open)."""
+    channel = grpc.insecure_channel(emulator.grpc_endpoint)
+    yield channel
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_jobs(grpc_channel):
+    return run_v2.JobsClient(transport=JobsGrpcTransport(channel=grpc_channel))
+
+
+@pytest.fixture(scope="session")
+def grpc_executions(grpc_channel):
+    return run_v2.ExecutionsClient(transport=ExecutionsGrpcTransport(channel=grpc_channel))
+
+
+@pytest.fixture(scope="session")
+def grpc_tasks(grpc_channel):
+    return run_v2.TasksClient(transport=TasksGrpcTransport(channel=grpc_channel))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from airflow_gpu_resilience.emulator import responses, urls
+from airflow_gpu_resilience.emulator import responses, rpcs, urls
 from airflow_gpu_resilience.emulator.app import AppState, create_app
 from airflow_gpu_resilience.emulator.backend import Registry
 from airflow_gpu_resilience.emulator.faults import ApiFaults
@@ -19,19 +19,27 @@ P = "projects/test-project/locations/us-central1"
 BASE = "http://127.0.0.1:8123"
 
 
-@pytest.mark.parametrize("method, path, handler", [
-    ("POST", f"{P}/jobs", responses.create_job),
-    ("GET", f"{P}/jobs/j", responses.get_job),
-    ("POST", f"{P}/jobs/j:run", responses.run_job),
-    ("GET", f"{P}/jobs/-/executions", responses.list_executions),
-    ("POST", f"{P}/jobs/j/executions/e:cancel", responses.cancel_execution),
-    ("GET", f"{P}/jobs/j/executions/e/tasks", responses.list_tasks),
-    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", responses.get_task),
-    ("POST", f"{P}/operations/abc:wait", responses.wait_operation),
-    ("DELETE", f"{P}/operations/abc", responses.delete_operation),
+@pytest.mark.parametrize("method, path, handler, rpc", [
+    ("POST", f"{P}/jobs", responses.create_job, "/google.cloud.run.v2.Jobs/CreateJob"),
+    ("GET", f"{P}/jobs/j", responses.get_job, "/google.cloud.run.v2.Jobs/GetJob"),
+    ("POST", f"{P}/jobs/j:run", responses.run_job, "/google.cloud.run.v2.Jobs/RunJob"),
+    ("GET", f"{P}/jobs/-/executions", responses.list_executions, "/google.cloud.run.v2.Executions/ListExecutions"),
+    ("POST", f"{P}/jobs/j/executions/e:cancel", responses.cancel_execution,
+     "/google.cloud.run.v2.Executions/CancelExecution"),
+    ("GET", f"{P}/jobs/j/executions/e/tasks", responses.list_tasks, "/google.cloud.run.v2.Tasks/ListTasks"),
+    ("GET", f"{P}/jobs/j/executions/e/tasks/e-task0", responses.get_task, "/google.cloud.run.v2.Tasks/GetTask"),
+    ("POST", f"{P}/operations/abc:wait", responses.wait_operation, "/google.longrunning.Operations/WaitOperation"),
+    ("DELETE", f"{P}/operations/abc", responses.delete_operation, "/google.longrunning.Operations/DeleteOperation"),
 ])
-def test_route_table(method, path, handler):
-    assert urls.match(method, path)[0] == handler
+def test_route_table(method, path, handler, rpc):
+    """Each REST route makes the request message of the method the gRPC server serves at ``rpc``."""
+    builder, params, found = urls.match(method, path)
+    assert builder == handler and found is rpcs.RPCS[rpc]
+    assert isinstance(builder(responses.Request(params, {}, b"")), found.request)
+
+
+def test_every_method_has_a_rest_route():
+    assert sorted(rpc.path for _, _, _, rpc in urls.COMPILED) == sorted(rpcs.RPCS)
 
 
 def test_http_errors_use_google_shape(tmp_path):
