@@ -1,11 +1,7 @@
 """Hook for Cloud Run GPU jobs: every Cloud Run Admin API v2 call the provider makes.
 
-The endpoint comes from the Airflow connection: a ``google_cloud_platform`` connection whose
-extra holds ``api_endpoint`` (for example ``http://127.0.0.1:8080``, the local emulator) sends
-every call there; without it the clients use Google's endpoint. Credentials and client options
-come from :class:`GoogleBaseHook` (the connection's key, ADC or ``is_anonymous``, which the
-emulator needs); an ``http://`` endpoint implies the REST transport, the only one that speaks
-plain HTTP (the emulator serves REST).
+Clients (which endpoint, transport and credentials, ``CLOUD_RUN_EMULATOR_HOST`` included) are
+built by :class:`~airflow_gpu_resilience.hooks.cloud_run_clients.CloudRunClientsMixin`.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import requests
 from google.api_core import exceptions as gexc
@@ -24,7 +20,6 @@ from google.api_core.retry import Retry, if_exception_type
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
 
-from airflow.providers.google.common.consts import CLIENT_INFO
 from airflow.providers.google.common.hooks.base_google import (
     PROVIDE_PROJECT_ID,
     GoogleBaseAsyncHook,
@@ -32,6 +27,7 @@ from airflow.providers.google.common.hooks.base_google import (
 )
 
 from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
+from airflow_gpu_resilience.hooks.cloud_run_clients import CloudRunClientsMixin
 from airflow_gpu_resilience.job_cleanup import JobCleanupAction, JobCleanupResult, decide_job_cleanup
 from airflow_gpu_resilience.job_spec import TASK_TIMEOUT_ENV, GpuJobSpec, template_matches
 from airflow_gpu_resilience.labels import is_managed, with_managed_label
@@ -66,9 +62,6 @@ AMBIGUOUS_ERRORS: tuple[type[Exception], ...] = (
 )
 #: Container env var holding the id of the RunJob request that started an execution.
 START_ID_ENV = "AIRFLOW_GPU_RESILIENCE_START_ID"
-
-_Client = TypeVar("_Client")
-
 
 def default_retry(
     errors: tuple[type[Exception], ...] = TRANSIENT_ERRORS, deadline: float = 120.0, initial: float = 1.0
@@ -239,7 +232,7 @@ class ExecutionWatch:
         return PollStep(PollState.WAIT, sleep)
 
 
-class CloudRunGpuHook(GoogleBaseHook):
+class CloudRunGpuHook(CloudRunClientsMixin, GoogleBaseHook):
     """Cloud Run Admin API v2 hook for GPU jobs, executions, tasks and operations.
 
     Clients are built per location and cached per (kind, location), so calls in different
@@ -248,9 +241,11 @@ class CloudRunGpuHook(GoogleBaseHook):
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
     :param transport: ``"rest"`` or ``"grpc"``; default ``None`` picks ``"rest"`` for an
-        ``http://`` endpoint and the client default (gRPC) otherwise.
+        ``http://`` endpoint and the client default (gRPC) otherwise. Under
+        ``CLOUD_RUN_EMULATOR_HOST`` it is always gRPC.
     :param api_endpoint: endpoint override; default ``None`` reads the connection extra
         ``api_endpoint``. Use an explicit scheme (``http://host:port``) for a local server.
+        ``CLOUD_RUN_EMULATOR_HOST`` wins over it.
     :param request_timeout: seconds per API request (default 60).
     :param operation_timeout: seconds to wait for a create/update/delete operation (default 600).
     """
@@ -276,54 +271,7 @@ class CloudRunGpuHook(GoogleBaseHook):
         self.request_timeout = request_timeout
         self.operation_timeout = operation_timeout
         self._clients: dict[tuple[type, str], Any] = {}
-
-    # --- clients -------------------------------------------------------------------------
-    @property
-    def api_endpoint(self) -> str | None:
-        """The endpoint override: the constructor argument, else the connection extra, else ``None``."""
-        return self._api_endpoint or self._get_field("api_endpoint") or None
-
-    @property
-    def transport(self) -> str | None:
-        """The transport in use: explicit, else ``"rest"`` for an ``http://`` endpoint, else ``None``."""
-        if self._transport:
-            return self._transport
-        endpoint = self.api_endpoint or ""
-        return "rest" if endpoint.startswith("http://") else None
-
-    def _client(self, kind: type[_Client], location: str) -> _Client:
-        key = (kind, location)
-        if key not in self._clients:
-            kwargs: dict[str, Any] = {
-                "credentials": self.get_credentials(),
-                "client_info": CLIENT_INFO,
-                "client_options": self.get_client_options(self.api_endpoint),
-            }
-            if self.transport:
-                kwargs["transport"] = self.transport
-            self._clients[key] = kind(**kwargs)
-        return self._clients[key]
-
-    def jobs_client(self, location: str) -> run_v2.JobsClient:
-        """The Jobs client for ``location`` (cached per location).
-
-        :param location: Cloud Run region, e.g. ``us-central1``.
-        """
-        return self._client(run_v2.JobsClient, location)
-
-    def executions_client(self, location: str) -> run_v2.ExecutionsClient:
-        """The Executions client for ``location`` (cached per location).
-
-        :param location: Cloud Run region.
-        """
-        return self._client(run_v2.ExecutionsClient, location)
-
-    def tasks_client(self, location: str) -> run_v2.TasksClient:
-        """The Tasks client for ``location`` (cached per location).
-
-        :param location: Cloud Run region.
-        """
-        return self._client(run_v2.TasksClient, location)
+        self._emulator_channel = None
 
     # --- names ---------------------------------------------------------------------------
     @staticmethod

@@ -67,7 +67,8 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     :param execution: full execution name.
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
-    :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint).
+    :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint; always gRPC under
+        ``CLOUD_RUN_EMULATOR_HOST``, see :mod:`~airflow_gpu_resilience.hooks.cloud_run_clients`).
     :param poll_interval: seconds between polls (default 10).
     :param timeout: seconds to wait in total before a ``timeout`` event; ``None`` waits forever.
     :param carry: JSON-able dict echoed back in the event (default ``None``).

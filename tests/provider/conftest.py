@@ -111,10 +111,24 @@ def emulator(tmp_path_factory):
         yield emu
 
 
-@pytest.fixture
-def gcp_conn(emulator, monkeypatch) -> str:
-    """Point ``google_cloud_default`` at the emulator (anonymous, project ``test-project``)."""
-    extra = {"is_anonymous": True, "project": PROJECT, "api_endpoint": emulator.endpoint}
+#: The transports the provider's tests run on (``gcp_conn``'s parameters, test ids ``[rest]``/``[grpc]``).
+TRANSPORTS = ("rest", "grpc")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def gcp_conn(emulator, monkeypatch, request) -> str:
+    """Point ``google_cloud_default`` at the emulator (anonymous, project ``test-project``), once
+    per transport (test ids ``[rest]``, ``[grpc]``): REST through the connection's
+    ``api_endpoint``; gRPC through ``CLOUD_RUN_EMULATOR_HOST``, with no Cloud Run endpoint in the
+    connection (Cloud Logging still reads the emulator's REST server, through
+    ``logging_api_endpoint``)."""
+    extra = {"is_anonymous": True, "project": PROJECT}
+    if request.param == "rest":
+        extra["api_endpoint"] = emulator.endpoint
+        monkeypatch.delenv("CLOUD_RUN_EMULATOR_HOST", raising=False)
+    else:
+        extra["logging_api_endpoint"] = emulator.endpoint
+        monkeypatch.setenv("CLOUD_RUN_EMULATOR_HOST", emulator.grpc_endpoint)
     monkeypatch.setenv(
         "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
     )

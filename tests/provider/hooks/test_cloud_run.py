@@ -31,6 +31,9 @@ from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 
 
 JOB_LABEL = {"managed-by": "airflow-gpu-resilience"}
+#: For tests of the REST route (the connection's ``api_endpoint``); the gRPC route is tested in
+#: test_cloud_run_clients.py.
+REST_ONLY = pytest.mark.parametrize("gcp_conn", ["rest"], indirect=True)
 
 
 def spec(job_name: str, **kw) -> GpuJobSpec:
@@ -42,12 +45,14 @@ def hook(gcp_conn) -> CloudRunGpuHook:
     return CloudRunGpuHook(gcp_conn_id=gcp_conn)
 
 
+@REST_ONLY
 def test_endpoint_and_transport_come_from_the_connection(hook, emulator):
     assert hook.api_endpoint == emulator.endpoint
     assert hook.transport == "rest"
     assert hook.project_id == PROJECT
 
 
+@REST_ONLY
 def test_clients_take_credentials_and_endpoint_from_the_google_base_hook(hook, emulator, monkeypatch):
     """The connection decides the credentials (``is_anonymous`` here), not the endpoint's scheme."""
     from google.auth.credentials import AnonymousCredentials
@@ -232,6 +237,7 @@ def test_with_env_overrides_keeps_user_overrides_and_replaces_same_names():
     assert with_env_overrides(None, {"K": "v"}) == {"container_overrides": [{"env": [{"name": "K", "value": "v"}]}]}
 
 
+@REST_ONLY
 def test_rest_error_status_comes_from_the_body_not_the_http_code(hook, job_name):
     """FAILED_PRECONDITION arrives over REST as BadRequest (class code INVALID_ARGUMENT)."""
     hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "60"]), region=REGION)
