@@ -10,9 +10,10 @@ from google.cloud import storage
 
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from tests.provider.conftest import BUCKET, PROJECT
+from tests.unit.test_progress_files import warned  # noqa: F401 - a fixture: the module's warnings
 
 
-def test_a_step_of_10_to_the_12_in_progress_json_bounds_the_lost_work(emulator, gcp_conn, gcs_emulator_host, capfd):
+def test_a_step_of_10_to_the_12_in_progress_json_bounds_the_lost_work(emulator, gcp_conn, gcs_emulator_host, warned):
     """The worker believed a ``progress.json`` claiming step 10**12 and wrote that it lost
     999999999910 steps; the run has 100, and the attempt resumed from step 90: at most 10."""
     prefix = f"job-{uuid.uuid4().hex[:8]}"
@@ -28,8 +29,7 @@ def test_a_step_of_10_to_the_12_in_progress_json_bounds_the_lost_work(emulator, 
     progress = hook.progress(0)
     assert [item["lost_steps"] for item in lost] == [10]
     assert progress is not None and progress.step == 100
-    out = capfd.readouterr()
-    messages = out.out + out.err  # the warnings, as Airflow's logging writes them
+    messages = warned
     assert f"gs://{BUCKET}/{prefix}/task-0/attempts.json: lost_steps 999999999910 of execution job-x attempt 1 " \
            "(resumed from step 90) is more than the run's total_steps 100 allows; counted as 10" in messages
     assert f"gs://{BUCKET}/{prefix}/task-0/progress.json: step 1000000000000 is beyond total_steps 100; " \
