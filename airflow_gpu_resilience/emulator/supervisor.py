@@ -198,8 +198,10 @@ class ExecutionSupervisor(threading.Thread):
     def _record(self, attempt: Attempt, result: AttemptResult) -> None:
         task = attempt.task
         task.last_result = result
-        task.history.append(result.record(attempt.number, attempt.started, utcnow(), attempt.stop_reason,
-                                          attempt.log_path.name))
+        # The attempt's start as the API shows it (the task's start_time, set when it was claimed),
+        # so that the history and a client's account of the same attempt read one clock.
+        task.history.append(result.record(attempt.number, task.start_time or attempt.started, utcnow(),
+                                          attempt.stop_reason, attempt.log_path.name))
         if result.status_code == 0:
             self._end_task(task, TaskState.SUCCEEDED)
         elif attempt.stop_reason == "cancelled":
