@@ -326,7 +326,7 @@ def test_delete_job_when_idle_keeps_a_job_that_is_not_ours_and_checks_its_argume
 
 def test_a_cpu_only_job_deploys_and_runs_without_a_gpu(hook, job_name):
     with pytest.warns(UserWarning, match="CPU-only"):
-        cpu_only = spec(job_name, gpu_type=None, cpu="1", memory="512Mi", task_timeout=24 * 3600)
+        cpu_only = spec(job_name, gpu_type=None, cpu="1", memory="512Mi", task_timeout=72 * 3600)
     job, action = hook.create_or_update_job(job_name=job_name, job=cpu_only, region=REGION)
     assert action == "created"
     task = job.template.template
