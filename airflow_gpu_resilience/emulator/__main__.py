@@ -5,7 +5,8 @@
 ``--port``, gRPC on ``--grpc-port`` (``CLOUD_RUN_EMULATOR_HOST`` is ``127.0.0.1:`` that port), the
 GCS emulator on ``--gcs-port`` (0 picks a free port; the ready line says which);
 ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts a seeded
-preemption schedule (see :class:`~.faults.PreemptionSchedule`).
+preemption schedule (see :class:`~.faults.PreemptionSchedule`); ``--google-endpoint`` also stands in
+for ``run.googleapis.com:443`` (see :mod:`.google_endpoint`).
 
 ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]`` asks a running
 emulator for a maintenance preemption and prints its JSON answer.
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                        default=os.environ.get("EMULATOR_FUSE_STRICT", "") not in ("", "0", "false"),
                        help="FUSE volumes: a write that would fall back to staging fails with EIO "
                             "(default: $EMULATOR_FUSE_STRICT)")
+    serve.add_argument("--google-endpoint", action="store_true",
+                       help="also stand in for run.googleapis.com:443 for clients that cannot be pointed elsewhere "
+                            "(the google provider's CloudRunHook): the ready line's googleEndpointEnv leads gRPC "
+                            "there through an HTTP CONNECT proxy and a CA made in DATA_DIR/google-tls")
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
                 if args.preempt_every > 0 else None)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, grpc_port=args.grpc_port, gcs_port=args.gcs_port,
                           images_file=args.images, policy=policy, preemptions=plan, volumes=args.volumes,
-                          fuse_strict=args.fuse_strict))
+                          fuse_strict=args.fuse_strict, google_endpoint=args.google_endpoint))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

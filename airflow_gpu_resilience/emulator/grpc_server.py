@@ -30,7 +30,7 @@ RESOURCE_EXHAUSTED from grpcio).
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable
+from typing import Callable, Optional
 
 import grpc
 
@@ -84,13 +84,16 @@ def handlers(registry: Registry, faults: ApiFaults) -> list:
     return [grpc.method_handlers_generic_handler(service, methods) for service, methods in services.items()]
 
 
-def start(registry: Registry, faults: ApiFaults, port: int = 0) -> tuple:
-    """Start the gRPC server on ``127.0.0.1:port``.
+def start(registry: Registry, faults: ApiFaults, port: int = 0, tls: Optional[tuple] = None) -> tuple:
+    """Start the gRPC server on ``127.0.0.1:port``, and on a second, TLS port when asked.
 
     :param registry: the backends the REST app serves too.
     :param faults: the REST app's fault injector (faults apply to both transports).
     :param port: the port; 0 picks a free one.
-    :return: ``(server, "127.0.0.1:PORT")``; stop it with ``server.stop(grace)``.
+    :param tls: ``(private_key_pem, certificate_chain_pem)`` to serve the same methods over TLS on
+        a free port too (see :mod:`.google_endpoint`), or ``None`` (default).
+    :return: ``(server, "127.0.0.1:PORT", tls_port)``, ``tls_port`` being ``None`` without
+        ``tls``; stop it with ``server.stop(grace)``.
     :raises RuntimeError: when the port cannot be bound (in use: grpcio's port sharing is off).
     """
     server = grpc.server(
@@ -104,5 +107,6 @@ def start(registry: Registry, faults: ApiFaults, port: int = 0) -> tuple:
         raise RuntimeError(f"gRPC port 127.0.0.1:{port} cannot be bound: {exc}") from None
     if not bound:
         raise RuntimeError(f"gRPC port 127.0.0.1:{port} cannot be bound (in use?)")
+    tls_port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([tls])) if tls else None
     server.start()
-    return server, f"127.0.0.1:{bound}"
+    return server, f"127.0.0.1:{bound}", tls_port

@@ -60,7 +60,9 @@ class EmulatorProcess:
 
     Once entered, :attr:`endpoint` is the REST API (``http://127.0.0.1:PORT``),
     :attr:`grpc_endpoint` the gRPC API (``127.0.0.1:PORT``, for ``CLOUD_RUN_EMULATOR_HOST``) and
-    :attr:`gcs_endpoint` the GCS emulator.
+    :attr:`gcs_endpoint` the GCS emulator; with ``extra_args=["--google-endpoint"]``,
+    :attr:`google_endpoint_env` is the environment that leads a new process's gRPC channels to
+    ``run.googleapis.com:443`` here (see :mod:`.google_endpoint`; ``{}`` without the flag).
 
     :param data_dir: the emulator's data directory (created if missing).
     :param images_file: image table JSON (see :mod:`.images`), a list of them (combined), or ``None``.
@@ -88,6 +90,7 @@ class EmulatorProcess:
         self._popen: Optional[subprocess.Popen] = None
         self.endpoint = self.grpc_endpoint = self.gcs_endpoint = ""
         self.children: list = []
+        self.google_endpoint_env: dict = {}
 
     def __enter__(self) -> "EmulatorProcess":
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,7 @@ class EmulatorProcess:
         ready = json.loads(line)
         self.endpoint, self.grpc_endpoint = ready["endpoint"], ready["grpcEndpoint"]
         self.gcs_endpoint = ready["gcsEndpoint"]
+        self.google_endpoint_env = ready.get("googleEndpointEnv", {})
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,7 +5,8 @@ Everything binds to 127.0.0.1; both HTTP servers apply the checks of :mod:`.guar
 the same backends, speaks HTTP/2 gRPC only (see :mod:`.grpc_server`). Once all accept
 connections one JSON line is printed to stdout: ``{"ready": true, "endpoint", "grpcEndpoint",
 "gcsEndpoint", "dataDir", "pid"}`` (``endpoint`` is REST, ``http://127.0.0.1:PORT``;
-``grpcEndpoint`` is ``127.0.0.1:PORT``, the value of ``CLOUD_RUN_EMULATOR_HOST``). On SIGTERM or
+``grpcEndpoint`` is ``127.0.0.1:PORT``, the value of ``CLOUD_RUN_EMULATOR_HOST``; with
+``--google-endpoint`` also ``googleEndpointEnv``, see :mod:`.google_endpoint`). On SIGTERM or
 SIGINT uvicorn stops, then the gRPC server, then every task attempt's process group gets SIGTERM,
 and SIGKILL after a short grace, before the process exits.
 """
@@ -26,7 +27,7 @@ from typing import Optional, Sequence, Union
 
 import uvicorn
 
-from . import grpc_server
+from . import google_endpoint, grpc_server
 from .app import AppState, create_app
 from .backend import Registry
 from .faults import ApiFaults, PreemptionPlan
@@ -52,6 +53,9 @@ class ServeConfig:
     :param volumes: how ``cloud-storage`` volumes are served: ``auto`` (FUSE when available,
         else folders), ``fuse`` or ``folder`` (see :mod:`.gcsfuse`).
     :param fuse_strict: strict mode of the FUSE volumes (staging becomes ``EIO``).
+    :param google_endpoint: also stand in for ``run.googleapis.com:443`` (a TLS gRPC port behind
+        an HTTP ``CONNECT`` proxy; see :mod:`.google_endpoint`) and put the environment that
+        leads gRPC there in the ready line's ``googleEndpointEnv``.
     """
 
     data_dir: Path
@@ -64,6 +68,7 @@ class ServeConfig:
     preemptions: Optional[PreemptionPlan] = None
     volumes: str = "auto"
     fuse_strict: bool = False
+    google_endpoint: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -102,11 +107,16 @@ def serve(config: ServeConfig) -> None:
     registry = Registry(runtime, endpoint)
     state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
-    rpc_server, grpc_endpoint = grpc_server.start(registry, state.faults, config.grpc_port)  # first to fail
+    identity = google_endpoint.make_identity(data_dir / "google-tls") if config.google_endpoint else None
+    rpc_server, grpc_endpoint, tls_port = grpc_server.start(registry, state.faults, config.grpc_port,
+                                                            identity[:2] if identity else None)  # first to fail
+    proxy = google_endpoint.ConnectProxy(tls_port).start() if identity else None
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
     ready = {"ready": True, "endpoint": endpoint, "grpcEndpoint": grpc_endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid()}
+    if proxy is not None:
+        ready["googleEndpointEnv"] = google_endpoint.client_env(proxy, identity[2])
     gcs.start()
     if config.preemptions is not None:
         state.schedule.start(config.preemptions)
@@ -114,6 +124,8 @@ def serve(config: ServeConfig) -> None:
     try:
         server.run(sockets=[sock])
     finally:
+        if proxy is not None:
+            proxy.stop()
         rpc_server.stop(0.5)
         state.schedule.stop()
         registry.shutdown(config.shutdown_grace_seconds)

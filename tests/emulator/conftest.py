@@ -76,7 +76,9 @@ def images_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory, images_file):
-    with EmulatorProcess(tmp_path_factory.mktemp("emulator"), images_file=images_file, grace_seconds=2.0) as emu:
+    """The session's emulator, also standing in for ``run.googleapis.com:443`` (``--google-endpoint``)."""
+    with EmulatorProcess(tmp_path_factory.mktemp("emulator"), images_file=images_file, grace_seconds=2.0,
+                         extra_args=["--google-endpoint"]) as emu:
         yield emu
 
 
