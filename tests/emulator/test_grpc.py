@@ -206,3 +206,26 @@ def test_a_browsers_http1_request_cannot_reach_the_grpc_port(emulator, jobs, job
     assert not isinstance(err.value, urllib.error.HTTPError)
     with pytest.raises(gexc.NotFound):
         jobs.get_job(name=f"{PARENT}/jobs/{job_id}")
+
+
+def _proxy_answer(emulator, request: bytes) -> bytes:
+    host, port = emulator.google_endpoint_env["grpc_proxy"].removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        return conn.recv(4096)
+
+
+@pytest.mark.parametrize(("request_line", "status"), [
+    ("GET / HTTP/1.1", b"405"),  # what a page can send
+    ("POST /google.cloud.run.v2.Jobs/CreateJob HTTP/1.1", b"405"),
+    ("CONNECT www.example.com:443 HTTP/1.1", b"403"),  # not an open proxy
+    ("CONNECT oauth2.googleapis.com:443 HTTP/1.1", b"403"),  # other Google APIs fail at once
+    ("CONNECT run.googleapis.com:80 HTTP/1.1", b"403"),
+    ("CONNECT 127.0.0.1:22 HTTP/1.1", b"403"),
+    ("CONNECT run.googleapis.com:443 HTTP/1.1", b"200"),
+    ("CONNECT europe-west4-run.googleapis.com:443 HTTP/1.1", b"200"),
+])
+def test_the_google_endpoint_proxy_leads_only_cloud_run_hosts_to_the_emulator(emulator, request_line, status):
+    answer = _proxy_answer(emulator, f"{request_line}\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    assert answer.split(b" ")[1] == status, answer
+
