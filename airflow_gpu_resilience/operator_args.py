@@ -95,6 +95,7 @@ _EXECUTE_PARSERS = {
     "overrides": _overrides,
     "timeout": _optional_seconds,
     "wait_timeout": _optional_seconds,
+    "progress_read_timeout": parse_seconds,
 }
 
 
@@ -105,7 +106,7 @@ def parse_execute_arguments(values: Mapping[str, Any], templated: Collection[str
     (integers >= 0, :func:`parse_count`), ``poll_interval`` (seconds > 0, :func:`parse_seconds`),
     ``log_container_output`` (:func:`parse_flag`), ``overrides``
     (:func:`~airflow_gpu_resilience.overrides.check_overrides`), ``timeout`` and ``wait_timeout``
-    (seconds > 0, or ``None``).
+    (seconds > 0, or ``None``), ``progress_read_timeout`` (seconds > 0).
 
     :param values: argument name -> value, as given (when the DAG is parsed) or rendered (at
         execute); the arguments above that it holds are checked.

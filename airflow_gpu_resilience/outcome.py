@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from google.cloud import run_v2
+
+if TYPE_CHECKING:  # the progress rule builds on this module's types
+    from airflow_gpu_resilience.rerun_budget import ProgressBudget
 
 #: BSD sysexits range: configuration or input errors that retrying cannot fix.
 DEFAULT_FATAL_EXIT_CODES: frozenset[int] = frozenset(range(64, 79))
@@ -373,14 +377,16 @@ def decide(
     task (re-run while the budget lasts) > success. Tasks CANCELLED while the execution was not
     (the system stopping siblings of a failed task) count as INCOMPLETE.
 
-    The budget of a PREEMPTED/TIMED_OUT execution: with ``progress`` (the checkpoint steps are
-    known) the rule of :func:`decide_rerun`; without, the fixed budget ``reruns_used < max_reruns``.
+    The budget of a PREEMPTED/TIMED_OUT execution: with ``progress`` (a checkpoint bucket) the rule
+    of :func:`~airflow_gpu_resilience.rerun_budget.decide_rerun`; without, the fixed budget
+    ``reruns_used < max_reruns``.
 
     :param tasks: every task of the execution, classified by :func:`classify_task`.
     :param state: the execution's coarse state (:func:`execution_state`); must not be RUNNING.
     :param reruns_used: re-runs (new executions) already started for this Airflow task.
     :param max_reruns: the fixed preemption budget (re-runs allowed in total), used without ``progress``.
-    :param progress: the checkpoint progress of every execution of the Airflow task, or ``None``.
+    :param progress: the checkpoint progress of every execution of the Airflow task
+        (:class:`~airflow_gpu_resilience.rerun_budget.ProgressBudget`), or ``None``.
     :return: the decision.
     :raises ValueError: if ``state`` is RUNNING.
     """
@@ -391,14 +397,14 @@ def decide(
     by_class = {c: [t for t in tasks if t.outcome is c] for c in OutcomeClass}
     if by_class[OutcomeClass.FATAL]:
         task = by_class[OutcomeClass.FATAL][0]
-        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.FATAL, f"{_describe(task)}: non-retryable exit code", task)
+        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.FATAL, f"{describe_task(task)}: non-retryable exit code", task)
     if by_class[OutcomeClass.FAILED]:
         task = by_class[OutcomeClass.FAILED][0]
-        return Decision(Action.FAIL, OutcomeClass.FAILED, f"{_describe(task)}: failed after its retries", task)
+        return Decision(Action.FAIL, OutcomeClass.FAILED, f"{describe_task(task)}: failed after its retries", task)
     resumable = by_class[OutcomeClass.PREEMPTED] + by_class[OutcomeClass.TIMED_OUT]
     if resumable:
         if progress is not None:
-            return decide_rerun(resumable[0], reruns_used, progress)
+            return progress.decide(resumable[0], reruns_used)
         return _decide_resumable(resumable[0], reruns_used, max_reruns)
     if state is ExecutionState.SUCCEEDED or (tasks and len(by_class[OutcomeClass.SUCCEEDED]) == len(tasks)):
         return Decision(Action.SUCCEED, OutcomeClass.SUCCEEDED, "all tasks succeeded")
@@ -416,155 +422,22 @@ def _decide_resumable(task: TaskOutcome, reruns_used: int, max_reruns: int) -> D
         return Decision(
             Action.RERUN,
             task.outcome,
-            f"{_describe(task)}: {what}; re-run {reruns_used + 1} of {max_reruns} resumes from the checkpoint",
+            f"{describe_task(task)}: {what}; re-run {reruns_used + 1} of {max_reruns} resumes from the checkpoint",
             task,
         )
     return Decision(
         Action.FAIL_NO_RETRY,
         task.outcome,
-        f"{_describe(task)}: {what}; preemption budget exhausted ({max_reruns} re-runs used)",
+        f"{describe_task(task)}: {what}; preemption budget exhausted ({max_reruns} re-runs used)",
         task,
     )
 
 
-#: Default ``max_reruns_without_progress``: consecutive re-runs that commit no new checkpoint
-#: before the Airflow task fails (NVIDIA's resiliency extension stops at a few as well).
-DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS = 2
-#: Default ``max_total_reruns``, the cost cap on re-runs that do make progress. On the GA one-hour
-#: GPU task timeout with ``max_retries`` 0 a day of training is 24 executions (23 re-runs) from
-#: task timeouts alone; 48 leaves room for a maintenance preemption in every one of those hours,
-#: so a job that keeps making progress is not stopped within its first day.
-DEFAULT_MAX_TOTAL_RERUNS = 48
+def describe_task(task: TaskOutcome) -> str:
+    """``"task 0 attempt 2 (exit code 143, 'message')"``: a classified task for decisions' reasons.
 
-
-@dataclass(frozen=True)
-class ExecutionProgress:
-    """The newest committed checkpoint step of each task at an execution's start and at its end.
-
-    :param name: the execution's name (full or short).
-    :param outcome: the execution's class, or ``None`` when not known.
-    :param start_steps: task index -> newest committed step when the execution started (a task
-        without a checkpoint is absent, i.e. step 0), or ``None`` when not recorded.
-    :param end_steps: the same at the execution's end, or ``None`` when not known.
+    :param task: the task's classified last attempt.
     """
-
-    name: str
-    outcome: OutcomeClass | None
-    start_steps: Mapping[int, int] | None
-    end_steps: Mapping[int, int] | None
-
-    @property
-    def made_progress(self) -> bool | None:
-        """Whether any task's newest committed step grew; ``None`` when a side is unknown."""
-        if self.start_steps is None or self.end_steps is None:
-            return None
-        return any(step > self.start_steps.get(index, 0) for index, step in self.end_steps.items())
-
-    def steps_text(self) -> str:
-        """``"task 0: 40 -> 120, task 1: 38 -> 110"`` (the first 4 tasks), ``"?"`` when unknown."""
-        if self.start_steps is None or self.end_steps is None:
-            return "?"
-        indexes = sorted(set(self.start_steps) | set(self.end_steps))
-        parts = [f"task {i}: {self.start_steps.get(i, 0)} -> {self.end_steps.get(i, 0)}" for i in indexes[:4]]
-        return ", ".join(parts + ([f"... ({len(indexes)} tasks)"] if len(indexes) > 4 else [])) or "no checkpoint"
-
-
-@dataclass(frozen=True)
-class ProgressBudget:
-    """The progress-aware re-run budget of one Airflow task instance.
-
-    :param history: every execution of the task instance, oldest first, the one just finished
-        last (all Airflow tries, as Cloud Run lists them).
-    :param max_reruns_without_progress: consecutive re-runs without a new committed checkpoint
-        allowed (an integer >= 0; default :data:`DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS`).
-    :param max_total_reruns: re-runs allowed in total, with or without progress (cost cap; an
-        integer >= 0; default :data:`DEFAULT_MAX_TOTAL_RERUNS`).
-    """
-
-    history: Sequence[ExecutionProgress]
-    max_reruns_without_progress: int = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS
-    max_total_reruns: int = DEFAULT_MAX_TOTAL_RERUNS
-
-    def without_progress(self) -> list[ExecutionProgress]:
-        """The executions at the end of :attr:`history` that made no progress, oldest first
-        (an execution whose progress is unknown ends the run of them)."""
-        streak: list[ExecutionProgress] = []
-        for entry in reversed(self.history):
-            if entry.made_progress is not False:
-                break
-            streak.insert(0, entry)
-        return streak
-
-    def reruns_without_progress(self) -> int:
-        """Re-runs in a row that made no progress: the :meth:`without_progress` executions,
-        less the first execution of the task instance (not a re-run) when it is one of them."""
-        streak = self.without_progress()
-        return len(streak) - (1 if streak and len(streak) == len(self.history) else 0)
-
-
-def decide_rerun(task: TaskOutcome, reruns_used: int, progress: ProgressBudget) -> Decision:
-    """Re-run a PREEMPTED/TIMED_OUT execution, or stop, by checkpoint progress.
-
-    The rule: stop when the last ``max_reruns_without_progress`` re-runs in a row committed no
-    newer checkpoint than the one they started from (the error names the step it is stuck at,
-    the classes of those executions and what to check); else stop when ``reruns_used`` reached
-    ``max_total_reruns``; else re-run. A re-run after an execution with progress does not count
-    against ``max_reruns_without_progress``.
-
-    :param task: the task that decided the execution's class (PREEMPTED or TIMED_OUT).
-    :param reruns_used: re-runs already started for the Airflow task (all tries).
-    :param progress: the history and the limits.
-    :return: RERUN or FAIL_NO_RETRY.
-    """
-    what = "preempted" if task.outcome is OutcomeClass.PREEMPTED else "timed out"
-    last = progress.history[-1] if progress.history else None
-    stuck = progress.reruns_without_progress()
-    limit = progress.max_reruns_without_progress
-    if stuck >= limit and last is not None and last.made_progress is False:
-        streak = progress.without_progress()
-        classes = ", ".join(e.outcome.value if e.outcome else "?" for e in streak)
-        return Decision(
-            Action.FAIL_NO_RETRY, task.outcome,
-            f"{_describe(task)}: {what}; no new committed checkpoint in the last {len(streak)} execution(s) "
-            f"({stuck} re-run(s) without progress, max_reruns_without_progress={limit}): stuck at "
-            f"{_stuck_text(last.end_steps)}; their classes: {classes}. Check that a checkpoint commits well "
-            f"within one attempt: the checkpoint interval against the task timeout (TASK_TIMEOUT_SECONDS) "
-            f"and against the time between preemptions",
-            task,
-        )
-    if reruns_used >= progress.max_total_reruns:
-        return Decision(
-            Action.FAIL_NO_RETRY, task.outcome,
-            f"{_describe(task)}: {what}; total re-run cap reached ({reruns_used} re-runs used, "
-            f"max_total_reruns={progress.max_total_reruns})",
-            task,
-        )
-    if last is not None and last.made_progress:
-        why = f"it made progress ({last.steps_text()}), so the re-run is free of max_reruns_without_progress"
-    elif last is not None and last.made_progress is False:
-        why = (f"no progress ({last.steps_text()}); re-run {stuck + 1} of {limit} without progress "
-               f"(max_reruns_without_progress)")
-    else:
-        why = "its progress is unknown"
-    return Decision(
-        Action.RERUN, task.outcome,
-        f"{_describe(task)}: {what}; {why}; re-run {reruns_used + 1} (at most {progress.max_total_reruns} in total) "
-        "resumes from the checkpoint",
-        task,
-    )
-
-
-def _stuck_text(steps: Mapping[int, int] | None) -> str:
-    if not steps:
-        return "step 0 (no committed checkpoint yet)"
-    if len(steps) == 1:
-        [(index, step)] = steps.items()
-        return f"step {step} (task {index})"
-    parts = [f"task {i}: step {steps[i]}" for i in sorted(steps)[:4]]
-    return ", ".join(parts) + (f", ... ({len(steps)} tasks)" if len(steps) > 4 else "")
-
-
-def _describe(task: TaskOutcome) -> str:
     how = f"signal {task.term_signal}" if task.term_signal else f"exit code {task.exit_code}"
     text = f"task {task.index} attempt {task.attempts} ({how}"
     if task.message:

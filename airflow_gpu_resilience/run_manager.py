@@ -6,27 +6,23 @@ deferral) and hands the manager what it needs, a hook, the checked :class:`RunSe
 callbacks; the manager attaches, starts, polls, classifies and re-runs through the hook and
 decides with the pure functions of :mod:`~airflow_gpu_resilience.outcome`.
 
-**The goodput account.** Whatever the outcome, the try's goodput account (every second of its
-attempts, and the GPU-seconds billed; see :mod:`~airflow_gpu_resilience.goodput`) is logged as a
-table when the task ends:
-on success it is the summary's ``goodput``; on a failure (and an overall ``timeout``) it is
-also built before raising, its one-line headline ends the error's message, the error
-carries it as ``goodput`` and it is pushed as the ``goodput`` XCom. Building it never
-raises: a failed read leaves it ``None`` and the original error stands.
+**The goodput account** of the try (:mod:`~airflow_gpu_resilience.goodput`) is logged as a table
+when the task ends: on success it is the summary's ``goodput``; on a failure (and an overall
+``timeout``) it is built before raising, its headline ends the error's message and the error
+carries it (a failure on an execution's outcome also hands it to ``on_failure_goodput``, the
+``goodput`` XCom). Building it never raises: a failed read leaves it ``None``.
 
-**The re-run budget follows checkpoint progress** when ``checkpoint_bucket`` is set. A task
-made progress in an execution when its newest committed checkpoint step (the worker's commit
-records in the bucket) at the execution's end is greater than at its start. A re-run after an
-execution in which any task made progress is free; ``max_reruns_without_progress``
-consecutive re-runs without a new committed checkpoint end the task with
-:class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` naming the step it is stuck
-at, the classes of those executions and what to check; ``max_total_reruns`` caps the re-runs
-in total, for cost. The steps at each execution's start are kept on the execution itself (env
-var ``AIRFLOW_GPU_RESILIENCE_START_STEPS``), so every try reads the same history from Cloud
-Run and the bucket. Without ``checkpoint_bucket`` (or while the bucket cannot be read) the
-fixed budget ``max_preemption_reruns`` applies instead, and the log says so. A task timeout
-is re-run like a preemption; a per-execution ``timeout`` override also reaches the container
-as ``TASK_TIMEOUT_SECONDS`` (the deploy operator sets it to the job's task timeout).
+**The re-run budget follows checkpoint progress** when ``checkpoint_bucket`` is set
+(:mod:`~airflow_gpu_resilience.rerun_budget`): a re-run after an execution in which any task
+committed a newer checkpoint is free; ``max_reruns_without_progress`` re-runs in a row without
+one end the task (:class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` naming the
+step it is stuck at); ``max_total_reruns`` caps them all, for cost. The steps at each
+execution's start are kept on the execution (``AIRFLOW_GPU_RESILIENCE_START_STEPS``), so every
+try reads the same history from Cloud Run and the bucket. A read of the bucket that fails is
+retried for ``progress_read_timeout``; after that the newest execution's progress is unknown,
+which is neither progress nor no progress (at most ``max_preemption_reruns`` such executions are
+passed over). Without ``checkpoint_bucket`` the fixed budget ``max_preemption_reruns`` applies
+instead, and the log says so. A task timeout is re-run like a preemption.
 
 **State lives in Cloud Run, not in the operator.** Every execution carries container env
 vars: ``AIRFLOW_GPU_RESILIENCE_RUN_KEY`` (a hash of dag id, run id, task id and map index,
@@ -67,15 +63,14 @@ from airflow_gpu_resilience.outcome import (
     RESUMABLE,
     Action,
     AttemptLog,
-    ExecutionProgress,
     ExecutionState,
     OutcomeClass,
-    ProgressBudget,
     TaskOutcome,
     classify_task,
     decide,
     execution_state,
 )
+from airflow_gpu_resilience.rerun_budget import ExecutionProgress, ProgressBudget
 from airflow_gpu_resilience.run_progress import MAX_PROGRESS_TASKS, CheckpointProgress, progress_history
 from airflow_gpu_resilience.run_state import (
     RERUN_ENV,
@@ -182,7 +177,7 @@ class CloudRunGpuRunManager:
             self.log.info("Adopting execution %s: it finished while no try was waiting", newest.name)
             self._remember(newest.name)
             return self.after_finish(run, newest.name, AttemptLog())
-        return RunStep.wait(self.start(run, rerun=0))
+        return RunStep.wait(self.start(run, rerun=0, steps=self._read_steps(run)))
 
     def _find_own(self, run: RunState) -> list[run_v2.Execution]:
         """The executions of this task instance (its run key), newest first."""
@@ -201,15 +196,15 @@ class CloudRunGpuRunManager:
         """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
         return sum(1 for e in self._find_own(run) if execution_env(e).get(RERUN_ENV, "0") != "0")
 
-    def start(self, run: RunState, rerun: int) -> str:
+    def start(self, run: RunState, rerun: int, steps: Mapping[int, int] | None) -> str:
         """Start an execution of the task instance, recording its run key, re-run number and steps.
 
         :param run: this try's state.
         :param rerun: 0 for a try's first execution, ``n`` for the n-th re-run.
+        :param steps: the committed checkpoint steps now (``None``: unknown or no bucket, not recorded).
         :return: the full execution name.
         """
         env = {RUN_KEY_ENV: run.run_key, RERUN_ENV: str(rerun)}  # start_execution adds TASK_TIMEOUT_SECONDS
-        steps = self.progress.committed_steps() if self.progress is not None else None
         if steps is not None:  # the progress record lives on the execution, for every later try
             env[START_STEPS_ENV] = encode_steps(steps)
         name = self.hook.start_execution(
@@ -320,16 +315,16 @@ class CloudRunGpuRunManager:
         outcomes = [classify_task(t, self.settings.fatal_exit_codes) for t in tasks]
         reruns_used = self.reruns_used(run)
         run.classes[execution] = _execution_class(outcomes, execution_state(finished)).value
-        history = self.history(run)
+        history, now = self.history(run)
         progress = None if history is None else ProgressBudget(
-            history, run.max_reruns_without_progress, run.max_total_reruns)
+            history, run.max_reruns_without_progress, run.max_total_reruns, max_unknown_progress=run.budget)
         decision = decide(outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=run.budget,
                           progress=progress)
         for entry in run.add_execution(finished, outcomes, attempts, decision, self.settings.fatal_exit_codes):
             self._log_attempt(entry)
         self.log.info("Execution %s: %s -> %s", execution, decision.reason, decision.action.value)
         if decision.action is Action.RERUN:
-            return RunStep.wait(self.start(run, rerun=reruns_used + 1))
+            return RunStep.wait(self.start(run, rerun=reruns_used + 1, steps=now))
         self.running_execution = None
         if decision.action is Action.SUCCEED:
             job = execution.split("/executions/")[0]
@@ -355,24 +350,36 @@ class CloudRunGpuRunManager:
             entry["outcome"], how, "" if took is None else f", {took:g} s", entry["message"])
 
     # --- checkpoint progress ---------------------------------------------------------------
-    def history(self, run: RunState) -> list[ExecutionProgress] | None:
+    def history(self, run: RunState) -> tuple[list[ExecutionProgress] | None, dict[int, int] | None]:
         """Every execution of the task instance, oldest first, with its checkpoint steps.
 
         Read from Cloud Run (the executions with this run key, each with the steps recorded at
         its start in :data:`~airflow_gpu_resilience.run_state.START_STEPS_ENV`) and the bucket (the
-        steps now, the end of the newest), never from this try's memory.
+        steps now, the end of the newest), never from this try's memory. While the bucket cannot
+        be read the read is retried for ``progress_read_timeout``; after that the newest
+        execution's progress is unknown (see :mod:`~airflow_gpu_resilience.rerun_budget`).
 
-        :return: the history, or ``None`` without ``checkpoint_bucket`` or when the bucket cannot
-            be read (the fixed budget then applies, and the log says so).
+        :return: the history (``None`` without ``checkpoint_bucket``: the fixed budget applies) and
+            the steps now (``None`` when unknown).
         """
         if self.progress is None:
+            return None, None
+        now = self._read_steps(run)
+        return progress_history(list(reversed(self._find_own(run))), now, lambda e: self._class_of(run, e)), now
+
+    def _read_steps(self, run: RunState) -> dict[int, int] | None:
+        """The committed steps now, retried for ``progress_read_timeout``; ``None`` without a bucket
+        or (logged) when unreadable."""
+        if self.progress is None:
             return None
-        now = self.progress.committed_steps()
+        now = self.progress.committed_steps(timeout=self.settings.progress_read_timeout)
         if now is None:
-            self.log.warning("Checkpoint progress unreadable in gs://%s: the fixed budget "
-                             "max_preemption_reruns=%s applies to this decision", self.progress.bucket, run.budget)
-            return None
-        return progress_history(list(reversed(self._find_own(run))), now, lambda e: self._class_of(run, e))
+            self.log.warning(
+                "Checkpoint progress unreadable in gs://%s (transient errors retried for progress_read_timeout=%g s): "
+                "the newest execution's progress is unknown, neither progress nor no progress (at most "
+                "max_preemption_reruns=%s such executions after the last progress are passed over)",
+                self.progress.bucket, self.settings.progress_read_timeout, run.budget)
+        return now
 
     def _class_of(self, run: RunState, execution: run_v2.Execution) -> OutcomeClass | None:
         """The class of a finished execution (cached in ``run.classes``), ``None`` while it runs."""

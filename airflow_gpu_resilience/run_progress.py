@@ -13,11 +13,20 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from google.cloud import run_v2
+from google.cloud.storage.retry import DEFAULT_RETRY
 
 from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
-from airflow_gpu_resilience.outcome import ExecutionProgress, OutcomeClass
-from airflow_gpu_resilience.run_state import START_STEPS_ENV, LostWork, RunState, comparable_steps, decode_steps
+from airflow_gpu_resilience.outcome import OutcomeClass
+from airflow_gpu_resilience.rerun_budget import ExecutionProgress
+from airflow_gpu_resilience.run_state import (
+    DEFAULT_PROGRESS_READ_TIMEOUT,
+    START_STEPS_ENV,
+    LostWork,
+    RunState,
+    comparable_steps,
+    decode_steps,
+)
 
 __all__ = ["MAX_PROGRESS_TASKS", "CheckpointProgress", "progress_history"]
 
@@ -64,11 +73,21 @@ class CheckpointProgress:
         """The checkpoint bucket's name."""
         return self.files.bucket
 
-    def committed_steps(self) -> dict[int, int] | None:
+    def committed_steps(self, timeout: float = DEFAULT_PROGRESS_READ_TIMEOUT) -> dict[int, int] | None:
         """Task index -> newest committed checkpoint step (see
-        :meth:`~airflow_gpu_resilience.hooks.progress.CheckpointFilesHook.committed_steps`), or
-        ``None`` when the bucket cannot be read."""
-        return self.files.committed_steps()
+        :meth:`~airflow_gpu_resilience.hooks.progress.CheckpointFilesHook.committed_steps`).
+
+        Each request of the read (the listing, each commit record) that fails for a transient
+        reason (the bucket unreachable, 429, 5xx) is sent again with exponential backoff (the
+        Storage client's own retry, ``google.cloud.storage.retry.DEFAULT_RETRY``: 1 s doubling
+        to 60 s apart, with jitter) until ``timeout`` seconds have passed; an error that is not
+        transient (403, 404) ends it at once.
+
+        :param timeout: seconds each request may be retried for (>= 0; default
+            :data:`~airflow_gpu_resilience.run_state.DEFAULT_PROGRESS_READ_TIMEOUT`).
+        :return: the steps, or ``None`` when the bucket could not be read (logged).
+        """
+        return self.files.committed_steps(retry=DEFAULT_RETRY.with_timeout(timeout))
 
     def log_progress(self, run: RunState, task_count: int) -> None:
         """Read and log the tasks' ``progress.json`` (first :data:`MAX_PROGRESS_TASKS` tasks) into ``run.progress``."""

@@ -24,21 +24,24 @@ from google.cloud import run_v2
 from airflow_gpu_resilience.operators.goodput_report import GoodputReport
 from airflow_gpu_resilience.outcome import (
     DEFAULT_FATAL_EXIT_CODES,
-    DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
-    DEFAULT_MAX_TOTAL_RERUNS,
     RESUMABLE,
     AttemptLog,
     Decision,
-    ExecutionProgress,
     OutcomeClass,
     TaskOutcome,
     elapsed_seconds,
     execution_state,
 )
+from airflow_gpu_resilience.rerun_budget import (
+    DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
+    DEFAULT_MAX_TOTAL_RERUNS,
+    ExecutionProgress,
+)
 
 __all__ = [
     "RERUN_ENV",
     "RUN_KEY_ENV",
+    "DEFAULT_PROGRESS_READ_TIMEOUT",
     "START_STEPS_ENV",
     "AttemptEntry",
     "ChainEntry",
@@ -222,23 +225,32 @@ def chain_entries(history: Sequence[ExecutionProgress]) -> list[ChainEntry]:
 
 
 # --- the settings and the run state of one try ------------------------------------------
+#: Default seconds a read of the committed checkpoint steps retries the bucket for (the execute
+#: operator's ``progress_read_timeout``): a re-run decision waits out a bucket outage of a few
+#: minutes and still decides on the steps; the run's tasks are not running meanwhile.
+DEFAULT_PROGRESS_READ_TIMEOUT = 300.0
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """The execute operator's arguments that its run manager acts on, rendered and checked.
 
     :param job_name: the job id.
     :param region: the Cloud Run region.
-    :param max_preemption_reruns: the fixed re-run budget (default 3).
+    :param max_preemption_reruns: the fixed re-run budget without a checkpoint bucket; with one,
+        the executions of unknown progress passed over (default 3).
     :param max_reruns_without_progress: with a checkpoint bucket (default
-        :data:`~airflow_gpu_resilience.outcome.DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS`).
+        :data:`~airflow_gpu_resilience.rerun_budget.DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS`).
     :param max_total_reruns: with a checkpoint bucket (default
-        :data:`~airflow_gpu_resilience.outcome.DEFAULT_MAX_TOTAL_RERUNS`).
+        :data:`~airflow_gpu_resilience.rerun_budget.DEFAULT_MAX_TOTAL_RERUNS`).
     :param overrides: ``RunJobRequest.Overrides`` in dict form for every execution, or ``None``.
     :param fatal_exit_codes: exit codes classed FATAL (default 64-78).
     :param poll_interval: seconds between polls (> 0; default 10).
     :param wait_timeout: seconds to wait for one execution, or ``None`` (no limit).
     :param checkpoint_bucket: the checkpoint bucket, or ``None`` (progress cannot be read).
     :param checkpoint_prefix: the folder of the task folders in it (default: the job name).
+    :param progress_read_timeout: seconds a read of the committed steps retries the bucket for
+        (default :data:`DEFAULT_PROGRESS_READ_TIMEOUT`).
     :param log_container_output: copy the execution's Cloud Logging lines into the task log.
     :param gcp_conn_id: the Airflow connection of the Logging and Storage reads.
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
@@ -256,6 +268,7 @@ class RunSettings:
     wait_timeout: float | None = None
     checkpoint_bucket: str | None = None
     checkpoint_prefix: str | None = None
+    progress_read_timeout: float = DEFAULT_PROGRESS_READ_TIMEOUT
     log_container_output: bool = False
     gcp_conn_id: str = "google_cloud_default"
     impersonation_chain: str | Sequence[str] | None = None
@@ -273,7 +286,7 @@ class RunState:
     :param run_key: :meth:`~airflow_gpu_resilience.operators.cloud_run.CloudRunGpuExecuteJobOperator.run_key`
         of the task instance.
     :param budget: ``max_preemption_reruns`` as rendered (an integer >= 0): the fixed budget
-        that applies when the checkpoint steps cannot be read.
+        without ``checkpoint_bucket``; with it, the executions of unknown progress passed over.
     :param max_reruns_without_progress: as rendered (an integer >= 0).
     :param max_total_reruns: as rendered (an integer >= 0).
     :param deadline: epoch seconds when the try's overall ``timeout`` passes, or ``None``.

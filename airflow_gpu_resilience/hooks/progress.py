@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from google.api_core.exceptions import NotFound
+from google.api_core.retry import Retry
+from google.cloud.storage.retry import DEFAULT_RETRY
 
 PROGRESS_FILE = "progress.json"
 METRICS_FILE = "metrics.json"
@@ -228,12 +230,15 @@ class CheckpointFilesHook:
             log.debug("Cannot read gs://%s/%s: %s", self.bucket, self.object_name(task_index, file_name), exc)
             return None
 
-    def committed_steps(self) -> dict[int, int] | None:
+    def committed_steps(self, retry: Retry | None = DEFAULT_RETRY) -> dict[int, int] | None:
         """The newest committed checkpoint step of every task that has one, from one listing.
 
         Lists ``{prefix}/task-*/ckpt-*`` once and reads, per task, the newest commit record
         (falling back to older ones when it does not match its data object).
 
+        :param retry: the Storage client's retry of each request (the listing's pages, each
+            record): transient errors are retried with backoff until its timeout (default
+            ``google.cloud.storage.retry.DEFAULT_RETRY``, the client's own, 120 s); ``None``: none.
         :return: task index -> step (a task without a committed checkpoint is absent), or
             ``None`` when the bucket cannot be read.
         """
@@ -245,7 +250,7 @@ class CheckpointFilesHook:
             bucket = self._gcs.get_conn().bucket(self.bucket)
             sizes: dict[tuple[int, int], int] = {}
             records: dict[int, list[int]] = {}
-            for blob in bucket.list_blobs(prefix=f"{self.prefix}/task-"):
+            for blob in bucket.list_blobs(prefix=f"{self.prefix}/task-", retry=retry):
                 match = _CHECKPOINT_RE.match(blob.name[len(self.prefix) + 1:])
                 if match is None:
                     continue
@@ -258,7 +263,8 @@ class CheckpointFilesHook:
             for index, candidates in records.items():
                 for step in sorted(candidates, reverse=True):
                     try:
-                        raw = bucket.blob(f"{self.prefix}/task-{index}/ckpt-{step:08d}.commit.json").download_as_bytes()
+                        record = bucket.blob(f"{self.prefix}/task-{index}/ckpt-{step:08d}.commit.json")
+                        raw = record.download_as_bytes(retry=retry)
                     except NotFound:  # pruned by the worker since the listing
                         continue
                     if committed_record_step(raw, step, sizes.get((index, step))):

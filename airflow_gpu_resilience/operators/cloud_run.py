@@ -26,13 +26,12 @@ from airflow_gpu_resilience.operator_args import (
     SPEC_FIELDS, coerce_spec_value, is_templated, parse_execute_arguments, parse_seconds, spec_default,
     with_spec_parameters,
 )
-from airflow_gpu_resilience.outcome import (
-    DEFAULT_FATAL_EXIT_CODES, DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS, DEFAULT_MAX_TOTAL_RERUNS,
-)
+from airflow_gpu_resilience.outcome import DEFAULT_FATAL_EXIT_CODES
+from airflow_gpu_resilience.rerun_budget import DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS, DEFAULT_MAX_TOTAL_RERUNS
 from airflow_gpu_resilience.run_manager import CloudRunGpuRunManager
 from airflow_gpu_resilience.run_state import (  # RunSummary and its parts: the execute operator's result
-    RERUN_ENV, RUN_KEY_ENV, START_STEPS_ENV, AttemptEntry, ChainEntry, ExecutionEntry, LostWork, RunSettings,
-    RunState, RunStep, RunSummary, TaskSummary,
+    DEFAULT_PROGRESS_READ_TIMEOUT, RERUN_ENV, RUN_KEY_ENV, START_STEPS_ENV, AttemptEntry, ChainEntry, ExecutionEntry,
+    LostWork, RunSettings, RunState, RunStep, RunSummary, TaskSummary,
 )
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
 
@@ -143,7 +142,7 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
 #: The execute operator's arguments checked by :func:`~airflow_gpu_resilience.operator_args.parse_execute_arguments`,
 #: and those of them also checked when the DAG is parsed.
 _CHECKED = ("max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns", "poll_interval",
-            "log_container_output", "overrides", "timeout", "wait_timeout")
+            "log_container_output", "overrides", "timeout", "wait_timeout", "progress_read_timeout")
 _PARSE_TIME = tuple(name for name in _CHECKED if name != "overrides")
 
 
@@ -153,19 +152,15 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     After each execution it classifies every task's last attempt
     (:func:`~airflow_gpu_resilience.outcome.classify_task`) and acts on
     :func:`~airflow_gpu_resilience.outcome.decide`: all tasks SUCCEEDED: return the
-    :class:`RunSummary` (the ``return_value`` XCom); only PREEMPTED / TIMED_OUT failures and
-    re-runs left: start a new execution with the same overrides (the worker resumes from its
-    checkpoints) and wait for it; a FAILED task: raise
+    :class:`RunSummary` (the ``return_value`` XCom, with the try's goodput account); only
+    PREEMPTED / TIMED_OUT failures and re-runs left: start a new execution with the same overrides
+    (the worker resumes from its checkpoints); a FAILED task: raise
     :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuExecutionError` (Airflow's ``retries``
-    apply) naming exit code and log URI; a FATAL task, a cancelled execution, or the re-run budget
-    exhausted: raise :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (no retry).
-    The try's goodput account (every second of its attempts, and the GPU-seconds billed) is
-    logged when the task ends and is the summary's ``goodput``, or travels on the error.
-
-    It waits in the worker (:meth:`execute_sync`) or in the triggerer (:meth:`execute_async`,
-    re-entered through :meth:`execute_complete`); both keep a :class:`RunState`. How the re-run
-    budget follows checkpoint progress, and how state lives in Cloud Run so that a new try
-    attaches to or adopts an earlier try's execution: :mod:`~airflow_gpu_resilience.run_manager`.
+    apply); FATAL, cancelled, or the re-run budget exhausted: raise
+    :class:`~airflow_gpu_resilience.exceptions.CloudRunGpuFatalError` (no retry). It waits in the
+    worker (:meth:`execute_sync`) or in the triggerer (:meth:`execute_async`, then
+    :meth:`execute_complete`). The re-run budget, and how a new try attaches to or adopts an
+    earlier try's execution: :mod:`~airflow_gpu_resilience.run_manager`.
 
     :param job_name: job id (templated).
     :param region: Cloud Run region (default ``us-central1``; templated).
@@ -176,11 +171,11 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     :param overrides: ``RunJobRequest.Overrides`` in dict form (``container_overrides`` with
         ``args``/``env``, ``task_count``, ``timeout``), applied to every execution, re-runs
         included (templated; default ``None``).
-    :param max_preemption_reruns: the fixed budget: new executions allowed after preemptions or
-        task timeouts, in total over all tries of the task instance, when progress cannot be read
-        (no ``checkpoint_bucket``, or the bucket is unreadable); separate from Airflow's
-        ``retries`` (default 3; an integer >= 0; templated). With a readable bucket the
-        progress rule replaces it.
+    :param max_preemption_reruns: without ``checkpoint_bucket``, the fixed budget: new executions
+        allowed after preemptions or task timeouts, in total over all tries of the task instance,
+        separate from Airflow's ``retries``; with it, the executions whose progress stays unknown
+        (the bucket unreadable) passed over before they count as without progress (default 3; an
+        integer >= 0; templated).
     :param max_reruns_without_progress: consecutive re-runs that commit no new checkpoint before
         the task fails without retry (default 2; an integer >= 0; templated). Used with
         ``checkpoint_bucket``.
@@ -208,6 +203,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         default ``None``).
     :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name;
         templated).
+    :param progress_read_timeout: seconds a read of the committed checkpoint steps (at each start
+        and re-run decision) retries a bucket that cannot be read, with backoff, before the
+        progress counts as unknown (default 300; > 0).
     :param log_container_output: copy the execution's container and platform log lines (the
         worker's "SIGTERM received ...", the maintenance message) from Cloud Logging into the task
         log, each line once (default ``False``: no Logging call; templated: a bool, or
@@ -262,6 +260,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         max_reruns_without_progress: int | str = DEFAULT_MAX_RERUNS_WITHOUT_PROGRESS,
         max_total_reruns: int | str = DEFAULT_MAX_TOTAL_RERUNS,
         log_container_output: bool = False,
+        progress_read_timeout: float = DEFAULT_PROGRESS_READ_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -275,6 +274,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.wait_for_completion = wait_for_completion
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         self.checkpoint_bucket, self.checkpoint_prefix = checkpoint_bucket, checkpoint_prefix
+        self.progress_read_timeout = progress_read_timeout
         self.log_container_output: bool | str = log_container_output
         self._manager: CloudRunGpuRunManager | None = None
         # checked when the DAG is parsed, templates once rendered (at execute, with the rest)

@@ -1,4 +1,4 @@
-"""Table test of the progress-aware re-run rule (:func:`~airflow_gpu_resilience.outcome.decide_rerun`).
+"""Table test of the progress-aware re-run rule (:func:`~airflow_gpu_resilience.rerun_budget.decide_rerun`).
 
 Each row is a history of executions of one Airflow task instance (oldest first, the one just
 finished last), each as ``(newest committed step at its start, at its end)`` for task 0, and
@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_gpu_resilience.outcome import (
+from airflow_gpu_resilience.outcome import Action, ExecutionState, OutcomeClass, TaskOutcome, classify_attempt, decide
+from airflow_gpu_resilience.rerun_budget import (
     DEFAULT_MAX_TOTAL_RERUNS,
-    Action,
+    DEFAULT_MAX_UNKNOWN_PROGRESS,
     ExecutionProgress,
-    ExecutionState,
-    OutcomeClass,
     ProgressBudget,
-    TaskOutcome,
-    classify_attempt,
-    decide,
     decide_rerun,
 )
 
@@ -66,6 +62,45 @@ def test_rerun_rule(steps, reruns_used, limit, total, action, reason):
     assert decision.action is action, decision.reason
     assert reason in decision.reason, decision.reason
     assert decision.outcome is C.TIMED_OUT and decision.blamed is TIMED_OUT
+
+
+#: The chain of issue 39: progress in every execution (0 -> 63 -> 122 -> 179 -> 230), then one
+#: whose end could not be read (the bucket was unreachable at the decision).
+PROGRESSING = [(0, 63), (63, 122), (122, 179), (179, 230)]
+
+
+@pytest.mark.parametrize(
+    ("steps", "reruns_used", "unknown", "action", "reason"),
+    [
+        # an unknown end after progress in every execution: re-run, however many re-runs so far
+        (PROGRESSING + [(230, None)], 4, 3, Action.RERUN, "its progress is unknown, which is neither progress"),
+        (PROGRESSING + [(230, None)], 4, 0, Action.RERUN, "1 re-run(s) without progress so far"),
+        # an unknown execution does not reset the count: the no-progress executions around it add up
+        ([(0, 40), (40, 40), (40, None), (None, 40), (40, 40)], 4, 3, Action.FAIL_NO_RETRY,
+         "no new committed checkpoint in the last 2 execution(s) (2 re-run(s) without progress"),
+        ([(0, 40), (40, 40), (40, None), (None, 40)], 3, 3, Action.RERUN, "1 re-run(s) without progress so far"),
+        # nor does it count, up to max_unknown_progress after the last progress
+        ([(0, 40), (40, None), (None, None), (None, None)], 3, 3, Action.RERUN, "0 re-run(s) without progress"),
+        # beyond it, unknown executions count: a bucket that stays unreadable ends the run in the end
+        ([(0, 40), (40, None), (None, None), (None, None)], 3, 1, Action.FAIL_NO_RETRY,
+         "2 of them of unknown progress, beyond max_unknown_progress=1): stuck at step 40 (task 0)"),
+        ([(0, 40)] + [(None, None)] * 5, 5, 3, Action.FAIL_NO_RETRY, "and that the checkpoint bucket can be read"),
+        ([(0, 40)] + [(None, None)] * 4, 4, 3, Action.RERUN, "1 re-run(s) without progress so far"),
+        # never any progress known: unknown ones are passed over, the first execution is no re-run
+        ([(None, None), (0, 0), (0, 0)], 2, 3, Action.FAIL_NO_RETRY, "stuck at step 0 (no committed checkpoint"),
+        ([(None, None)] * 3, 2, 1, Action.FAIL_NO_RETRY, "stuck at an unknown step (the checkpoint bucket could"),
+        ([(None, None)] * 3, 2, 2, Action.RERUN, "1 re-run(s) without progress so far"),
+        ([(None, None)] * 3, 2, 3, Action.RERUN, "its progress is unknown"),
+    ],
+)
+def test_unknown_progress_is_neither_progress_nor_no_progress(steps, reruns_used, unknown, action, reason):
+    """Issue 39 item 1: limit 2 re-runs without progress, at most ``unknown`` executions of unknown
+    progress passed over after the last one with progress."""
+    budget = ProgressBudget(history(*steps), max_reruns_without_progress=2, max_unknown_progress=unknown)
+    decision = decide_rerun(PREEMPTED, reruns_used, budget)
+    assert decision.action is action, decision.reason
+    assert reason in decision.reason, decision.reason
+    assert DEFAULT_MAX_UNKNOWN_PROGRESS == 3  # the execute operator's default max_preemption_reruns
 
 
 def test_the_stuck_error_names_the_step_the_classes_and_what_to_check():
