@@ -1,13 +1,12 @@
-"""Worker faults: FAULTS_N random SIGKILL/SIGTERM points across one long run, a full disk (a
-real, small tmpfs: mounting it needs root), a vanishing checkpoint directory, corrupt and
-malicious newest checkpoints.
+"""Worker faults: FAULTS_N random SIGKILL/SIGTERM points across one long run, a vanishing
+checkpoint directory, corrupt and malicious newest checkpoints, a newer release's checkpoint
+found by a rolled-back worker (a full disk: ``test_worker_disk_full.py``).
 
 Every lineage must end in a correct resume (model and optimizer sha256 equal to an uninterrupted
 run with the same flags) or a clear sysexits error, and never load a checkpoint whose commit
 record does not match its data.
 
-Where FUSE works, the checkpoint folder of every run here (the uninterrupted baselines too, the
-full disk's runs aside) is on the emulator's Cloud Storage FUSE volume in strict mode (a write
+Where FUSE works, the checkpoint folder of every run here (the uninterrupted baselines too) is on the emulator's Cloud Storage FUSE volume in strict mode (a write
 that would fall back to a staged write fails with EIO and is recorded), and each test ends by checking the volume's records: no
 staged write at all, and no throttled rewrite in an uninterrupted run. Elsewhere the folder is a
 plain temporary directory (under ``TESTS_REQUIRE_FULL_ENV=1`` a missing FUSE fails instead).
@@ -16,7 +15,6 @@ The mount costs about 1 s for the module.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -29,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_resilience_worker.commit import CheckpointName
-from tests.conftest import missing_from_env, require_fuse
+from tests.conftest import require_fuse
 from tests.faults.conftest import faults_n
 from tests.worker.conftest import REPO_ROOT, SIGKILL, SIGTERM, Task, WorkerProcess
 
@@ -189,107 +186,6 @@ def test_random_kills_across_one_long_run_end_bit_identical(task: Task, baseline
     assert [a["attempt"] for a in metrics["attempts"]] == sorted(a["attempt"] for a in metrics["attempts"])
 
 
-#: The disk-full test's run: tensors of 1 MiB (``--hidden 512``), so that a save fails inside
-#: ``torch.save``'s own write of a record, not in the writer's buffered small records; a progress
-#: write only at the start, none beside a failing save.
-DISK_FLAGS = ("--steps", "120", "--hidden", "512", "--batch-size", "32", "--seed", "5",
-              "--checkpoint-every", "10", "--keep", "2", "--step-delay", "0.004", "--progress-interval", "3600")
-#: The size of the disk-full test's file system: room for three checkpoints of :data:`DISK_FLAGS`.
-SMALL_DISK = 16 << 20
-#: What the disk-full test leaves free: room for the small files an attempt writes (the write
-#: probe, ``attempts.json``, ``progress.json``, the goodput file, ``FATAL``), not a checkpoint.
-ROOM = 32 << 10
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A real file system of :data:`SMALL_DISK` bytes (a tmpfs at ``tmp_path/disk``) that a test
-    can fill: writes past its size fail with ENOSPC. Unmounted at teardown, always (lazily when a
-    failed test left a process with a file open in it). Mounting needs root (CAP_SYS_ADMIN):
-    skipped elsewhere, a failure under ``TESTS_REQUIRE_FULL_ENV=1``."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(mountpoint)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        missing_from_env(f"a tmpfs cannot be mounted here ({mounted.stderr.strip()})",
-                         "run the fault suite as root (mount needs CAP_SYS_ADMIN)")
-    try:
-        yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)]).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(mountpoint)], check=True)
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """Write one file into ``disk`` until the file system is full (ENOSPC), then give ``leave``
-    bytes of it back. :return: the file (delete it to free the disk)."""
-    filler = disk / "filler"
-    block = bytes(1 << 16)
-    with open(filler, "wb", buffering=0) as handle:
-        with pytest.raises(OSError) as full:
-            while True:
-                handle.write(block)
-    assert full.value.errno == errno.ENOSPC, full.value
-    os.truncate(filler, max(0, filler.stat().st_size - leave))
-    return filler
-
-
-@pytest.mark.parametrize("mode", ["--async-save", "--sync-save"])
-def test_disk_full_during_saves_ends_the_attempt_with_74_and_keeps_the_last_good_checkpoint(
-        small_disk: Path, digits_npz: Path, tmp_path: Path, mode) -> None:
-    """A really full file system (a tmpfs with room for the small files but not a checkpoint):
-    every save fails with ENOSPC, background or not, and the third failure in a row ends the
-    attempt early with exit 74 and ``FATAL``, both naming the folder and the error (not torch's
-    "unexpected pos" of the torn writer); the committed checkpoints stay as they were; a retry
-    with the disk still full exits at once; one after space was freed resumes bit-identically."""
-    baseline = Task(root=tmp_path / "baseline", data=digits_npz)
-    uninterrupted = baseline.start(mode, flags=DISK_FLAGS)
-    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.output[-4000:]
-    task = Task(root=small_disk / "checkpoints", data=digits_npz)
-    flags = (*DISK_FLAGS, mode)
-    first = task.start(flags=flags)
-    first.wait_for(lambda r: r.get("message") == "checkpoint saved" and r.get("step", 0) >= 30, timeout=120)
-    first.signal(SIGKILL)
-    first.wait()
-    good = task.valid_steps()
-    assert good
-    for leftover in task.namespace.glob("ckpt-*"):  # what the kill left unfinished frees no room later
-        if CheckpointName.parse(leftover.name).step not in good:
-            leftover.unlink()
-    committed = {p.name: p.read_bytes() for p in task.namespace.glob("ckpt-*")}
-    assert (task.namespace / f"ckpt-{good[-1]:08d}.pt").stat().st_size > ROOM
-    filler = fill(small_disk, ROOM)
-
-    full = task.start(flags=flags)
-    code = full.wait(timeout=300)
-    assert code == 74, f"exit {code}\n{full.output[-4000:]}"
-    assert "unexpected pos" not in full.output, full.output[-4000:]
-    fatal = [r for r in full.records if r.get("message", "").startswith("fatal: ")]
-    assert len(fatal) == 1 and fatal[0]["exit_code"] == 74, full.output[-4000:]
-    reason = fatal[0]["reason"]
-    assert str(task.namespace) in reason and "No space left on device" in reason, reason
-    marker = json.loads((task.namespace / "FATAL").read_text())
-    assert marker["exit_code"] == 74 and marker["reason"] == reason
-    # three saves failed (in the background: each one surfaced at the next due save), then it stopped
-    going_on = [r["failed_in_a_row"] for r in full.records if r.get("message") == "checkpoint save failed; training goes on"]
-    assert going_on == [1, 2], full.output[-4000:]
-    goodput = json.loads(next(task.namespace.glob("goodput-*-1.json")).read_text())
-    assert goodput["status"] == "failed" and good[-1] + goodput["steps"] < 120, goodput
-    assert {p.name: p.read_bytes() for p in task.namespace.glob("ckpt-*")} == committed
-    assert task.valid_steps() == good
-
-    again = task.start(flags=flags)  # a Cloud Run retry, the disk still full: no step trained
-    assert again.wait(timeout=120) == 74, again.output[-4000:]
-    assert not any("resumed_from_step" in r for r in again.records), again.output[-4000:]
-
-    filler.unlink()  # space freed: the marker is not obeyed, the retry resumes
-    after = run_to_end(task, flags)
-    assert resumed_step(after) == good[-1]
-    assert not (task.namespace / "FATAL").exists()
-    assert hashes(task.metrics()) == hashes(baseline.metrics())
-
-
 def test_checkpoint_directory_vanishing_mid_run(task: Task, baselines, volume) -> None:
     """The task namespace is deleted while training: the worker goes on (or exits retryably), and
     the lineage still ends bit-identical."""
@@ -377,6 +273,48 @@ def test_pickled_payload_with_a_matching_commit_record_is_refused(task: Task, ba
     assert skipped and os.path.basename(skipped[0]["file"]) == newest.name, resumed.output[-4000:]
     assert "torch.load failed" in skipped[0]["reason"]
     assert resumed_step(resumed) == valid[-2]
+    assert hashes(task.metrics()) == baselines["short"]
+
+
+#: How a newer release's record differs, as a rolled-back worker finds it: (fields, reason part).
+NEWER = {"format-99": ({"format": 99}, "has format 99"), "digest-blake9": ({"digest": "blake9"}, "has digest 'blake9'")}
+
+
+@pytest.mark.parametrize("newer", NEWER, ids=NEWER)
+def test_a_rolled_back_worker_refuses_a_newer_releases_checkpoint_and_deletes_nothing(task: Task, baselines,
+                                                                                     newer: str) -> None:
+    """The newest checkpoint's record has a format (or a chunk digest) this release does not know,
+    as after the image was rolled back: the worker exits 78 with ``FATAL`` naming the record and
+    what is newer, resumes nothing and deletes nothing (it resumed from the older checkpoint, and
+    retention then deleted the newer one); a retry exits at once; once the record reads again (the
+    newer release is back), the run resumes from it and ends bit-identical."""
+    valid = _interrupted_lineage(task)
+    fields, detail = NEWER[newer]
+    path = task.namespace / f"ckpt-{valid[-1]:08d}.commit.json"
+    original = path.read_bytes()
+    path.unlink()  # new objects: rewriting in place stages on Cloud Storage FUSE
+    path.write_bytes(json.dumps({**json.loads(original), **fields}, sort_keys=True).encode())
+    before = {p.name: p.read_bytes() for p in task.namespace.glob("ckpt-*")}
+    refused = task.start(flags=SHORT)
+    assert refused.wait(timeout=120) == 78, refused.output[-4000:]
+    fatal = [r for r in refused.records if r.get("message", "").startswith("fatal: ")]
+    assert len(fatal) == 1 and fatal[0]["exit_code"] == 78, refused.output[-4000:]
+    assert str(path) in fatal[0]["reason"] and detail in fatal[0]["reason"], fatal[0]["reason"]
+    marker = json.loads((task.namespace / "FATAL").read_text())
+    assert marker["reason"] == fatal[0]["reason"]
+    assert marker["newer_record"] == {"file": str(path), "format": fields.get("format"), "digest": fields.get("digest")}
+    assert not any("resumed_from_step" in r for r in refused.records), refused.output[-4000:]
+    assert {p.name: p.read_bytes() for p in task.namespace.glob("ckpt-*")} == before  # nothing deleted or changed
+
+    again = task.start(flags=SHORT)  # a Cloud Run retry: the marker holds while the record is newer
+    assert again.wait(timeout=120) == 78, again.output[-4000:]
+    assert {p.name: p.read_bytes() for p in task.namespace.glob("ckpt-*")} == before
+
+    path.unlink()
+    path.write_bytes(original)  # the newer release's reader is back: the record reads again
+    resumed = run_to_end(task, SHORT)
+    assert resumed_step(resumed) == valid[-1]
+    assert not (task.namespace / "FATAL").exists()
     assert hashes(task.metrics()) == baselines["short"]
 
 

@@ -16,7 +16,8 @@ from gpu_resilience_worker import __main__ as cli
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
 from gpu_resilience_worker.data import load_dataset
 from gpu_resilience_worker.fastio import chunk_digests
-from gpu_resilience_worker.errors import DataError, OutOfSpaceError
+from gpu_resilience_worker.commit import CommitStore
+from gpu_resilience_worker.errors import DataError, NewerCheckpointError, OutOfSpaceError
 from gpu_resilience_worker.fatal import fatal_marker_code, free_bytes, invocation, space_came_back, write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
@@ -258,5 +259,27 @@ def test_a_full_disk_marker_is_obeyed_until_space_is_freed(tmp_path: Path) -> No
     assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) == 74
     marker["free_bytes"] = 0  # the disk was full then; it has room now
     (tmp_path / "FATAL").write_text(json.dumps(marker))
+    assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) is None
+    assert not (tmp_path / "FATAL").exists()
+
+
+def test_a_newer_record_marker_holds_while_the_record_is_unreadable_here(tmp_path: Path) -> None:
+    """``FATAL`` of a newer release's commit record names it; the same invocation exits at once
+    with 78 while that record still has the newer format, and goes on (the marker removed) once
+    it is readable (the newer release that reads it runs) or gone (moved out by hand)."""
+    log, called_as = ListLog(), invocation(["train"])
+    _existing_checkpoint(tmp_path)
+    record = tmp_path / "ckpt-00000010.commit.json"
+    original = record.read_bytes()
+    record.write_bytes(original.replace(b'"format": 1', b'"format": 99'))
+    with pytest.raises(NewerCheckpointError) as refused:
+        CommitStore(str(tmp_path), LocalStorage(), StructuredLogger(log)).refuse_newer_records()
+    assert write_fatal(str(tmp_path), refused.value, StructuredLogger(log), called_as) == 78
+    marker = json.loads((tmp_path / "FATAL").read_text())
+    assert marker["newer_record"] == {"file": str(record), "format": 99, "digest": None}
+    assert str(record) in marker["reason"] and "format 99" in marker["reason"]
+    assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) == 78
+    record.unlink()
+    record.write_bytes(original)  # what a release that reads format 99 would see: a readable record
     assert fatal_marker_code(str(tmp_path), StructuredLogger(log), called_as) is None
     assert not (tmp_path / "FATAL").exists()

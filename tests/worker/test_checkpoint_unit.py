@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from gpu_resilience_worker.checkpoint import (
     RestoreInterrupted,
 )
 from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.storage import LocalStorage
 
 
 @pytest.mark.parametrize(
@@ -366,3 +368,35 @@ def test_records_that_do_not_fit_the_data_are_rejected_before_hashing(tmp_path: 
         assert manager.load() is True and manager.loaded_step == 10
     warned = {r["step"]: r["reason"] for r in log.records if r.get("message") == "skipping invalid checkpoint"}
     assert "commit record says 4096" in warned[30] and "not valid JSON" in warned[20]
+
+
+class _RecordUnreadable(LocalStorage):
+    """Local files, but reading ``ckpt-00000030.commit.json`` fails with EIO while ``failing`` (a
+    mount's transient error during the restore)."""
+
+    failing = True
+
+    def open_read(self, path: str):
+        if path.endswith("ckpt-00000030.commit.json") and self.failing:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return super().open_read(path)
+
+
+def test_retention_never_deletes_a_checkpoint_newer_than_the_one_resumed_from(tmp_path: Path) -> None:
+    """The restore could not read the newest record (EIO), skipped it and resumed from 20; that
+    checkpoint is valid, and retention after the saves of 40 and 50 (keep 2) leaves it alone (it
+    deleted it: work lost to a transient error). Older ones go as usual."""
+    box = Box()
+    with _manager(tmp_path, box, keep=3) as manager:
+        for step in (10, 20, 30):
+            box.tensor += 1
+            manager.save(step)
+    config = CheckpointConfig(folder=str(tmp_path), interval=10, keep_latest_k=2, async_mode=AsyncMode.DISABLED)
+    restored, storage = Box(), _RecordUnreadable()
+    with CheckpointManager(config, {"box": restored}, storage=storage, logger=StructuredLogger(ListLog())) as manager:
+        assert manager.load() is True and manager.loaded_step == 20
+        storage.failing = False
+        for step in (40, 50):
+            manager.save(step, force=True)
+        assert manager.valid_steps() == [50, 40, 30]
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [f"ckpt-000000{s}.pt" for s in (30, 40, 50)]

@@ -10,38 +10,39 @@ around those writes, and the stop decision after SIGTERM of :mod:`gpu_resilience
    record of ``s`` (left by an earlier attempt) is removed first, then the artifact itself.
 2. The framework writes ``<prefix><s><suffix>`` (a folder of files, or one file).
 3. :meth:`ArtifactCheckpoints.commit` after it returned: every file is hashed (the hash lists of
-   :mod:`gpu_resilience_worker.fastio`) and the record ``<prefix><s><suffix>.commit.json`` =
-   ``{step, name, sha256, created_at, files: [{path, size, chunk_bytes, chunks}]}`` is written
-   last, through a temporary name, fsync and rename.
+   :mod:`gpu_resilience_worker.fastio`) and the record ``<prefix><s><suffix>.commit.json`` (the
+   folder shape of the schema of :mod:`gpu_resilience_worker.task_folder`) is written last,
+   through a temporary name, fsync and rename.
 
 An artifact exists only when its record parses and every file it lists has the recorded size
 and chunk digests (a file the record does not list is ignored). :meth:`ArtifactCheckpoints.latest`
 returns the newest such artifact and logs every newer one it skips. Old committed artifacts
 beyond ``keep_latest_k`` and artifacts left uncommitted by a killed attempt are deleted by the
-writer only (record first, then the data).
+writer only (record first, then the data). A record a newer release wrote (a newer ``format``, an
+unknown digest) stops the run instead, before anything is resumed or deleted: ``FATAL`` in the
+folder, and ``SystemExit(78)``.
 
 Local (or FUSE-mounted) paths only: the frameworks write with ``open``/``os`` themselves.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from gpu_resilience_worker.errors import EXIT_PREEMPTED
-from gpu_resilience_worker.fastio import DIGEST_CHUNK, file_chunk_digests, root_digest
+from gpu_resilience_worker.commit import read_record
+from gpu_resilience_worker.errors import EXIT_PREEMPTED, NewerCheckpointError
+from gpu_resilience_worker.fastio import file_chunk_digests
+from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
 from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher
 from gpu_resilience_worker.storage import LocalStorage
+from gpu_resilience_worker.task_folder import DIGEST_CHUNK, RECORD_SUFFIX, CommitRecord, FileEntry
 
-RECORD_SUFFIX = ".commit.json"
-#: Largest artifact commit record read, in bytes (like :data:`commit.MAX_RECORD_BYTES`).
-MAX_RECORD_BYTES = 8 << 20
 _SAFE_AFFIX = re.compile(r"[A-Za-z0-9._=-]*")
 
 
@@ -151,27 +152,27 @@ class ArtifactCheckpoints:
             self.last_committed = None
         self._save_started[step] = self._clock()
 
-    def commit(self, step: int) -> dict[str, Any]:
+    def commit(self, step: int) -> CommitRecord:
         """Call after the framework wrote ``step``: hash its files, write the record last, then
         delete what the keep policy no longer keeps.
 
         :return: the record written.
         :raises FileNotFoundError: when the artifact is missing or holds no file.
         :raises OSError: when hashing or writing the record fails (then it is not committed).
+        :raises SystemExit: 78, when a newer release's record appeared (then nothing is deleted).
         """
         started = self._save_started.pop(step, None)
         hash_started = self._clock()
         files = []
         for rel in self._files(step):
             size, chunks = file_chunk_digests(os.path.join(self.folder, rel), DIGEST_CHUNK)
-            files.append({"path": rel, "size": size, "chunk_bytes": DIGEST_CHUNK, "chunks": chunks})
+            files.append(FileEntry(rel, size, DIGEST_CHUNK, tuple(chunks)))
         if not files:
             raise FileNotFoundError(f"no checkpoint written at {self.path(step)}")
-        record = {"step": step, "name": self.name(step), "files": files, "created_at": utc_now(),
-                  "sha256": root_digest([root_digest(f["chunks"]) for f in files])}
-        self._storage.write(self.record_path(step), json.dumps(record, sort_keys=True).encode(), atomic=True)
+        record = CommitRecord.of_files(step, self.name(step), files, utc_now())
+        self._storage.write(self.record_path(step), record.to_bytes(), atomic=True)
         now = self._clock()
-        size = sum(f["size"] for f in files)
+        size = record.size
         self.stats.blocking.append(now - (hash_started if started is None else started))
         self.stats.durations.append(self.stats.blocking[-1])
         self.stats.sizes.append(size)
@@ -181,51 +182,64 @@ class ArtifactCheckpoints:
         self._apply_keep_policy()
         return record
 
-    def _read_record(self, step: int) -> tuple[dict[str, Any] | None, str]:
+    def _read_record(self, step: int) -> tuple[CommitRecord | None, str]:
+        """:return: ``(record, "")``, or ``(None, reason)`` when it is missing or invalid.
+
+        :raises NewerCheckpointError: when a newer release wrote it (not an invalid record).
+        """
         try:
-            with open(self.record_path(step), "rb") as handle:
-                raw = handle.read(MAX_RECORD_BYTES + 1)
+            record = read_record(self._storage, self.record_path(step))
         except FileNotFoundError:
             return None, "no commit record (uncommitted)"
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             return None, f"unreadable commit record: {exc}"
-        if len(raw) > MAX_RECORD_BYTES:
-            return None, "commit record is too large"
-        try:
-            record = json.loads(raw.decode())
-            files = record["files"]
-            ok = (record["step"] == step and isinstance(files, list) and files
-                  and root_digest([root_digest(f["chunks"]) for f in files]) == record["sha256"])
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return None, "commit record is torn or malformed"
-        if not ok:
-            return None, "commit record does not match its step or its hash lists"
+        if record.step != step or record.name != self.name(step):
+            return None, "commit record does not match its step or its name"
         return record, ""
 
     def verify(self, step: int) -> tuple[bool, str]:
         """Check the artifact of ``step`` against its record, hashing every file it lists.
 
         :return: ``(True, "")`` when committed and intact, else ``(False, reason)``.
+        :raises NewerCheckpointError: when a newer release wrote its record.
         """
         record, reason = self._read_record(step)
         if record is None:
             return False, reason
-        for entry in record["files"]:
-            rel = entry.get("path") if isinstance(entry, dict) else None
-            if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
-                return False, "commit record names a file outside the checkpoint folder"
-            full = os.path.join(self.folder, rel)
+        for entry in record.files:
+            full = os.path.join(self.folder, entry.path)
             if not os.path.isfile(full) or os.path.islink(full):
-                return False, f"{rel} is missing"
+                return False, f"{entry.path} is missing"
             try:
-                if os.path.getsize(full) != entry["size"]:
-                    return False, f"{rel}: size does not match the commit record"
-                _, chunks = file_chunk_digests(full, int(entry["chunk_bytes"]))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                return False, f"{rel}: unreadable ({exc})"
-            if chunks != list(entry["chunks"]):
-                return False, f"{rel}: sha256 does not match the commit record"
+                if os.path.getsize(full) != entry.size:
+                    return False, f"{entry.path}: size does not match the commit record"
+                _, chunks = file_chunk_digests(full, entry.chunk_bytes, entry.digest)
+            except (OSError, ValueError) as exc:
+                return False, f"{entry.path}: unreadable ({exc})"
+            if tuple(chunks) != entry.chunks:
+                return False, f"{entry.path}: {entry.digest} does not match the commit record"
         return True, ""
+
+    def newer_record(self) -> NewerCheckpointError | None:
+        """:return: the refusal of the newest record here that a newer release wrote, or ``None``
+        (reads the records only)."""
+        for step in self.present_steps():
+            try:
+                self._read_record(step)
+            except NewerCheckpointError as exc:
+                return exc
+        return None
+
+    def refuse_newer_records(self) -> None:
+        """Stop the run when a newer release wrote a record here: resuming from an older artifact
+        would lose the newer one's work. Writes ``FATAL`` in the folder (exit code, reason and
+        ``newer_record``), logs one error line and deletes nothing.
+
+        :raises SystemExit: 78 (``EX_CONFIG``), when there is such a record.
+        """
+        newer = self.newer_record()
+        if newer is not None:
+            raise SystemExit(write_fatal(self.folder, newer, self.log))
 
     def committed_steps(self) -> list[int]:
         """:return: the steps of committed, intact artifacts, newest first (hashes every file)."""
@@ -233,7 +247,11 @@ class ArtifactCheckpoints:
 
     def latest(self) -> str | None:
         """:return: the path of the newest committed, intact artifact, or ``None``. Every newer
-        artifact skipped is logged with the reason (never loaded, never deleted here)."""
+        artifact skipped is logged with the reason (never loaded, never deleted here).
+
+        :raises SystemExit: 78, when a newer release wrote a record here (:meth:`refuse_newer_records`).
+        """
+        self.refuse_newer_records()
         for step in self.present_steps():
             ok, reason = self.verify(step)
             if ok:
@@ -256,7 +274,11 @@ class ArtifactCheckpoints:
 
     def cleanup_uncommitted(self) -> None:
         """Delete every artifact without a valid record (left by a killed attempt); a writer
-        calls it once it resumed, before its first save."""
+        calls it once it resumed, before its first save.
+
+        :raises SystemExit: 78, when a newer release wrote a record here (nothing is deleted).
+        """
+        self.refuse_newer_records()
         for step in self.present_steps():
             ok, reason = self.verify(step)
             if not ok:
@@ -266,6 +288,7 @@ class ArtifactCheckpoints:
                 self.last_committed = step
 
     def _apply_keep_policy(self) -> None:
+        self.refuse_newer_records()
         valid = [s for s in self.present_steps() if self._read_record(s)[0] is not None]
         for step in self.keep.to_delete(self.present_steps(), valid):
             self.log.info("deleting old checkpoint", step=step, checkpoint=self.name(step))

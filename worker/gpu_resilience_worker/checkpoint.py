@@ -319,8 +319,7 @@ class CheckpointManager:
         mode = "async" if threading.current_thread() is self._thread else "sync"
         self._log.info("checkpoint saved", step=step, bytes=record.size, seconds=round(seconds, 4),
                        file=self.path(step), mode=mode)
-        for doomed in self._keep_policy.to_delete(self.present_steps(), self._store.committed_steps()):
-            self._store.delete(doomed)
+        self._store.apply_retention(self._keep_policy)
         self._log_auto_interval()
 
     def load(self, step: int | None = None) -> bool:
@@ -329,14 +328,16 @@ class CheckpointManager:
         An invalid candidate (torn, truncated, corrupt, unloadable) is skipped with a WARNING
         naming its file, and the previous one is tried.
 
-        A checkpoint found corrupt or unloadable is no longer counted by retention as one of the
-        kept ones (so a valid one is not deleted in its place).
+        A checkpoint found corrupt or unloadable is not counted by retention as kept (a valid one is
+        not deleted in its place), nor deleted while newer than the one loaded (:meth:`CommitStore.resumed_from`).
 
         :param step: the step to load; default ``config.load_step`` (-1: newest valid).
         :return: whether a checkpoint was loaded (its step is then in :attr:`loaded_step`).
         :raises RestoreInterrupted: when ``should_stop`` said so before or during a read.
+        :raises NewerCheckpointError: a newer release's commit record is here (exit 78; nothing read).
         """
         wanted = self.config.load_step if step is None else step
+        self._store.refuse_newer_records()
         candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
             if self._should_stop():
@@ -347,7 +348,9 @@ class CheckpointManager:
             for key, obj in self._states.items():
                 obj.load_state_dict(state[key])
             self.loaded_step = self.last_saved_step = candidate
+            self._store.resumed_from(candidate)
             return True
+        self._store.resumed_from(0)
         return False
 
     def _deserialize(self, copy: LocalCopy) -> Any:

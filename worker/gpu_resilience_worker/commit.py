@@ -8,12 +8,9 @@ No atomic rename is assumed (GCS FUSE renames by copy and delete). To commit ste
 2. Stream the data to ``ckpt-{s:08d}.pt`` sequentially (nothing reads it back), flush, fsync and
    close it. The commit record follows only a successful ``close()``: on Cloud Storage FUSE the
    object is created, and an upload error reported, at close.
-3. Write the commit record ``ckpt-{s:08d}.commit.json`` = ``{step, size, digest, sha256,
-   chunk_bytes, chunks, created_at}`` last, through a temporary name, fsync and rename. ``chunks``
-   is the data's hash list (the ``digest`` of every ``chunk_bytes`` bytes: ``crc32c`` or ``crc32``
-   for new checkpoints; records without ``digest``, written by earlier versions, mean ``sha256``)
-   and ``sha256`` the sha256 of the concatenated binary chunk digests
-   (:mod:`gpu_resilience_worker.fastio`).
+3. Write the commit record ``ckpt-{s:08d}.commit.json`` last, through a temporary name, fsync
+   and rename: the one-file shape of the schema of :mod:`gpu_resilience_worker.task_folder`
+   (``chunks`` is the data's hash list, ``crc32c`` or ``crc32`` digests for new checkpoints).
 
 A checkpoint exists only when its commit record parses and matches the data's size and every
 chunk's digest. A restore reads the data once: into one private local copy
@@ -21,145 +18,52 @@ chunk's digest. A restore reads the data once: into one private local copy
 copy (:meth:`CommitStore.read_verified`). Anything else (a data file with no record, a truncated or corrupted file, a torn
 or oversized record) is ignored by discovery and skipped, with a warning, on load. Stale files
 (temporary names, data without a record) are removed by :meth:`CommitStore.cleanup_stale`, which
-only a writer calls; reading a folder never deletes anything.
+only a writer calls; reading a folder never deletes anything. A record a newer release wrote is
+not invalid: reading it raises :class:`~gpu_resilience_worker.errors.NewerCheckpointError` (exit
+78), and a writer refuses the folder before it restores or cleans up anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
 from typing import Any, Callable
 
+from gpu_resilience_worker.errors import NewerCheckpointError
 from gpu_resilience_worker.fastio import (
-    DIGEST_CHUNK, DIGESTS, HEX_CHARS, HashingWriter, LocalCopy, default_digest, file_chunk_digests,
-    root_digest, save_without_crc32, stream_chunk_digests,
+    HashingWriter, LocalCopy, default_digest, file_chunk_digests, save_without_crc32, stream_chunk_digests,
 )
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.policies import KeepLatestN
 from gpu_resilience_worker.storage import Storage
-
-DATA = "data"
-COMMIT = "commit"
-_SUFFIX = {DATA: ".pt", COMMIT: ".commit.json"}
-#: Smallest ``chunk_bytes`` a commit record may carry, in bytes (one 4 KiB page): bounds the
-#: work and memory a record asks of the verifier.
-MIN_CHUNK_BYTES = 4096
-#: Largest commit record read, in bytes (8 MiB: the hash list of about 7 TiB of data in 64 MiB
-#: chunks). A larger one is invalid, like a torn one, and is never read whole.
-MAX_RECORD_BYTES = 8 << 20
-_NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_HEX = re.compile(r"[0-9a-f]+")
+from gpu_resilience_worker.task_folder import (  # noqa: F401 - re-exported: the layout's names
+    COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, NewerRecordError, ParsedName,
+    parse_record,
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class ParsedName:
-    """A parsed checkpoint file name.
+def read_record(storage: Storage, path: str) -> CommitRecord:
+    """Read and parse the commit record at ``path`` (at most :data:`MAX_RECORD_BYTES` of it).
 
-    :param step: the optimizer step of the checkpoint.
-    :param kind: :data:`DATA` or :data:`COMMIT`.
-    :param temporary: whether the name carries the ``.tmp`` suffix of an unfinished write.
+    :param storage: where it is.
+    :param path: the record's path.
+    :return: the record (either shape, see :mod:`gpu_resilience_worker.task_folder`).
+    :raises FileNotFoundError: when it is missing. :raises OSError: when it is unreadable.
+    :raises ValueError: when it is torn, malformed or larger than :data:`MAX_RECORD_BYTES`.
+    :raises NewerCheckpointError: when a newer release wrote it (exit 78: nothing may be deleted).
     """
-
-    step: int
-    kind: str
-    temporary: bool = False
-
-
-class CheckpointName:
-    """Builds and parses checkpoint file names with one anchored regex."""
-
-    @staticmethod
-    def build(step: int, kind: str = DATA) -> str:
-        """:return: ``ckpt-{step:08d}.pt`` for data, ``ckpt-{step:08d}.commit.json`` for a record.
-
-        :param step: a non-negative step.
-        :param kind: :data:`DATA` or :data:`COMMIT`.
-        :raises ValueError: for a negative or non-int step, or another kind.
-        """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if kind not in _SUFFIX:
-            raise ValueError(f"kind must be {DATA!r} or {COMMIT!r}, got {kind!r}")
-        return f"ckpt-{step:08d}{_SUFFIX[kind]}"
-
-    @staticmethod
-    def parse(name: str) -> ParsedName | None:
-        """:return: the parsed name, or ``None`` when ``name`` is not a checkpoint file name."""
-        match = _NAME_RE.match(name)
-        if match is None:
-            return None
-        kind = DATA if match.group("suffix") == ".pt" else COMMIT
-        return ParsedName(int(match.group("step")), kind, match.group("tmp") is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitRecord:
-    """The record that commits one checkpoint.
-
-    :param step: the step of the checkpoint.
-    :param size: size of the data file, in bytes.
-    :param sha256: hex sha256 of the concatenated binary ``chunks`` digests.
-    :param created_at: RFC 3339 UTC time of the commit.
-    :param chunk_bytes: bytes per entry of ``chunks`` (the last chunk may be shorter).
-    :param chunks: hex ``digest`` of every ``chunk_bytes`` bytes of the data file, in order.
-    :param digest: the chunk digest, one of :data:`~gpu_resilience_worker.fastio.DIGESTS`;
-        default ``sha256`` (what a record without the field means).
-    """
-
-    step: int
-    size: int
-    sha256: str
-    created_at: str
-    chunk_bytes: int
-    chunks: tuple[str, ...]
-    digest: str = "sha256"
-
-    @classmethod
-    def of_chunks(cls, step: int, size: int, chunks: list[str], created_at: str,
-                  chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> CommitRecord:
-        """:return: the record of a data file of ``size`` bytes with hash list ``chunks``."""
-        return cls(step, size, root_digest(chunks), created_at, chunk_bytes, tuple(chunks), digest)
-
-    def to_bytes(self) -> bytes:
-        """:return: the record as JSON bytes (a sha256 record without the ``digest`` field, as
-        earlier versions wrote it)."""
-        obj = {**dataclasses.asdict(self), "chunks": list(self.chunks)}
-        if self.digest == "sha256":
-            del obj["digest"]
-        return json.dumps(obj, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> CommitRecord:
-        """Parse and validate a record.
-
-        :raises ValueError: when it is torn or malformed, or its hash list does not cover
-            ``size`` or does not hash to ``sha256``.
-        """
-        try:
-            obj = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"commit record is not valid JSON: {exc!r}"[:200]) from None
-        if not isinstance(obj, dict):
-            raise ValueError("commit record is not a JSON object")
-        step, size, digest = obj.get("step"), obj.get("size"), obj.get("sha256")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, size)):
-            raise ValueError("commit record has no valid step or size")
-        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-            raise ValueError("commit record has no valid sha256")
-        chunk_bytes, chunks, kind = obj.get("chunk_bytes"), obj.get("chunks"), obj.get("digest", "sha256")
-        if kind not in DIGESTS:
-            raise ValueError(f"commit record's digest must be one of {DIGESTS}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < MIN_CHUNK_BYTES:
-            raise ValueError(f"commit record has no valid chunk_bytes (an int >= {MIN_CHUNK_BYTES})")
-        if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes):
-            raise ValueError(f"commit record's hash list does not cover {size} bytes")
-        width = HEX_CHARS[kind]
-        if not all(isinstance(c, str) and len(c) == width and _HEX.fullmatch(c) for c in chunks):
-            raise ValueError("commit record's hash list has an invalid digest")
-        if root_digest(chunks) != digest:
-            raise ValueError("commit record's sha256 does not match its hash list")
-        return cls(step, size, digest, str(obj.get("created_at", "")), chunk_bytes, tuple(chunks), kind)
+    parts, left = [], MAX_RECORD_BYTES + 1
+    with storage.open_read(path) as handle:
+        while left > 0:
+            part = handle.read(min(left, 1 << 20))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+    if left <= 0:
+        raise ValueError(f"commit record is larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        return parse_record(b"".join(parts))
+    except NewerRecordError as exc:
+        raise NewerCheckpointError(path, exc.format, exc.digest, exc.describe()) from None
 
 
 class CommitStore:
@@ -181,6 +85,9 @@ class CommitStore:
         self._invalid: dict[int, str] = {}
         #: the chunk digest of the checkpoints this store writes (see :func:`default_digest`)
         self.digest = default_digest()
+        #: steps retention leaves alone: newer than the one resumed from and there at the restore
+        #: (:meth:`resumed_from`), or a newer release's; until this process rewrites them
+        self._protected: set[int] = set()
 
     def path(self, step: int, kind: str = DATA) -> str:
         """:return: the path of the data file or commit record of ``step``."""
@@ -196,30 +103,40 @@ class CommitStore:
                 steps.add(parsed.step)
         return sorted(steps, reverse=True)
 
-    def _read_record_bytes(self, step: int) -> bytes:
-        parts, left = [], MAX_RECORD_BYTES + 1
-        with self.storage.open_read(self.path(step, COMMIT)) as handle:
-            while left > 0:
-                part = handle.read(min(left, 1 << 20))
-                if not part:
-                    break
-                parts.append(part)
-                left -= len(part)
-        if left <= 0:
-            raise ValueError(f"commit record is larger than {MAX_RECORD_BYTES} bytes")
-        return b"".join(parts)
-
     def record(self, step: int) -> tuple[CommitRecord | None, str]:
-        """:return: ``(record, "")``, or ``(None, reason)`` when it is missing or invalid."""
+        """:return: ``(record, "")``, or ``(None, reason)`` when it is missing or invalid.
+
+        :raises NewerCheckpointError: when a newer release wrote it (not an invalid record).
+        """
         try:
-            record = CommitRecord.from_bytes(self._read_record_bytes(step))
+            record = read_record(self.storage, self.path(step, COMMIT))
         except FileNotFoundError:
             return None, "no commit record (uncommitted)"
         except (OSError, ValueError) as exc:
             return None, f"unreadable commit record: {exc}"
+        if record.name is not None:
+            return None, f"commit record is a folder's ({record.name}), not a one-file checkpoint's"
         if record.step != step:
             return None, f"commit record is for step {record.step}"
         return record, ""
+
+    def newer_record(self) -> NewerCheckpointError | None:
+        """:return: the refusal of the newest commit record here that a newer release wrote, or
+        ``None`` (reads every record, never the data)."""
+        for step in self.present_steps(COMMIT):
+            try:
+                self.record(step)
+            except NewerCheckpointError as exc:
+                return exc
+        return None
+
+    def refuse_newer_records(self) -> None:
+        """:raises NewerCheckpointError: when a newer release wrote a commit record here: nothing
+        may be resumed in its place, and nothing deleted (a writer asks before its first
+        restore and before its first clean-up)."""
+        newer = self.newer_record()
+        if newer is not None:
+            raise newer
 
     def is_valid(self, step: int) -> bool:
         """:return: whether ``step`` is committed and verified; data already verified (or
@@ -315,7 +232,11 @@ class CommitStore:
         or unloadable (:meth:`mark_invalid`) do not count."""
         steps = []
         for step in self.present_steps(COMMIT):
-            record, _ = self.record(step)
+            try:
+                record, _ = self.record(step)
+            except NewerCheckpointError:  # appeared since the restore: not ours to count or delete
+                self._protected.add(step)
+                continue
             if record is None or self._invalid.get(step) == record.sha256:
                 continue
             if self._verified.get(step) != record.sha256:
@@ -330,6 +251,27 @@ class CommitStore:
     def valid_steps(self) -> list[int]:
         """:return: the steps of committed, verified checkpoints, newest first."""
         return [s for s in self.present_steps() if self.is_valid(s)]
+
+    def resumed_from(self, step: int) -> None:
+        """Record that this writer restored ``step`` (0: none). The checkpoints newer than it that
+        are here now were skipped by the restore; :meth:`apply_retention` deletes one of them only
+        when this process read it and found it corrupt or unloadable (:meth:`mark_invalid`), never
+        one it could not judge (a record unreadable at the time, a newer release's record). A save
+        of the same step replaces its files as any save does."""
+        self._protected |= {s for s in self.present_steps() if s > step}
+
+    def apply_retention(self, keep: KeepLatestN) -> list[int]:
+        """After a commit, delete (record first, then data) the checkpoints ``keep`` no longer
+        keeps, except the ones :meth:`resumed_from` protects.
+
+        :param keep: the retention policy.
+        :return: the steps deleted, oldest first.
+        """
+        doomed = [s for s in keep.to_delete(self.present_steps(), self.committed_steps())
+                  if s not in self._protected or s in self._invalid]
+        for step in doomed:
+            self.delete(step)
+        return doomed
 
     def write(self, step: int, state: dict[str, Any]) -> CommitRecord:
         """Commit ``state`` as the checkpoint of ``step``: stale record out, data, record.
@@ -392,10 +334,15 @@ class CommitStore:
         """Drop this process's verdicts on ``step`` (its files are gone or being rewritten)."""
         self._verified.pop(step, None)
         self._invalid.pop(step, None)
+        self._protected.discard(step)
 
     def cleanup_stale(self) -> None:
         """Remove leftovers of a killed attempt: temporary files and uncommitted data files.
-        Only a writer calls this (before its first save), never a reader."""
+        Only a writer calls this (before its first save), never a reader.
+
+        :raises NewerCheckpointError: when a newer release wrote a record here (nothing deleted).
+        """
+        self.refuse_newer_records()
         names = set(self.storage.list(self.folder))
         for name in sorted(names):
             parsed = CheckpointName.parse(name)

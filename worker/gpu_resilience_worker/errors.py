@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_DATAERR = 65
@@ -23,12 +25,36 @@ class WorkerError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+        #: further fields of the ``FATAL`` marker (JSON types), beside ``exit_code`` and ``reason``
+        self.marker_fields: dict[str, Any] = {}
 
 
 class ConfigError(WorkerError):
     """Bad configuration (flags or environment): not retryable, exit 78."""
 
     exit_code = EXIT_CONFIG
+
+
+class NewerCheckpointError(ConfigError):
+    """A commit record in the task folder was written by a newer release of the worker: a
+    ``format`` or a chunk ``digest`` this release does not know (as after the image was rolled
+    back). Resuming from an older checkpoint would lose the newer one's work, and retention would
+    then delete it: not retryable, exit 78, and nothing in the folder is deleted. The ``FATAL``
+    marker records ``newer_record`` = ``{file, format, digest}``; a later attempt obeys it only
+    while that record still cannot be read (see :func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
+
+    :param record: the record's path.
+    :param format: its ``format`` when that is the newer part, else ``None``.
+    :param digest: its unknown digest when that is the newer part, else ``None``.
+    :param detail: what is newer, in words (e.g. ``format 99 (this release reads formats up to 1)``).
+    """
+
+    def __init__(self, record: str, format: int | None, digest: str | None, detail: str) -> None:
+        super().__init__(f"commit record {record} has {detail}: a newer release of the worker wrote it (was the "
+                         "image rolled back?); nothing was resumed or deleted. Run a release that reads it, or move "
+                         "that checkpoint out of the folder to resume from an older one")
+        self.record, self.format, self.digest = record, format, digest
+        self.marker_fields = {"newer_record": {"file": record, "format": format, "digest": digest}}
 
 
 class DataError(WorkerError):

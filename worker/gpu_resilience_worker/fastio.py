@@ -23,12 +23,12 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO, Callable
 
+from gpu_resilience_worker.task_folder import DIGEST_CHUNK, DIGESTS, HEX_CHARS, root_digest  # noqa: F401 - re-exported
+
 #: Bytes per write (and per read) of big records, in bytes (8 MiB).
 CHUNK = 8 << 20
 #: Writes shorter than this are buffered and hashed inline, in bytes (1 MiB).
 SMALL_WRITE = 1 << 20
-#: Bytes per digest of a hash list, in bytes (64 MiB): 16 digests for a 1 GiB checkpoint.
-DIGEST_CHUNK = 64 << 20
 #: Threads hashing chunks: the CPU count, at least 2, at most 8.
 HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
 
@@ -62,12 +62,8 @@ def start_hash_threads() -> None:
     _pool()
 
 
-#: Chunk digests a commit record may name: ``sha256`` (the records of earlier versions, which
-#: carry no ``digest`` field), ``crc32c`` (Castagnoli, what Cloud Storage itself checks; computed by
-#: the optional ``google-crc32c`` package) and ``crc32`` (``zlib``, always there).
-DIGESTS = ("sha256", "crc32c", "crc32")
-#: Hex characters of one chunk digest, per algorithm.
-HEX_CHARS = {"sha256": 64, "crc32c": 8, "crc32": 8}
+#: The chunk digests (:data:`~gpu_resilience_worker.task_folder.DIGESTS`): ``sha256``, ``crc32c``
+#: (computed by the optional ``google-crc32c`` package) and ``crc32`` (``zlib``, always there).
 
 
 class _Crc32:
@@ -188,15 +184,6 @@ def new_hasher(digest: str) -> Any:
     if digest == "crc32c":
         return _Crc32c()
     raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
-
-
-def root_digest(chunks: list[str]) -> str:
-    """:return: the sha256 (hex) of the concatenated binary chunk digests of a hash list.
-
-    :param chunks: hex sha256 digests of the chunks, in file order.
-    :raises ValueError: when a digest is not hex.
-    """
-    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
 
 
 def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> list[str]:

@@ -20,11 +20,12 @@ import os
 import stat
 from typing import Sequence
 
-from gpu_resilience_worker.commit import CheckpointName
-from gpu_resilience_worker.errors import EXIT_CANTCREAT, EXIT_IOERR, OutputError, WorkerError
-from gpu_resilience_worker.files import ATTEMPTS, FATAL, METRICS, PROGRESS, read_json, write_json
+from gpu_resilience_worker.commit import CheckpointName, read_record
+from gpu_resilience_worker.errors import EXIT_CANTCREAT, EXIT_IOERR, NewerCheckpointError, OutputError, WorkerError
+from gpu_resilience_worker.files import read_json, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import LocalStorage
+from gpu_resilience_worker.task_folder import ATTEMPTS, FATAL, METRICS, PROGRESS, WRITE_PROBE
 
 
 def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
@@ -94,7 +95,7 @@ def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLog
     kept = False
     if namespace is not None:
         record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
-                  "invocation": called_as}
+                  "invocation": called_as, **error.marker_fields}
         if error.exit_code == EXIT_IOERR:  # a full disk: obeyed until more space is free
             record["free_bytes"] = free_bytes(namespace)
         path = os.path.join(namespace, FATAL)
@@ -111,8 +112,6 @@ def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLog
     return error.exit_code
 
 
-#: The probe file :func:`check_writable` writes and removes.
-WRITE_PROBE = ".write-probe"
 #: The file names the worker writes in a task namespace, besides its checkpoints' names.
 OWN_FILES = (PROGRESS, METRICS, ATTEMPTS, FATAL, WRITE_PROBE)
 
@@ -163,13 +162,35 @@ def check_writable(namespace: str) -> None:
         raise
 
 
+def _newer_record_still_there(newer: object, logger: StructuredLogger) -> bool:
+    """Whether a marker's ``newer_record`` (see :class:`~gpu_resilience_worker.errors.NewerCheckpointError`)
+    still holds: that record is there and still unreadable to this release. It is read again (one
+    small file): a release that reads it, or a folder from which it was moved, goes on.
+
+    :param newer: the marker's ``newer_record`` (anything read from the file; ``None``: no such field).
+    :return: ``True`` when the marker is not one of a newer record, or when the record still refuses.
+    """
+    if not isinstance(newer, dict) or not isinstance(newer.get("file"), str):
+        return True
+    try:
+        read_record(LocalStorage(), newer["file"])
+    except NewerCheckpointError:
+        return True
+    except (OSError, ValueError):
+        pass
+    logger.info("a FATAL marker of a newer release's commit record, which this release reads now or which is gone: "
+                "trying again", file=newer["file"])
+    return False
+
+
 def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict | None = None) -> int | None:
     """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if it applies.
 
     A marker written for another :func:`invocation` (other arguments, or an input file changed
     since) is stale: it is removed with a warning, and ``None`` is returned. So is one of exit 73
-    (the folder is checked again) and one of exit 74 whose folder has more free space now than
-    it recorded (:func:`space_came_back`).
+    (the folder is checked again), one of exit 74 whose folder has more free space now than
+    it recorded (:func:`space_came_back`), and one of a newer release's commit record that this
+    release reads, or that is gone.
     """
     path = os.path.join(namespace, FATAL)
     if not os.path.exists(path):
@@ -190,6 +211,9 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
         # check_writable looks again before any work, in no time: a folder fixed since (a
         # permission granted, a folder in the way removed) must not stay refused by its marker
         logger.info("a FATAL marker of an unwritable checkpoint folder: checking the folder again", file=path)
+        LocalStorage().remove(path)
+        return None
+    if not _newer_record_still_there(record.get("newer_record"), logger):
         LocalStorage().remove(path)
         return None
     if record["exit_code"] == EXIT_IOERR and space_came_back(record.get("free_bytes"), free_bytes(namespace)):

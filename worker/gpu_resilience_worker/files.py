@@ -1,4 +1,7 @@
-"""The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``FATAL``."""
+"""The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``attempts.json``.
+
+Their names are :mod:`gpu_resilience_worker.task_folder`'s (re-exported here).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,7 @@ from typing import Any, Callable, Mapping
 
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import Storage
-
-PROGRESS = "progress.json"
-METRICS = "metrics.json"
-FATAL = "FATAL"
-ATTEMPTS = "attempts.json"
+from gpu_resilience_worker.task_folder import ATTEMPTS, FATAL, METRICS, PROGRESS  # noqa: F401 - re-exported
 #: Fewest seconds between two writes of one file name in the namespace: Cloud Storage accepts
 #: about one mutation per second of one object name.
 MIN_REWRITE_SECONDS = 1.0

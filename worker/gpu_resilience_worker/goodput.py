@@ -38,9 +38,8 @@ from typing import Any, Callable
 
 from gpu_resilience_worker.files import MIN_REWRITE_SECONDS
 from gpu_resilience_worker.storage import Storage
+from gpu_resilience_worker.task_folder import GOODPUT_PREFIX, goodput_file_name  # noqa: F401 - re-exported
 
-#: File name prefix of the goodput events files in the task namespace.
-GOODPUT_PREFIX = "goodput-"
 _IMPORTED_AT = time.time()
 
 
@@ -59,11 +58,6 @@ def process_start_time() -> float:
     except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
     return min(started, _IMPORTED_AT)
-
-
-def goodput_file_name(execution: str, attempt: int) -> str:
-    """:return: ``goodput-{execution}-{attempt}.json`` (``local`` when the execution is unknown)."""
-    return f"{GOODPUT_PREFIX}{execution or 'local'}-{attempt}.json"
 
 
 class GoodputRecorder:

@@ -1,0 +1,353 @@
+"""The task folder's contract: its file names and the one commit-record schema, as pure code.
+
+No I/O and no torch here: what the worker writes in a task folder, and how a reader (the worker
+itself, or the provider, which reads this schema from ``worker/README.md`` and imports nothing
+from the worker) tells a committed checkpoint from anything else.
+
+**Names.** Directly in the task folder:
+
+- ``ckpt-{step:08d}.pt`` and its record ``ckpt-{step:08d}.commit.json``: a one-file checkpoint
+  (the bundled worker, :class:`~gpu_resilience_worker.loop.ResilientLoop`, a
+  :class:`~gpu_resilience_worker.checkpoint.CheckpointManager`);
+- ``<prefix><step><suffix>`` and its record ``<prefix><step><suffix>.commit.json``: a checkpoint a
+  framework wrote, a folder (``checkpoint-<step>/`` of ``transformers.Trainer``) or one file
+  (``step-<step>.ckpt`` of Lightning);
+- :data:`PROGRESS`, :data:`ATTEMPTS`, :data:`METRICS`, the goodput events files
+  (:func:`goodput_file_name`), :data:`FATAL`, and :data:`WRITE_PROBE` for an instant;
+- a name ending :data:`TMP_SUFFIX` is an atomic write not finished (never read).
+
+**The commit record** is a JSON object. ``format`` is the schema's version, an int; a record
+without it means 1. Format 1 has two shapes:
+
+- *one file*: ``{format, step, size, chunk_bytes, chunks, digest, sha256, created_at}``; the data
+  is ``ckpt-{step:08d}.pt``;
+- *folder*: ``{format, step, name, files: [{path, size, chunk_bytes, chunks, digest}], sha256,
+  created_at}``; ``name`` is the checkpoint's (the record is ``name + ".commit.json"``) and every
+  ``path`` is ``name`` itself (one file) or a file under ``name/``, relative to the task folder.
+
+``chunks`` is a file's hash list: the hex ``digest`` of every ``chunk_bytes`` bytes (the last chunk
+shorter); ``digest`` is one of :data:`DIGESTS`, ``sha256`` when absent. ``sha256`` is
+:func:`root_digest` of the hash list (one file), or of the files' own such sha256 values in the
+listed order (folder). A checkpoint is committed when its record parses and every file it lists
+has the recorded size and chunk digests; a file the record does not list is not part of it.
+
+**Why format 1 is what the previous release wrote.** Its records carry no ``format`` field and
+stay readable as they are; the records written now add ``"format": 1`` and nothing else, so that
+release, which ignores unknown fields, still reads them: rolling the image back one release
+loses no checkpoint. A later change of the schema raises :data:`FORMAT`.
+
+**A newer release's record** (a ``format`` above :data:`FORMAT`, or a ``digest`` not in
+:data:`DIGESTS`) is not a torn record: :func:`parse_record` raises :class:`NewerRecordError`. A
+reader must then neither use an older checkpoint in its place nor delete anything: the worker
+exits 78 with a ``FATAL`` marker naming the record (see
+:class:`~gpu_resilience_worker.errors.NewerCheckpointError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any, Iterable
+
+#: The commit-record format this release writes and the newest it reads.
+FORMAT = 1
+RECORD_SUFFIX = ".commit.json"
+DATA_SUFFIX = ".pt"
+TMP_SUFFIX = ".tmp"
+PROGRESS = "progress.json"
+METRICS = "metrics.json"
+ATTEMPTS = "attempts.json"
+FATAL = "FATAL"
+#: The probe file the worker writes and removes to check that the folder is writable.
+WRITE_PROBE = ".write-probe"
+#: File name prefix of the goodput events files.
+GOODPUT_PREFIX = "goodput-"
+#: Chunk digests a record may name: ``sha256`` (what a record without ``digest`` means),
+#: ``crc32c`` (Castagnoli, what Cloud Storage checks) and ``crc32`` (zlib's), each big-endian hex.
+DIGESTS = ("sha256", "crc32c", "crc32")
+#: Hex characters of one chunk digest, per algorithm.
+HEX_CHARS = {"sha256": 64, "crc32c": 8, "crc32": 8}
+#: Bytes per digest of a hash list the worker writes (64 MiB: 16 digests for a 1 GiB file).
+DIGEST_CHUNK = 64 << 20
+#: Smallest ``chunk_bytes`` a record may carry (one 4 KiB page): bounds the work a record asks of
+#: a verifier.
+MIN_CHUNK_BYTES = 4096
+#: Largest record read, in bytes (8 MiB: the hash list of about 7 TiB in 64 MiB chunks); a larger
+#: one is invalid, like a torn one, and is never read whole.
+MAX_RECORD_BYTES = 8 << 20
+#: What a name is in the one-file shape: the data file or the record.
+DATA, COMMIT = "data", "commit"
+_SUFFIX = {DATA: DATA_SUFFIX, COMMIT: RECORD_SUFFIX}
+_NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def goodput_file_name(execution: str, attempt: int) -> str:
+    """:return: ``goodput-{execution}-{attempt}.json`` (``local`` when the execution is unknown)."""
+    return f"{GOODPUT_PREFIX}{execution or 'local'}-{attempt}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedName:
+    """A parsed one-file checkpoint name.
+
+    :param step: the optimizer step of the checkpoint.
+    :param kind: :data:`DATA` or :data:`COMMIT`.
+    :param temporary: whether the name carries the ``.tmp`` suffix of an unfinished write.
+    """
+
+    step: int
+    kind: str
+    temporary: bool = False
+
+
+class CheckpointName:
+    """Builds and parses one-file checkpoint names with one anchored regex."""
+
+    @staticmethod
+    def build(step: int, kind: str = DATA) -> str:
+        """:return: ``ckpt-{step:08d}.pt`` for data, ``ckpt-{step:08d}.commit.json`` for a record.
+
+        :param step: a non-negative step.
+        :param kind: :data:`DATA` or :data:`COMMIT`.
+        :raises ValueError: for a negative or non-int step, or another kind.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if kind not in _SUFFIX:
+            raise ValueError(f"kind must be {DATA!r} or {COMMIT!r}, got {kind!r}")
+        return f"ckpt-{step:08d}{_SUFFIX[kind]}"
+
+    @staticmethod
+    def parse(name: str) -> ParsedName | None:
+        """:return: the parsed name, or ``None`` when ``name`` is not a one-file checkpoint name."""
+        match = _NAME_RE.match(name)
+        if match is None:
+            return None
+        kind = DATA if match.group("suffix") == DATA_SUFFIX else COMMIT
+        return ParsedName(int(match.group("step")), kind, match.group("tmp") is not None)
+
+
+def root_digest(chunks: Iterable[str]) -> str:
+    """:return: the sha256 (hex) of the concatenated binary digests ``chunks`` (hex, in order).
+
+    :raises ValueError: when a digest is not hex.
+    """
+    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
+
+
+class NewerRecordError(Exception):
+    """A commit record written by a newer release: a ``format`` above :data:`FORMAT`, or a chunk
+    ``digest`` not in :data:`DIGESTS`. Not a torn record (deliberately not a ``ValueError``).
+
+    :param format: the record's ``format`` when it is newer, else ``None``.
+    :param digest: the unknown digest, else ``None``.
+    """
+
+    def __init__(self, format: int | None = None, digest: str | None = None) -> None:
+        self.format, self.digest = format, digest
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        """:return: e.g. ``format 99 (this release reads formats up to 1)``."""
+        if self.format is not None:
+            return f"format {self.format} (this release reads formats up to {FORMAT})"
+        return f"digest {self.digest!r} (this release knows {', '.join(DIGESTS)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One file a commit record commits.
+
+    :param path: the file, relative to the task folder.
+    :param size: its size, in bytes.
+    :param chunk_bytes: bytes per entry of ``chunks`` (>= :data:`MIN_CHUNK_BYTES`).
+    :param chunks: the hex ``digest`` of every ``chunk_bytes`` bytes, in order.
+    :param digest: one of :data:`DIGESTS`; default ``sha256``.
+    """
+
+    path: str
+    size: int
+    chunk_bytes: int
+    chunks: tuple[str, ...]
+    digest: str = "sha256"
+
+    @property
+    def sha256(self) -> str:
+        """:func:`root_digest` of :attr:`chunks`."""
+        return root_digest(self.chunks)
+
+    def fields(self) -> dict[str, Any]:
+        """:return: the entry's JSON fields (no ``path``; no ``digest`` when it is ``sha256``)."""
+        obj: dict[str, Any] = {"size": self.size, "chunk_bytes": self.chunk_bytes, "chunks": list(self.chunks)}
+        if self.digest != "sha256":
+            obj["digest"] = self.digest
+        return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """A commit record, in either shape (see the module docs).
+
+    :param step: the checkpoint's step.
+    :param files: the files it commits (one for the one-file shape).
+    :param sha256: the record's root digest.
+    :param created_at: RFC 3339 UTC time of the commit (``""`` when the record has none).
+    :param name: the checkpoint's name in the folder shape; ``None`` in the one-file shape.
+    :param format: the schema's version; default :data:`FORMAT`.
+    """
+
+    step: int
+    files: tuple[FileEntry, ...]
+    sha256: str
+    created_at: str = ""
+    name: str | None = None
+    format: int = FORMAT
+
+    @classmethod
+    def of_chunks(cls, step: int, size: int, chunks: list[str], created_at: str,
+                  chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> CommitRecord:
+        """:return: the one-file record of ``ckpt-{step:08d}.pt`` of ``size`` bytes, hash list ``chunks``."""
+        entry = FileEntry(CheckpointName.build(step, DATA), size, chunk_bytes, tuple(chunks), digest)
+        return cls(step, (entry,), entry.sha256, created_at)
+
+    @classmethod
+    def of_files(cls, step: int, name: str, files: Iterable[FileEntry], created_at: str) -> CommitRecord:
+        """:return: the folder-shape record of checkpoint ``name`` made of ``files``."""
+        files = tuple(files)
+        return cls(step, files, root_digest(f.sha256 for f in files), created_at, name)
+
+    @property
+    def size(self) -> int:
+        """Bytes of all its files."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def data(self) -> FileEntry:
+        """The one file of a one-file record (its first file in the folder shape)."""
+        return self.files[0]
+
+    @property
+    def chunk_bytes(self) -> int:
+        """:attr:`FileEntry.chunk_bytes` of :attr:`data`."""
+        return self.data.chunk_bytes
+
+    @property
+    def chunks(self) -> tuple[str, ...]:
+        """:attr:`FileEntry.chunks` of :attr:`data`."""
+        return self.data.chunks
+
+    @property
+    def digest(self) -> str:
+        """:attr:`FileEntry.digest` of :attr:`data`."""
+        return self.data.digest
+
+    def to_bytes(self) -> bytes:
+        """:return: the record as JSON bytes (keys sorted)."""
+        obj: dict[str, Any] = {"format": self.format, "step": self.step, "sha256": self.sha256,
+                               "created_at": self.created_at}
+        if self.name is None:
+            obj.update(self.data.fields())
+        else:
+            obj.update(name=self.name, files=[{"path": f.path, **f.fields()} for f in self.files])
+        return json.dumps(obj, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> CommitRecord:
+        """:func:`parse_record`."""
+        return parse_record(raw)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_digests(obj: dict[str, Any]) -> None:
+    """Raise :class:`NewerRecordError` for a newer ``format`` or an unknown ``digest`` name,
+    ``ValueError`` for a ``format`` or ``digest`` of the wrong type."""
+    version = obj.get("format", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError("commit record has no valid format (an int >= 1)")
+    if version > FORMAT:
+        raise NewerRecordError(format=version)
+    files = obj.get("files")
+    holders = [f for f in files if isinstance(f, dict)] if isinstance(files, list) else [obj]
+    for holder in holders:
+        kind = holder.get("digest", "sha256")
+        if not isinstance(kind, str):
+            raise ValueError(f"commit record's digest must be one of {DIGESTS}")
+        if kind not in DIGESTS:
+            raise NewerRecordError(digest=kind)
+
+
+def _file_entry(obj: Any, path: str) -> FileEntry:
+    """:return: the validated entry of ``obj``'s ``size``, ``chunk_bytes``, ``chunks``, ``digest``."""
+    if not isinstance(obj, dict):
+        raise ValueError("commit record's files must be JSON objects")
+    size, chunk_bytes, chunks, kind = obj.get("size"), obj.get("chunk_bytes"), obj.get("chunks"), obj.get("digest", "sha256")
+    if not _count(size):
+        raise ValueError("commit record has no valid step or size")
+    if not _count(chunk_bytes) or chunk_bytes < MIN_CHUNK_BYTES:
+        raise ValueError(f"commit record has no valid chunk_bytes (an int >= {MIN_CHUNK_BYTES})")
+    if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes):
+        raise ValueError(f"commit record's hash list does not cover {size} bytes")
+    width = HEX_CHARS[kind]
+    if not all(isinstance(c, str) and len(c) == width and _HEX.fullmatch(c) for c in chunks):
+        raise ValueError("commit record's hash list has an invalid digest")
+    return FileEntry(path, size, chunk_bytes, tuple(chunks), kind)
+
+
+def _folder_files(name: Any, files: Any) -> tuple[FileEntry, ...]:
+    """:return: the validated entries of a folder-shape record's ``files``."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError("commit record has no valid name")
+    if not isinstance(files, list) or not files:
+        raise ValueError("commit record lists no file")
+    entries = []
+    for item in files:
+        path = item.get("path") if isinstance(item, dict) else None
+        if not isinstance(path, str) or not (path == name or path.startswith(name + "/")) \
+                or any(part in ("", ".", "..") for part in path.split("/")):
+            raise ValueError("commit record names a file outside its checkpoint")
+        entries.append(_file_entry(item, path))
+    if len({e.path for e in entries}) != len(entries):
+        raise ValueError("commit record lists a file twice")
+    return tuple(entries)
+
+
+def parse_record(raw: bytes) -> CommitRecord:
+    """Parse and validate a commit record of either shape and any known format.
+
+    :param raw: the record's bytes (a reader reads at most :data:`MAX_RECORD_BYTES` + 1 of them).
+    :return: the record.
+    :raises NewerRecordError: a newer release's record (a ``format`` above :data:`FORMAT`, or an
+        unknown ``digest``): not to be used, skipped past or deleted.
+    :raises ValueError: a torn or malformed record, or one whose hash lists do not cover their
+        sizes or do not hash to its ``sha256``.
+    """
+    try:
+        obj = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"commit record is not valid JSON: {exc!r}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise ValueError("commit record is not a JSON object")
+    _check_digests(obj)
+    step, digest = obj.get("step"), obj.get("sha256")
+    if not _count(step) or ("files" not in obj and not _count(obj.get("size"))):
+        raise ValueError("commit record has no valid step or size")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise ValueError("commit record has no valid sha256")
+    name = None
+    if "files" in obj:
+        name = obj.get("name")
+        files = _folder_files(name, obj.get("files"))
+        root = root_digest(f.sha256 for f in files)
+    else:
+        files = (_file_entry(obj, CheckpointName.build(step, DATA)),)
+        root = files[0].sha256
+    if root != digest:
+        raise ValueError("commit record's sha256 does not match its hash list")
+    return CommitRecord(step, files, digest, str(obj.get("created_at", "")), name, obj.get("format", 1))
