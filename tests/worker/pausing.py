@@ -5,13 +5,17 @@
 the data file is), ``WORKER_TEST_PAUSE_MID_WRITE_SECONDS`` (write half of each data file, log
 ``checkpoint data half written``, sleep with the file still open, then write the rest) and
 ``WORKER_TEST_PAUSE_MID_READ_SECONDS`` (each read of a data file's second half sleeps first, the
-first of them after logging ``checkpoint data half read``: a slow restore, for a SIGTERM during it).
+first of them after logging ``checkpoint data half read``: a slow restore, for a SIGTERM during it)
+and ``WORKER_TEST_PAUSE_WHEN_FULL_SECONDS`` (a data file write that fails with ENOSPC keeps the file
+open, the disk full, until a write of ``progress.json`` has been tried, at most that many seconds).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import threading
 import time
 from typing import BinaryIO, Mapping
 
@@ -28,13 +32,17 @@ class PausingStorage(LocalStorage):
     :param mid_read_s: seconds to sleep before each read of the second half of a ``.pt`` data
         file (a read is at most 8 MiB in a restore); default 0.
     :param logger: where ``checkpoint data half written`` (and ``half read``) goes; default stdout.
+    :param when_full_s: the longest hold of a full disk by a data file write that failed with ENOSPC
+        (its file still open) until a ``progress.json`` write has been tried; default 0 (none).
     """
 
     def __init__(self, before_commit_s: float = 0.0, mid_write_s: float = 0.0,
-                 logger: StructuredLogger | None = None, mid_read_s: float = 0.0) -> None:
-        if before_commit_s < 0 or mid_write_s < 0 or mid_read_s < 0:
+                 logger: StructuredLogger | None = None, mid_read_s: float = 0.0, when_full_s: float = 0.0) -> None:
+        if before_commit_s < 0 or mid_write_s < 0 or mid_read_s < 0 or when_full_s < 0:
             raise ValueError("pauses must be >= 0 seconds")
         self.before_commit_s, self.mid_write_s, self.mid_read_s = before_commit_s, mid_write_s, mid_read_s
+        self.when_full_s = when_full_s
+        self._progress_tried = threading.Event()
         self._log = logger or StructuredLogger()
 
     @classmethod
@@ -42,7 +50,8 @@ class PausingStorage(LocalStorage):
         """:return: the storage with the pauses of the ``WORKER_TEST_PAUSE_*`` variables."""
         return cls(float(env.get("WORKER_TEST_PAUSE_BEFORE_COMMIT_SECONDS", "0") or 0),
                    float(env.get("WORKER_TEST_PAUSE_MID_WRITE_SECONDS", "0") or 0),
-                   mid_read_s=float(env.get("WORKER_TEST_PAUSE_MID_READ_SECONDS", "0") or 0))
+                   mid_read_s=float(env.get("WORKER_TEST_PAUSE_MID_READ_SECONDS", "0") or 0),
+                   when_full_s=float(env.get("WORKER_TEST_PAUSE_WHEN_FULL_SECONDS", "0") or 0))
 
     def open_read(self, path: str) -> BinaryIO:
         """Open like :class:`LocalStorage`; a data file's reader pauses in its second half."""
@@ -61,7 +70,34 @@ class PausingStorage(LocalStorage):
                 data(buffer)  # type: ignore[arg-type]
                 data = buffer.getvalue()
             data = self._in_two_halves(path, bytes(data))
-        super().write(path, data, atomic=atomic)
+        if self.when_full_s and path.endswith(".pt"):
+            data = self._holding_when_full(path, data)
+        try:
+            super().write(path, data, atomic=atomic)
+        finally:
+            if path.endswith("progress.json"):
+                self._progress_tried.set()
+
+    def _holding_when_full(self, path: str, data):
+        """:return: a function writing ``data`` into the open file that, when a write fails with
+        ENOSPC, keeps the file open (the disk full) until a ``progress.json`` write was tried (at
+        most :attr:`when_full_s`), logging ``disk kept full``, then raises the error."""
+        def write(handle) -> None:
+            try:
+                if callable(data):
+                    data(handle)
+                else:
+                    view = memoryview(data)
+                    while view.nbytes:
+                        view = view[handle.write(view):]
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    self._progress_tried.clear()  # from now on the disk is full
+                    tried = self._progress_tried.wait(self.when_full_s)
+                    self._log.debug("disk kept full", file=path, progress_write_tried=tried)
+                raise
+
+        return write
 
     def _in_two_halves(self, path: str, data: bytes):
         """:return: a function writing ``data`` into the open file in two halves, logging

@@ -70,3 +70,40 @@ def test_progress_keeps_the_highest_step_of_every_attempt(tmp_path):
     assert highest_reported_step(record) == 20
     assert highest_reported_step({"step": 7}) == 7  # a file written before the field existed
     assert highest_reported_step({"step": True, "high_water_step": -1}) is None
+
+
+class FullStorage(LocalStorage):
+    """Every write fails with ENOSPC, as on a full disk; counts the tries."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def write(self, path, data, *, atomic=False):
+        self.tries += 1
+        raise OSError(28, "No space left on device", path)
+
+
+def test_progress_and_goodput_writes_on_a_full_disk_are_logged_once_and_tolerated(tmp_path):
+    """``progress.json`` and the goodput events file are advisory: a write that fails (ENOSPC) does
+    not raise (it ended the attempt with exit 1 before the third failed save could end it with 74),
+    is logged once per file, and still counts for the once-a-second rate (no retry every step)."""
+    from gpu_resilience_worker.files import ProgressReporter
+    from gpu_resilience_worker.logs import StructuredLogger
+
+    out = io.StringIO()
+    log, storage = StructuredLogger(out), FullStorage()
+    clock = iter(x * 0.25 for x in range(10_000)).__next__  # 4 calls a second
+    progress = ProgressReporter(storage, str(tmp_path), 100, 0, log, clock=clock)
+    written = [progress.update(step, 0.5) for step in range(1, 41)]
+    goodput = GoodputRecorder(storage, str(tmp_path), "job-x", 0, 1, logger=log)
+    goodput.restore(1.0, 2.0, 0, 0)
+    for _ in range(40):
+        goodput.step(0.001)
+    goodput.end("failed")
+    assert not any(written)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    warnings = [r for r in records if r["severity"] == "WARNING"]
+    assert sorted(r["file"].rsplit("/", 1)[-1] for r in warnings) == ["goodput-job-x-1.json", "progress.json"]
+    assert all("No space left on device" in r["error"] for r in warnings)
+    assert storage.tries <= 2 + 40 // 4 + 2  # a try a second at most, not one a step
+    assert list(tmp_path.iterdir()) == []

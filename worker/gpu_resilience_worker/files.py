@@ -1,6 +1,8 @@
 """The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``attempts.json``.
 
-Their names are :mod:`gpu_resilience_worker.task_folder`'s (re-exported here).
+Their names are :mod:`gpu_resilience_worker.task_folder`'s (re-exported here). ``progress.json``
+and the goodput events files are advisory (:class:`AdvisoryFile`): a failed write of one is
+logged once and tolerated.
 """
 
 from __future__ import annotations
@@ -18,9 +20,42 @@ from gpu_resilience_worker.task_folder import ATTEMPTS, FATAL, METRICS, PROGRESS
 MIN_REWRITE_SECONDS = 1.0
 
 
+def json_bytes(obj: dict[str, Any]) -> bytes:
+    """:return: ``obj`` as the namespace's JSON files hold it (keys sorted, one per line)."""
+    return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
+
+
 def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
     """Write ``obj`` as JSON through a temp file, fsync and rename."""
-    storage.write(path, (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode(), atomic=True)
+    storage.write(path, json_bytes(obj), atomic=True)
+
+
+class AdvisoryFile:
+    """A file of the namespace that no run depends on (``progress.json``, a goodput events file):
+    a write that fails with an ``OSError`` (a full disk: ENOSPC, EDQUOT; a mount's EIO) is logged
+    at WARNING once for this file, not at every step, and tolerated. On a full disk the checkpoint
+    saves' rule then decides (three failed in a row: exit 74), not a progress write.
+
+    :param storage: the storage backend.
+    :param path: the file's path.
+    :param logger: where the one warning goes; ``None``: nowhere.
+    """
+
+    def __init__(self, storage: Storage, path: str, logger: StructuredLogger | None) -> None:
+        self.storage, self.path, self._log = storage, path, logger
+        self.failures = 0
+
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` through a temporary name (atomically). :return: whether it was written."""
+        try:
+            self.storage.write(self.path, data, atomic=True)
+        except OSError as exc:
+            self.failures += 1
+            if self.failures == 1 and self._log is not None:
+                self._log.warning(f"could not write {os.path.basename(self.path)}; going on without it (logged once)",
+                                  file=self.path, error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
 
 
 def read_json(storage: Storage, path: str) -> dict[str, Any] | None:
@@ -61,7 +96,7 @@ class ProgressReporter:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         high_water_step: int = 0,
     ) -> None:
-        self._storage, self._path = storage, os.path.join(namespace, PROGRESS)
+        self._file = AdvisoryFile(storage, os.path.join(namespace, PROGRESS), logger)
         self.total_steps, self.start_step = total_steps, start_step
         self.high_water_step = max(high_water_step, start_step)
         self._log, self._clock, self._sleep = logger, clock, sleep
@@ -79,7 +114,8 @@ class ProgressReporter:
         :param force: write regardless of ``min_interval`` (still never within 1 s of the last).
         :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to
             pass; default 1 (always wait).
-        :return: whether the file was written.
+        :return: whether the file was written (a failed write is logged once and tolerated, see
+            :class:`AdvisoryFile`, and counts as a write for the rate).
         """
         now = self._clock()
         since = now - self._last_write
@@ -101,7 +137,7 @@ class ProgressReporter:
             "step": step, "total_steps": self.total_steps, "status": status, "updated_at": utc_now(),
             "loss": loss, "steps_per_second": round(rate, 3), "high_water_step": self.high_water_step,
         }
-        write_json(self._storage, self._path, record)
+        written = self._file.write(json_bytes(record))
         self._last_write = self._clock()
         if force or now - self._last_log >= self._log_interval:
             self._last_log = now
@@ -109,7 +145,7 @@ class ProgressReporter:
             self._log.info(f"progress: step {step}/{self.total_steps}", step=step,
                            total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
                            eta_seconds=eta_s, status=status)
-        return True
+        return written
 
 
 def highest_reported_step(previous: Mapping[str, Any]) -> int | None:

@@ -36,7 +36,8 @@ import os
 import time
 from typing import Any, Callable
 
-from gpu_resilience_worker.files import MIN_REWRITE_SECONDS
+from gpu_resilience_worker.files import MIN_REWRITE_SECONDS, AdvisoryFile
+from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import GOODPUT_PREFIX, goodput_file_name  # noqa: F401 - re-exported
 
@@ -70,12 +71,15 @@ class GoodputRecorder:
     :param attempt: ``CLOUD_RUN_TASK_ATTEMPT``.
     :param clock: wall clock, epoch seconds (default ``time.time``).
     :param min_interval: seconds between writes (default 1; never less than 1).
+    :param logger: where a failed write is logged, once (:class:`~gpu_resilience_worker.files.AdvisoryFile`);
+        default nowhere.
     """
 
     def __init__(self, storage: Storage, namespace: str, execution: str, task_index: int, attempt: int, *,
-                 clock: Callable[[], float] = time.time, min_interval: float = MIN_REWRITE_SECONDS) -> None:
-        self._storage, self._clock = storage, clock
-        self._path = os.path.join(namespace, goodput_file_name(execution, attempt))
+                 clock: Callable[[], float] = time.time, min_interval: float = MIN_REWRITE_SECONDS,
+                 logger: StructuredLogger | None = None) -> None:
+        self._clock = clock
+        self._file = AdvisoryFile(storage, os.path.join(namespace, goodput_file_name(execution, attempt)), logger)
         self._min_interval = max(min_interval, MIN_REWRITE_SECONDS)
         self._last_write = float("-inf")
         self._step_time = 0.0
@@ -89,7 +93,7 @@ class GoodputRecorder:
     @property
     def path(self) -> str:
         """The events file's path."""
-        return self._path
+        return self._file.path
 
     def restore(self, started: float, ended: float, resumed_from_step: int, steps_recomputed: int) -> None:
         """Record the checkpoint load (epoch seconds) and what it resumed from; written at once."""
@@ -128,7 +132,8 @@ class GoodputRecorder:
     def flush(self, force: bool = True) -> bool:
         """Write the file if due (``force``: now, after sleeping out the rest of the 1 s if needed).
 
-        Never raises: an unwritable events file costs the account, never the training.
+        Never raises: an unwritable events file costs the account, never the training (a failed
+        write is logged once, and counts as a write for the rate).
 
         :return: whether it was written.
         """
@@ -138,9 +143,6 @@ class GoodputRecorder:
                 return False
             time.sleep(max(0.0, MIN_REWRITE_SECONDS - since))
         self.record["updated_at"] = round(self._clock(), 3)
-        try:
-            self._storage.write(self._path, (json.dumps(self.record, sort_keys=True) + "\n").encode(), atomic=True)
-        except OSError:
-            return False
+        written = self._file.write((json.dumps(self.record, sort_keys=True) + "\n").encode())
         self._last_write = time.monotonic()
-        return True
+        return written

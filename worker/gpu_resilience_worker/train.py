@@ -125,7 +125,7 @@ class Trainer:
         self._failed_total = 0
         identity = config.identity
         self.goodput = GoodputRecorder(self._storage, config.namespace, identity.execution,
-                                       identity.task_index, identity.task_attempt)
+                                       identity.task_index, identity.task_attempt, logger=logger)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.config.namespace, name)
