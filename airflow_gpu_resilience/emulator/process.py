@@ -8,7 +8,7 @@ Example::
         # or gRPC, the clients' default transport:
         jobs = run_v2.JobsClient(transport=JobsGrpcTransport(channel=grpc.insecure_channel(emu.grpc_endpoint)))
         os.environ["STORAGE_EMULATOR_HOST"] = emu.gcs_endpoint
-        os.environ[EMULATOR_HOST_ENV] = emu.grpc_endpoint  # the provider's hooks then use gRPC
+        os.environ["CLOUD_RUN_EMULATOR_HOST"] = emu.grpc_endpoint  # the provider's hook then uses gRPC
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ from typing import Optional
 
 from ..mount_options import mount_key, parse_mount_options
 from .gcs import bucket_path
-
-#: The variable naming the emulator's gRPC server (``host:port``), after Google's
-#: ``*_EMULATOR_HOST`` convention: clients that honour it (this project's Cloud Run hook) open an
-#: insecure channel there with anonymous credentials.
-EMULATOR_HOST_ENV = "CLOUD_RUN_EMULATOR_HOST"
 
 #: Environment that keeps google-auth from probing a metadata server (nothing local reaches
 #: Google Cloud): set it in processes whose Google clients talk to the emulators.
