@@ -39,11 +39,12 @@ FAILURES: list = []
 
 
 class EmulatorCloudRunHook(CloudRunHook):
-    """The google provider's ``CloudRunHook`` with only its endpoint pointed at the emulator.
+    """The google provider's ``CloudRunHook`` with only its endpoint pointed at the emulator's
+    REST server, for the REST runs.
 
-    The emulator serves REST only, so the transport is ``rest`` whatever the operator asks
-    (``CloudRunCreateJobOperator`` and ``CloudRunDeleteJobOperator`` pass none, which would
-    pick gRPC). Everything else (credentials from the connection, requests, operations) is the
+    The endpoint is a plain ``http://`` one, so the transport is ``rest`` whatever the operator
+    asks (``CloudRunCreateJobOperator`` and ``CloudRunDeleteJobOperator`` pass none, which would
+    pick gRPC, and gRPC through this hook would open TLS). Everything else (credentials from the connection, requests, operations) is the
     provider's own code. :attr:`endpoint` is set by the test.
     """
 
