@@ -24,7 +24,8 @@ The public names:
   (``FATAL``), :func:`write_json` / :func:`read_json`;
 - logs and exits: :class:`StructuredLogger`, :func:`exit_now`, :data:`EXIT_PREEMPTED` and the
   :class:`WorkerError` family (:class:`ConfigError` 78, :class:`DataError` 65,
-  :class:`DivergedError` 70, :class:`OutputError` 73, :class:`OutOfSpaceError` 74), and
+  :class:`DivergedError` 70, :class:`OutputError` 73, :class:`OutOfSpaceError` 74,
+  :class:`NewerCheckpointError` 78: a newer release's commit record), and
   :class:`SavesFailingError` (too many failed saves in a row, exit 1);
 - the loop: :class:`ResilientLoop`, :func:`run_training`, :class:`TrainState`.
 """
@@ -37,8 +38,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "checkpoint": ("CheckpointManager", "CheckpointSaveError", "RestoreInterrupted", "Stateful"),
     "commit": ("CheckpointName", "CommitRecord", "CommitStore"),
-    "errors": ("EXIT_OK", "EXIT_PREEMPTED", "ConfigError", "DataError", "DivergedError", "OutOfSpaceError",
-               "OutputError", "SavesFailingError", "WorkerError"),
+    "errors": ("EXIT_OK", "EXIT_PREEMPTED", "ConfigError", "DataError", "DivergedError", "NewerCheckpointError",
+               "OutOfSpaceError", "OutputError", "SavesFailingError", "WorkerError"),
     "fatal": ("fatal_marker_code", "write_fatal"),
     "files": ("ATTEMPTS", "FATAL", "METRICS", "PROGRESS", "ProgressReporter", "read_json", "record_attempt",
               "write_json"),
@@ -72,7 +73,8 @@ def __dir__() -> list:
 __all__ = [
     "ATTEMPTS", "AsyncMode", "CheckpointConfig", "CheckpointManager", "CheckpointName",
     "CheckpointSaveError", "CommitRecord", "CommitStore", "ConfigError", "DataError",
-    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS", "OutOfSpaceError",
+    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS", "NewerCheckpointError",
+    "OutOfSpaceError",
     "OutputError", "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop", "RestoreInterrupted",
     "SavesFailingError", "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
     "fatal_marker_code", "ignore_termination_signals", "read_json", "record_attempt",

@@ -16,7 +16,7 @@ What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoin
   callback's files are committed: pass ``enable_checkpointing=False`` unless you want both.
 - **Resume.** :meth:`CommitCheckpoint.latest` returns the newest verified file for ``ckpt_path``
   (a torn or uncommitted newer one is logged and skipped); at ``setup`` the uncommitted ones are
-  deleted. Lightning's checkpoint has no RNG states, so the callback stores them in its own
+  deleted. A record a newer release wrote stops it first (``FATAL``, ``SystemExit(78)``, nothing deleted). Lightning's checkpoint has no RNG states, so the callback stores them in its own
   state (torch CPU and CUDA, Python ``random``, NumPy when imported) and restores them.
   Lightning restarts a plain ``DataLoader`` mid-epoch from its first batch (it warns);
   :class:`ResumableLoader` is a loader that resumes at the next batch, bit-exactly.

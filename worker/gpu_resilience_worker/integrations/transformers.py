@@ -19,7 +19,9 @@ What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoin
   valid record (a torn save of a killed attempt) is deleted, so even Trainer's own
   ``resume_from_checkpoint=True`` only sees committed ones; :meth:`CommitCallback.latest` returns
   the newest verified one (or ``None``) for Trainer's own resume, which restores the weights,
-  optimizer, scheduler, RNG states and the position in the epoch.
+  optimizer, scheduler, RNG states and the position in the epoch. A record a newer release wrote
+  (a newer ``format``, an unknown digest) stops it first: ``FATAL`` in the folder, ``SystemExit(78)``,
+  nothing deleted.
 - **SIGTERM.** The handler only records the signal (no I/O in it). At the next step end: when the
   step is already committed, stop; when a save of the measured duration fits the grace left,
   Trainer saves this step and the callback commits it; otherwise stop without saving. Stopping
