@@ -7,9 +7,12 @@ The worker writes, per task, under ``{prefix}/task-{index}/`` in the checkpoint 
 - ``metrics.json`` (when finished): final metrics with ``attempts`` / ``history``, each entry
   ``{execution, attempt, task_index, resumed_from_step, lost_steps}``;
 - ``attempts.json``: ``{"attempts": [...]}``, the same entries, also for unfinished runs;
-- ``ckpt-{step:08d}.pt`` and its commit record ``ckpt-{step:08d}.commit.json``
-  (``{step, size, sha256, ...}``, written after the data): a checkpoint is committed when its
-  record parses, names its step and the data's size (:meth:`CheckpointFilesHook.committed_steps`).
+- checkpoints and their commit records, written after the data: ``ckpt-{step:08d}.pt`` +
+  ``ckpt-{step:08d}.commit.json`` (the bundled worker, ``ResilientLoop``), or a framework's
+  ``<prefix><step><suffix>`` (a folder or a file) + ``<prefix><step><suffix>.commit.json``. The
+  record schema, with its ``format`` version, is the one ``worker/README.md`` documents ("The task
+  folder's contract"); this module reads it without importing the worker (:func:`record_commits`,
+  :func:`task_checkpoints`, :meth:`CheckpointFilesHook.task_checkpoints`);
 - ``goodput-{execution}-{attempt}.json``: one attempt's goodput events (see
   :mod:`airflow_gpu_resilience.goodput`).
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -172,25 +175,152 @@ def lost_work_entries(task_index: int, data: Any, total_steps: int | None = None
     return result
 
 
-_CHECKPOINT_RE = re.compile(r"^task-(?P<index>\d+)/ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)$")
+#: The commit-record format this reader knows, and the chunk digests a record may name
+#: (``worker/README.md``, "The task folder's contract"). A record that names a greater format or
+#: another digest was written by a newer worker release: :class:`NewerRecord`.
+RECORD_FORMAT = 1
+RECORD_DIGESTS = ("sha256", "crc32c", "crc32")
+RECORD_SUFFIX = ".commit.json"
+_TASK_OBJECT_RE = re.compile(r"^task-(?P<index>\d+)/(?P<name>.+)$")
+_ONE_FILE_RECORD_RE = re.compile(r"^ckpt-(?P<step>\d{8,})\.commit\.json$")
+_LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
 
 
-def committed_record_step(raw: bytes, step: int, data_size: int | None) -> bool:
-    """Whether ``raw`` is a commit record of ``step`` for a data object of ``data_size`` bytes.
+@dataclass(frozen=True)
+class NewerRecord:
+    """A commit record of a newer worker release than the schema this provider reads.
 
-    The provider does not hash the data (that is the worker's job on load): a record that parses,
-    names the step of its file name and the listed data object's size is a committed checkpoint.
+    The worker refuses such a task folder (exit 78, a ``FATAL`` marker naming the record) rather
+    than resume from an older checkpoint and delete the newer one: the task is FATAL, and
+    :meth:`reason` says why.
+
+    :param file: the record's name in the task folder.
+    :param format: its ``format`` when that is newer than :data:`RECORD_FORMAT`, else ``None``.
+    :param digest: its chunk digest when that is not one of :data:`RECORD_DIGESTS`, else ``None``.
+    """
+
+    file: str
+    format: int | None = None
+    digest: str | None = None
+
+    def reason(self, task_index: int) -> str:
+        """:return: one line, e.g. ``task 0: commit record ckpt-00000020.commit.json has format 99, ...``."""
+        what = f"format {self.format}" if self.format is not None else f"digest {self.digest!r}"
+        return (f"task {task_index}: commit record {self.file} has {what}, written by a newer worker release than "
+                "the one that ran (was its image rolled back?); it refuses the folder rather than lose that checkpoint")
+
+
+@dataclass(frozen=True)
+class TaskCheckpoints:
+    """What one task folder's commit records say.
+
+    :param task_index: the task.
+    :param steps: the committed steps, newest first (records whose files are listed with their sizes).
+    :param newer: a newer release's record, when there is one (see :class:`NewerRecord`).
+    """
+
+    task_index: int
+    steps: tuple[int, ...] = ()
+    newer: NewerRecord | None = None
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        return self.steps[0] if self.steps else None
+
+
+def _newer_part(obj: dict[str, Any], name: str) -> NewerRecord | None | bool:
+    """:return: the :class:`NewerRecord` of ``obj`` when a newer release wrote it, ``False`` when its
+    ``format`` or a ``digest`` has the wrong type (malformed), else ``None``."""
+    version = obj.get("format", 1)
+    if _count(version) is None or version < 1:
+        return False
+    if version > RECORD_FORMAT:
+        return NewerRecord(name, format=version)
+    files = obj.get("files")
+    for holder in [e for e in files if isinstance(e, dict)] if isinstance(files, list) else [obj]:
+        digest = holder.get("digest", "sha256")
+        if not isinstance(digest, str):
+            return False
+        if digest not in RECORD_DIGESTS:
+            return NewerRecord(name, digest=digest)
+    return None
+
+
+def _folder_sizes(obj: dict[str, Any], name: str) -> dict[str, int] | None:
+    """:return: path -> size of a folder-shape record named ``name``, ``None`` when malformed."""
+    base, files = obj.get("name"), obj.get("files")
+    if not isinstance(base, str) or not base or "/" in base or name != base + RECORD_SUFFIX:
+        return None
+    sizes: dict[str, int] = {}
+    for entry in files if isinstance(files, list) else []:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        if (not isinstance(path, str) or not (path == base or path.startswith(base + "/")) or path in sizes
+                or any(part in ("", ".", "..") for part in path.split("/")) or _count(entry.get("size")) is None):
+            return None
+        sizes[path] = entry["size"]
+    return sizes or None
+
+
+def record_commits(raw: bytes, name: str) -> tuple[int, dict[str, int]] | NewerRecord | None:
+    """What the commit record ``name`` (directly in a task folder) commits, by the documented schema.
+
+    The provider does not hash data (the worker does, on load): a record that parses, has a format
+    and digests this provider knows, and names the step (and, folder shape, the name) of its own
+    file name commits the files it lists at their sizes.
 
     :param raw: the record's bytes.
-    :param step: the step in the record's object name.
-    :param data_size: the size of ``ckpt-{step}.pt`` as listed, ``None`` when it is missing.
+    :param name: its name in the task folder (``ckpt-{step:08d}.commit.json`` or ``<name>.commit.json``).
+    :return: ``(step, {path relative to the task folder: size in bytes})``; a :class:`NewerRecord`
+        for a newer release's record; ``None`` for a torn, malformed or mismatched one.
     """
     try:
-        record = json.loads(raw)
+        obj = json.loads(raw)
     except (ValueError, RecursionError):
-        return False
-    return (isinstance(record, dict) and record.get("step") == step and data_size is not None
-            and record.get("size") == data_size and isinstance(record.get("sha256"), str))
+        return None
+    if not isinstance(obj, dict):
+        return None
+    newer = _newer_part(obj, name)
+    if newer is not None:
+        return newer or None
+    step = _count(obj.get("step"))
+    if step is None or not isinstance(obj.get("sha256"), str):
+        return None
+    if "files" in obj:
+        sizes = _folder_sizes(obj, name)
+        return None if sizes is None else (step, sizes)
+    match, size = _ONE_FILE_RECORD_RE.match(name), _count(obj.get("size"))
+    if match is None or int(match.group("step")) != step or size is None:
+        return None
+    return step, {f"ckpt-{step:08d}.pt": size}
+
+
+def _by_step(name: str) -> tuple[int, str]:  # the last number in the name, then the name
+    numbers = _LAST_NUMBER_RE.search(name[: -len(RECORD_SUFFIX)])
+    return (int(numbers.group(1)) if numbers else -1, name)
+
+
+def task_checkpoints(task_index: int, listing: dict[str, int],
+                     read: Callable[[str], bytes | None]) -> TaskCheckpoints:
+    """A task folder's committed steps and newer release's record, from its listing.
+
+    Every record directly in the folder is read (a few: the worker keeps the newest
+    ``keep_latest_k``); one counts when every file it lists is listed with its size.
+
+    :param task_index: the task.
+    :param listing: every object of the task folder: name relative to it -> size in bytes.
+    :param read: the bytes of one object by relative name; ``None`` when it is gone.
+    :return: the task's :class:`TaskCheckpoints` (the newer record reported is the newest one).
+    """
+    steps, newer = set(), None
+    for name in sorted((n for n in listing if "/" not in n and n.endswith(RECORD_SUFFIX)), key=_by_step, reverse=True):
+        raw = read(name)
+        found = None if raw is None else record_commits(raw, name)
+        if isinstance(found, NewerRecord):
+            newer = newer or found
+        elif found is not None and all(listing.get(path) == size for path, size in found[1].items()):
+            steps.add(found[0])
+    return TaskCheckpoints(task_index, tuple(sorted(steps, reverse=True)), newer)
 
 
 class CheckpointFilesHook:
@@ -220,60 +350,65 @@ class CheckpointFilesHook:
     def read_json(self, task_index: int, file_name: str) -> Any:
         """The decoded JSON of one task file, or ``None`` if it is missing or unreadable."""
         try:
-            if self._gcs is None:
-                from airflow.providers.google.cloud.hooks.gcs import GCSHook
-
-                self._gcs = GCSHook(**self._gcs_kwargs)
-            raw = self._gcs.download(bucket_name=self.bucket, object_name=self.object_name(task_index, file_name))
+            raw = self._hook().download(bucket_name=self.bucket, object_name=self.object_name(task_index, file_name))
             return json.loads(raw)
         except Exception as exc:  # best effort by contract: progress must never fail the task
             log.debug("Cannot read gs://%s/%s: %s", self.bucket, self.object_name(task_index, file_name), exc)
             return None
 
-    def committed_steps(self, retry: Retry | None = DEFAULT_RETRY) -> dict[int, int] | None:
-        """The newest committed checkpoint step of every task that has one, from one listing.
+    def _hook(self) -> Any:
+        if self._gcs is None:
+            from airflow.providers.google.cloud.hooks.gcs import GCSHook
 
-        Lists ``{prefix}/task-*/ckpt-*`` once and reads, per task, the newest commit record
-        (falling back to older ones when it does not match its data object).
+            self._gcs = GCSHook(**self._gcs_kwargs)
+        return self._gcs
+
+    def task_checkpoints(self, retry: Retry | None = DEFAULT_RETRY) -> dict[int, TaskCheckpoints] | None:
+        """Every task folder's committed steps and newer release's record, from one listing of
+        ``{prefix}/task-*`` and a read of each commit record in it (see :func:`task_checkpoints`).
 
         :param retry: the Storage client's retry of each request (the listing's pages, each
             record): transient errors are retried with backoff until its timeout (default
             ``google.cloud.storage.retry.DEFAULT_RETRY``, the client's own, 120 s); ``None``: none.
-        :return: task index -> step (a task without a committed checkpoint is absent), or
-            ``None`` when the bucket cannot be read.
+        :return: task index -> :class:`TaskCheckpoints` (a task folder without objects is absent),
+            or ``None`` when the bucket cannot be read. A task whose ``newer`` is set was refused
+            by its worker (exit 78): report it as FATAL with ``newer.reason(task_index)``.
         """
         try:
-            if self._gcs is None:
-                from airflow.providers.google.cloud.hooks.gcs import GCSHook
-
-                self._gcs = GCSHook(**self._gcs_kwargs)
-            bucket = self._gcs.get_conn().bucket(self.bucket)
-            sizes: dict[tuple[int, int], int] = {}
-            records: dict[int, list[int]] = {}
+            bucket = self._hook().get_conn().bucket(self.bucket)
+            listings: dict[int, dict[str, int]] = {}
             for blob in bucket.list_blobs(prefix=f"{self.prefix}/task-", retry=retry):
-                match = _CHECKPOINT_RE.match(blob.name[len(self.prefix) + 1:])
-                if match is None:
-                    continue
-                index, step = int(match.group("index")), int(match.group("step"))
-                if match.group("suffix") == ".pt":
-                    sizes[(index, step)] = int(blob.size or 0)
-                else:
-                    records.setdefault(index, []).append(step)
-            steps: dict[int, int] = {}
-            for index, candidates in records.items():
-                for step in sorted(candidates, reverse=True):
+                match = _TASK_OBJECT_RE.match(blob.name[len(self.prefix) + 1:])
+                if match is not None:
+                    listings.setdefault(int(match.group("index")), {})[match.group("name")] = int(blob.size or 0)
+
+            def reader(index: int) -> Callable[[str], bytes | None]:
+                def read(name: str) -> bytes | None:
                     try:
-                        record = bucket.blob(f"{self.prefix}/task-{index}/ckpt-{step:08d}.commit.json")
-                        raw = record.download_as_bytes(retry=retry)
+                        return bucket.blob(self.object_name(index, name)).download_as_bytes(retry=retry)
                     except NotFound:  # pruned by the worker since the listing
-                        continue
-                    if committed_record_step(raw, step, sizes.get((index, step))):
-                        steps[index] = step
-                        break
-            return steps
+                        return None
+                return read
+
+            return {index: task_checkpoints(index, listing, reader(index)) for index, listing in listings.items()}
         except Exception as exc:  # best effort by contract: progress must never fail the task
             log.warning("Cannot list the checkpoints in gs://%s/%s: %s", self.bucket, self.prefix, exc)
             return None
+
+    def committed_steps(self, retry: Retry | None = DEFAULT_RETRY) -> dict[int, int] | None:
+        """The newest committed checkpoint step of every task that has one
+        (:meth:`task_checkpoints`); a newer release's record is logged as a warning.
+
+        :param retry: as for :meth:`task_checkpoints`.
+        :return: task index -> step (tasks without a committed checkpoint absent); ``None`` when unreadable.
+        """
+        tasks = self.task_checkpoints(retry)
+        if tasks is None:
+            return None
+        for index, task in sorted(tasks.items()):
+            if task.newer is not None:
+                log.warning("%s", task.newer.reason(index))
+        return {index: task.steps[0] for index, task in tasks.items() if task.steps}
 
     def progress(self, task_index: int) -> TaskProgress | None:
         """The task's ``progress.json``, or ``None``."""
@@ -300,11 +435,7 @@ class CheckpointFilesHook:
         """
         prefix = self.object_name(task_index, GOODPUT_PREFIX)
         try:
-            if self._gcs is None:
-                from airflow.providers.google.cloud.hooks.gcs import GCSHook
-
-                self._gcs = GCSHook(**self._gcs_kwargs)
-            names = sorted(self._gcs.list(bucket_name=self.bucket, prefix=prefix))[-MAX_GOODPUT_FILES:]
+            names = sorted(self._hook().list(bucket_name=self.bucket, prefix=prefix))[-MAX_GOODPUT_FILES:]
         except Exception as exc:  # best effort, as every read here
             log.debug("Cannot list gs://%s/%s*: %s", self.bucket, prefix, exc)
             return {}
