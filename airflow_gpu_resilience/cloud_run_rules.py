@@ -15,6 +15,10 @@ Sources of the rules:
 - Job names: https://cloud.google.com/run/docs/create-jobs (lowercase letters, digits and
   dashes, starting with a letter, not ending with a dash, at most 63 characters).
 - Bucket names: https://cloud.google.com/storage/docs/buckets#naming.
+- Project ids: https://cloud.google.com/resource-manager/docs/creating-managing-projects (6-30
+  lowercase letters, digits and hyphens, starting with a letter, not ending with a hyphen; older
+  projects may be domain-scoped, ``example.com:my-project``); a project number also names one.
+- Regions: https://cloud.google.com/run/docs/locations (``us-central1``, ``europe-west4``, ...).
 - Environment variables: https://cloud.google.com/run/docs/configuring/jobs/environment-variables
   (a name is not empty and holds no ``=``; values are text) and the reserved names of
   https://cloud.google.com/run/docs/container-contract#jobs-env-vars.
@@ -58,6 +62,8 @@ RESERVED_LABEL_PREFIXES = (
 )
 
 _JOB_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?$")
+_PROJECT_ID_RE = re.compile(r"^(?:[a-z0-9][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[1-9][0-9]{0,19}$")
+_REGION_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]{1,2}$")
 _BUCKET_CHARS_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 _QUANTITY_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>[KMGT]i?|k|m)?$")
 _MEMORY_UNITS = {
@@ -116,6 +122,32 @@ def validate_job_name(name: str, param: str = "name") -> None:
             f"{param}={name!r} is not a valid Cloud Run job name: use 1-63 lowercase letters, "
             "digits and '-', starting with a letter and not ending with '-'"
         )
+
+
+def validate_project_id(project_id: str, param: str = "project_id") -> None:
+    """Check a Google Cloud project id (or project number), as a resource name's ``projects/`` segment.
+
+    :param project_id: the project id, e.g. ``my-project``, ``example.com:my-project`` or ``123456``.
+    :param param: the argument's name as the user wrote it, used in the message.
+    :raises ValueError: naming ``param`` and the rule.
+    """
+    if not isinstance(project_id, str) or not _PROJECT_ID_RE.match(project_id):
+        raise ValueError(
+            f"{param}={project_id!r} is not a Google Cloud project id: use 6-30 lowercase letters, digits and "
+            "'-', starting with a letter and not ending with '-' (optionally after 'domain:'), or a project number"
+        )
+
+
+def validate_region(region: str, param: str = "region") -> None:
+    """Check a Cloud Run region: lowercase words joined by ``-``, ending in a number (``us-central1``).
+
+    :param region: the region, e.g. ``us-central1``.
+    :param param: the argument's name as the user wrote it, used in the message.
+    :raises ValueError: naming ``param`` and the rule.
+    """
+    if not isinstance(region, str) or not _REGION_RE.match(region):
+        raise ValueError(f"{param}={region!r} is not a Cloud Run region: use one such as 'us-central1' or "
+                         "'europe-west4' (lowercase words joined by '-', ending in a number)")
 
 
 def validate_bucket_name(bucket: str, param: str = "checkpoint_bucket") -> None:

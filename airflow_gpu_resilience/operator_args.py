@@ -18,9 +18,15 @@ import inspect
 import math
 import re
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from airflow_gpu_resilience.cloud_run_rules import (
+    validate_bucket_name,
+    validate_job_name,
+    validate_project_id,
+    validate_region,
+)
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.overrides import check_overrides
 
@@ -30,6 +36,7 @@ __all__ = [
     "is_templated",
     "parse_count",
     "parse_execute_arguments",
+    "parse_exit_codes",
     "parse_flag",
     "parse_seconds",
     "spec_default",
@@ -75,6 +82,38 @@ def parse_flag(name: str, value: bool | str) -> bool:
     raise ValueError(f"{name}={value!r} must be true or false")
 
 
+def parse_exit_codes(name: str, value: Iterable[int]) -> list[int]:
+    """A collection of process exit codes, sorted.
+
+    A process's exit status is 8 bits (0-255, POSIX ``wait``), and 0 is success, so each code is
+    an integer from 1 to 255.
+
+    :raises ValueError: naming ``name`` for a string, a mapping, a non-collection, or a code that
+        is not an integer from 1 to 255 (a bool is refused too).
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}={value!r} must be a collection of exit codes (integers from 1 to 255), "
+                         "e.g. range(64, 79)")
+    codes = list(value)
+    bad = [code for code in codes if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255]
+    if bad:
+        raise ValueError(f"{name}={value!r} holds {bad[0]!r}: exit codes are integers from 1 to 255 (0 is "
+                         "success), e.g. range(64, 79)")
+    return sorted(set(codes))
+
+
+def _checked(validate: Any, optional: bool = False) -> Any:
+    """A parser that checks a name with ``validate(value, param=name)`` and returns the value unchanged
+    (``None``, and with ``optional`` ``""`` too, pass unchecked)."""
+
+    def parse(name: str, value: Any) -> Any:
+        if not (optional and value in (None, "")):
+            validate(value, param=name)
+        return value
+
+    return parse
+
+
 def _optional_seconds(name: str, value: float | str | None) -> float | None:
     return None if value is None else parse_seconds(name, value)
 
@@ -87,6 +126,11 @@ def _overrides(name: str, value: Mapping[str, Any] | None) -> Mapping[str, Any] 
 #: The execute operator's arguments checked before any API call, in the order they are checked,
 #: with their parsers (each ``(name, value) -> parsed value``, raising ``ValueError``).
 _EXECUTE_PARSERS = {
+    "job_name": _checked(validate_job_name),
+    "project_id": _checked(validate_project_id, optional=True),
+    "region": _checked(validate_region),
+    "checkpoint_bucket": _checked(validate_bucket_name, optional=True),
+    "fatal_exit_codes": parse_exit_codes,
     "max_preemption_reruns": parse_count,
     "max_reruns_without_progress": parse_count,
     "max_total_reruns": parse_count,
@@ -102,7 +146,11 @@ _EXECUTE_PARSERS = {
 def parse_execute_arguments(values: Mapping[str, Any], templated: Collection[str] = ()) -> dict[str, Any]:
     """The execute operator's arguments, checked and parsed: one ``ValueError`` for the first bad one.
 
-    Checked: ``max_preemption_reruns``, ``max_reruns_without_progress`` and ``max_total_reruns``
+    Checked: ``job_name`` (a Cloud Run job name), ``project_id`` (a project id, or ``None``: the
+    connection's), ``region`` (a Cloud Run region), ``checkpoint_bucket`` (a bucket name, or
+    ``None``), ``fatal_exit_codes`` (:func:`parse_exit_codes`; the rules and their sources are in
+    :mod:`~airflow_gpu_resilience.cloud_run_rules`), ``max_preemption_reruns``,
+    ``max_reruns_without_progress`` and ``max_total_reruns``
     (integers >= 0, :func:`parse_count`), ``poll_interval`` (seconds > 0, :func:`parse_seconds`),
     ``log_container_output`` (:func:`parse_flag`), ``overrides``
     (:func:`~airflow_gpu_resilience.overrides.check_overrides`), ``timeout`` and ``wait_timeout``
@@ -110,17 +158,23 @@ def parse_execute_arguments(values: Mapping[str, Any], templated: Collection[str
 
     :param values: argument name -> value, as given (when the DAG is parsed) or rendered (at
         execute); the arguments above that it holds are checked.
-    :param templated: names whose string value may be a template not rendered yet (when the DAG
-        is parsed: the template fields), left out then, to be checked once rendered (default none).
-    :return: argument name -> parsed value (an integer, float, bool, ``None`` or the overrides), for
-        every argument checked.
+    :param templated: names whose value may not be final yet (when the DAG is parsed: the template
+        fields): one that holds a Jinja template, or is not plain data (an ``XComArg``), is left out
+        then, to be checked once rendered (default none).
+    :return: argument name -> parsed value, for every argument checked.
     :raises ValueError: naming the argument and the allowed values.
     """
     parsed = {}
     for name, parse in _EXECUTE_PARSERS.items():
-        if name in values and not (name in templated and isinstance(values[name], str)):
+        if name in values and not (name in templated and not _final(values[name])):
             parsed[name] = parse(name, values[name])
     return parsed
+
+
+def _final(value: Any) -> bool:
+    """Whether a template field's value is final as given: plain data without a Jinja template."""
+    plain = (str, bytes, int, float, type(None), list, tuple, dict, set, frozenset, range)
+    return isinstance(value, plain) and not is_templated(value)
 
 
 #: The :class:`GpuJobSpec` fields the deploy operator takes as keyword arguments: every field but

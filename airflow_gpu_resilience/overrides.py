@@ -1,7 +1,12 @@
 """The execute operator's ``overrides`` (``RunJobRequest.Overrides``), checked as Cloud Run reads them.
 
 Pure: no I/O. :func:`check_overrides` runs before any API call, so a bad override is one clear
-error naming the field, not a failed execution.
+error naming the field as the user wrote it (``overrides['container_overrides'][0]['env'][1]['name']``),
+not a refused request or a failed execution. The rules are Cloud Run's, kept in
+:mod:`~airflow_gpu_resilience.cloud_run_rules` with their sources: environment variables
+(https://cloud.google.com/run/docs/configuring/jobs/environment-variables), tasks per execution
+(https://cloud.google.com/run/docs/configuring/jobs/parallelism: 1 to 10000) and the task timeout
+(https://cloud.google.com/run/docs/configuring/task-timeout: at most 168 h).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from typing import Any
 
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.job_spec import MAX_TASK_TIMEOUT_SECONDS, RESERVED_ENV, TASK_TIMEOUT_ENV
+from airflow_gpu_resilience.cloud_run_rules import env_var_problem
+from airflow_gpu_resilience.job_spec import MAX_TASK_COUNT, MAX_TASK_TIMEOUT_SECONDS, RESERVED_ENV, TASK_TIMEOUT_ENV
 
 __all__ = ["OVERRIDE_FIELDS", "OVERRIDE_RESERVED_ENV", "check_overrides"]
 
@@ -26,10 +32,12 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
     """Check the execute operator's ``overrides`` as Cloud Run would read them, before any API call.
 
     :param overrides: ``RunJobRequest.Overrides`` in dict form: ``container_overrides`` (a list of
-        ``{name, args, env, clear_args}``), ``task_count`` (an integer >= 0; 0 keeps the job's) and
-        ``timeout`` (``"20s"``, ``{"seconds": 20}`` or a ``timedelta``: whole seconds from 1 to
-        604800, the job spec's ``task_timeout`` range), or ``None``. The containers' env may not set
-        ``CLOUD_RUN_*`` (Cloud Run's) or ``TASK_TIMEOUT_SECONDS`` (set from ``timeout``).
+        ``{name, args, env, clear_args}``), ``task_count`` (an integer from 1 to 10000, Cloud Run's
+        most tasks per execution; 0 keeps the job's) and ``timeout`` (``"20s"``, ``{"seconds": 20}``
+        or a ``timedelta``: whole seconds from 1 to 604800, the job spec's ``task_timeout`` range),
+        or ``None``. An env var's name is not empty and holds no ``=`` or NUL, and is not
+        ``CLOUD_RUN_*`` (Cloud Run's) or ``TASK_TIMEOUT_SECONDS`` (set from ``timeout``); its value
+        and every arg hold no NUL (a process's environment and arguments cannot carry one).
     :raises ValueError: one error naming ``overrides``, the field and the allowed values.
     """
     if overrides is None:
@@ -47,8 +55,9 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
             parsed = run_v2.RunJobRequest.Overrides(**{key: overrides[key]})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"overrides[{key!r}]={overrides[key]!r} is not valid: {exc}") from None
-        if key == "task_count" and parsed.task_count < 0:
-            raise ValueError(f"overrides['task_count']={overrides[key]!r} must be an integer >= 0")
+        if key == "task_count" and not (parsed.task_count == 0 or 1 <= parsed.task_count <= MAX_TASK_COUNT):
+            raise ValueError(f"overrides['task_count']={overrides[key]!r} must be an integer from 1 to "
+                             f"{MAX_TASK_COUNT} (Cloud Run's most tasks per execution), or 0 to keep the job's")
         if key == "timeout" and overrides[key] not in (None, ""):
             seconds = parsed.timeout.total_seconds()
             if not (seconds.is_integer() and 1 <= seconds <= MAX_TASK_TIMEOUT_SECONDS):
@@ -56,8 +65,25 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
                                  f"{MAX_TASK_TIMEOUT_SECONDS} (168 h), e.g. \"3600s\", as the job's task_timeout")
         if key == "container_overrides":
             for index, container in enumerate(parsed.container_overrides):
-                taken = sorted({e.name for e in container.env} & OVERRIDE_RESERVED_ENV)
-                if taken:
-                    raise ValueError(
-                        f"overrides['container_overrides'][{index}] sets {', '.join(taken)}: reserved (Cloud Run sets "
-                        f"CLOUD_RUN_*; {TASK_TIMEOUT_ENV} follows overrides['timeout'] or the job's task_timeout)")
+                _check_container(f"overrides['container_overrides'][{index}]", container)
+
+
+def _check_container(where: str, container: run_v2.RunJobRequest.Overrides.ContainerOverride) -> None:
+    """Check one container override's env and args; ``where`` is how the user wrote it.
+
+    :raises ValueError: naming the env var's ``name`` or ``value``, or the arg, and the rule.
+    """
+    taken = sorted({e.name for e in container.env} & OVERRIDE_RESERVED_ENV)
+    if taken:
+        raise ValueError(f"{where} sets {', '.join(taken)}: reserved (Cloud Run sets CLOUD_RUN_*; "
+                         f"{TASK_TIMEOUT_ENV} follows overrides['timeout'] or the job's task_timeout)")
+    for index, env in enumerate(container.env):
+        problem = env_var_problem(env.name, env.value)
+        if problem:
+            field = "name" if problem.startswith("name") else "value"
+            raise ValueError(f"{where}['env'][{index}]['{field}']: {problem} (Cloud Run's environment variable "
+                             "rules: a name is not empty and holds no '=' or NUL; a value holds no NUL)")
+    for index, arg in enumerate(container.args):
+        if "\x00" in arg:
+            raise ValueError(f"{where}['args'][{index}]={arg!r} must not contain NUL (a process argument cannot "
+                             "carry one)")

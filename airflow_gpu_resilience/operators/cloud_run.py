@@ -141,8 +141,9 @@ class CloudRunGpuDeployJobOperator(BaseOperator):
 # --- the execute operator ---------------------------------------------------------------------
 #: The execute operator's arguments checked by :func:`~airflow_gpu_resilience.operator_args.parse_execute_arguments`,
 #: and those of them also checked when the DAG is parsed.
-_CHECKED = ("max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns", "poll_interval",
-            "log_container_output", "overrides", "timeout", "wait_timeout", "progress_read_timeout")
+_CHECKED = ("job_name", "project_id", "region", "checkpoint_bucket", "fatal_exit_codes", "max_preemption_reruns",
+            "max_reruns_without_progress", "max_total_reruns", "poll_interval", "log_container_output", "overrides",
+            "timeout", "wait_timeout", "progress_read_timeout")
 _PARSE_TIME = tuple(name for name in _CHECKED if name != "overrides")
 
 
@@ -182,7 +183,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     :param max_total_reruns: re-runs allowed in total with ``checkpoint_bucket``, with or without
         progress: a cost cap (default 48, enough for a day on the one-hour GA GPU task timeout
         with a preemption every hour; an integer >= 0; templated).
-    :param fatal_exit_codes: exit codes that fail without retry (default 64-78, BSD sysexits).
+    :param fatal_exit_codes: exit codes that fail without retry (integers 1-255; default 64-78, BSD sysexits).
     :param deferrable: wait in the triggerer; ``False`` polls in the worker (default ``True``, or
         ``[operators] default_deferrable`` where the deployment sets it).
     :param poll_interval: seconds between polls (default 10; templated).
@@ -212,8 +213,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         ``"true"``/``"false"``). Needs ``roles/logging.viewer``; at most 12 ``entries:list``
         requests a minute (:class:`~airflow_gpu_resilience.hooks.cloud_logging.ExecutionLogFollower`).
         Polling in the worker, lines appear while waiting; deferred, when the operator resumes.
-    :raises ValueError: at construction for a negative or non-integer ``max_preemption_reruns``,
-        ``max_reruns_without_progress`` or ``max_total_reruns``, a bad ``timeout`` or ``log_container_output``.
+    :raises ValueError: one error naming the argument and the allowed values, at construction for
+        a value given, else at execute once rendered, before any API call
+        (:func:`~airflow_gpu_resilience.operator_args.parse_execute_arguments`).
     """
 
     template_fields: Sequence[str] = (
@@ -269,7 +271,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         self.overrides = overrides
         self.max_preemption_reruns = max_preemption_reruns
         self.max_reruns_without_progress, self.max_total_reruns = max_reruns_without_progress, max_total_reruns
-        self.fatal_exit_codes = sorted(fatal_exit_codes if fatal_exit_codes is not None else DEFAULT_FATAL_EXIT_CODES)
+        self.fatal_exit_codes = DEFAULT_FATAL_EXIT_CODES if fatal_exit_codes is None else fatal_exit_codes
         self.deferrable, self.poll_interval, self.wait_timeout = deferrable, poll_interval, wait_timeout
         self.wait_for_completion = wait_for_completion
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
@@ -295,9 +297,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
         :return: the :class:`RunSummary`; with ``wait_for_completion=False``
             ``{"execution", "job_name"}`` of the execution started or attached to.
-        :raises ValueError: ``max_preemption_reruns`` rendered to a negative or non-integer value,
-            ``poll_interval`` to a non-positive one, or ``overrides`` that Cloud Run would refuse
-            (:func:`~airflow_gpu_resilience.overrides.check_overrides`), before any API call.
+        :raises ValueError: an argument rendered to a value Cloud Run or this operator refuses
+            (``overrides``: :func:`~airflow_gpu_resilience.overrides.check_overrides`), before any API call.
         :raises CloudRunGpuExecutionError: a task FAILED, or polling hit a non-transient error.
         :raises CloudRunGpuWaitTimeout: ``wait_timeout`` passed (retryable; the next try attaches).
         :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
@@ -375,10 +376,9 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         """
         if self._manager is None:
             checked = parse_execute_arguments({name: getattr(self, name) for name in _CHECKED})
-            del checked["timeout"]  # the try's deadline (:meth:`_deadline`), not the manager's
-            names = ("job_name", "region", "fatal_exit_codes", "checkpoint_bucket", "checkpoint_prefix",
-                     "gcp_conn_id", "impersonation_chain", "progress_log_interval")
-            settings = RunSettings(**{name: getattr(self, name) for name in names}, **checked)
+            fields = {f.name for f in dataclasses.fields(RunSettings)}  # timeout, project_id: not the manager's
+            settings = RunSettings(**{name: getattr(self, name) for name in fields - set(_CHECKED)},
+                                   **{name: value for name, value in checked.items() if name in fields})
 
             def remember(execution: str, log_uri: str) -> None:
                 context["ti"].xcom_push(key="execution_name", value=execution)

@@ -12,7 +12,7 @@ import pytest
 
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
-from tests.provider.conftest import BUCKET, REGION
+from tests.provider.conftest import BUCKET, REGION, STUB_IMAGE
 
 pytestmark = pytest.mark.faults
 
@@ -21,6 +21,8 @@ DAGS = REPO / "dags"
 DAG_ID = "gpu_resilient_training"
 #: A project no other test uses, so "no job in the emulator" means none from these cases.
 PROJECT = "faults-bad-inputs"
+#: The project of the execute operator's cases: they deploy a job, so not :data:`PROJECT`.
+EXECUTE_PROJECT = "faults-bad-execute"
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,81 @@ def test_bad_job_spec_names_the_field_before_any_api_call(emulator, gcp_conn, kw
         _spec(**kwargs)
     assert name in str(caught.value), str(caught.value)
     no_jobs_in(PROJECT, REGION)
+
+
+def no_executions_in(project: str, region: str) -> None:
+    """Cloud Run (the emulator) lists no execution of any job in ``project`` and ``region``."""
+    client = CloudRunGpuHook().executions_client(region)
+    assert list(client.list_executions(parent=f"projects/{project}/locations/{region}/jobs/-")) == []
+
+
+def deploy_valid_job(job_name: str) -> None:
+    """A job the execute operator's cases could run: a bad argument is all that stops them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, max_retries=0, checkpoint_bucket=BUCKET)
+    CloudRunGpuHook().create_job(job_name=job_name, job=spec, region=REGION, project_id=EXECUTE_PROJECT)
+
+
+class _ExecuteTI:
+    dag_id, run_id, task_id, map_index = "bad_inputs", "run-1", "execute", -1
+
+    def xcom_push(self, key, value):
+        raise AssertionError(f"execute pushed {key}={value}: it reached the API")
+
+
+#: The execute operator's arguments (beside a valid job's) -> the start of its one error: what
+#: Cloud Run would refuse (issue 39 item 4) and the operator's own arguments (item 5).
+BAD_EXECUTE_ARGS = [
+    ({"overrides": {"container_overrides": [{"env": [{"name": "A", "value": "1"}, {"name": "A=B", "value": "1"}]}]}},
+     "overrides['container_overrides'][0]['env'][1]['name']: name 'A=B' must not contain '='"),
+    ({"overrides": {"container_overrides": [{"env": [{"name": "", "value": "1"}]}]}},
+     "overrides['container_overrides'][0]['env'][0]['name']: name '' must be a non-empty string"),
+    ({"overrides": {"container_overrides": [{"env": [{"name": "A", "value": "a\x00b"}]}]}},
+     "overrides['container_overrides'][0]['env'][0]['value']: value of 'A' must not contain NUL"),
+    ({"overrides": {"container_overrides": [{"args": ["a\x00b"]}]}},
+     "overrides['container_overrides'][0]['args'][0]='a\\x00b' must not contain NUL"),
+    ({"overrides": {"task_count": 10001}}, "overrides['task_count']=10001 must be an integer from 1 to 10000"),
+    ({"job_name": "Bad_Name"}, "job_name='Bad_Name' is not a valid Cloud Run job name"),
+    ({"job_name": "a" * 64}, "job_name='aaaa"),
+    ({"project_id": "Bad Project"}, "project_id='Bad Project' is not a Google Cloud project id"),
+    ({"region": "us central1"}, "region='us central1' is not a Cloud Run region"),
+    ({"checkpoint_bucket": "Bad_Bucket"}, "checkpoint_bucket='Bad_Bucket' is not a valid Cloud Storage bucket name"),
+    ({"checkpoint_bucket": "gs://bucket"}, "checkpoint_bucket='gs://bucket' is not a valid Cloud Storage bucket"),
+    ({"fatal_exit_codes": [64, 300]}, "fatal_exit_codes=[64, 300] holds 300: exit codes are integers from 1 to 255"),
+    ({"fatal_exit_codes": "78"}, "fatal_exit_codes='78' must be a collection of exit codes"),
+    ({"fatal_exit_codes": [0]}, "fatal_exit_codes=[0] holds 0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_EXECUTE_ARGS, ids=[m[:48] for _, m in BAD_EXECUTE_ARGS])
+def test_bad_execute_argument_names_it_before_any_execution_starts(emulator, gcp_conn, job_name, kwargs, message):
+    """One ValueError naming the argument as the user wrote it, at construction or at execute, and
+    no execution in Cloud Run (a valid job of that name exists, so the API would have run it)."""
+    from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
+
+    deploy_valid_job(job_name)
+    arguments = {"job_name": job_name, "region": REGION, "project_id": EXECUTE_PROJECT, "deferrable": False,
+                 "poll_interval": 0.1, **kwargs}
+    with pytest.raises(ValueError) as raised:
+        CloudRunGpuExecuteJobOperator(task_id="execute", **arguments).execute({"ti": _ExecuteTI()})
+    assert str(raised.value).startswith(message), str(raised.value)
+    no_executions_in(EXECUTE_PROJECT, REGION)
+
+
+@pytest.mark.parametrize(("name", "value"), [("job_name", "Bad_Name"), ("region", "us central1"),
+                                             ("project_id", "Bad Project"), ("checkpoint_bucket", "Bad_Bucket")])
+def test_a_templated_argument_is_checked_once_rendered_before_any_execution_starts(emulator, gcp_conn, job_name,
+                                                                                    name, value):
+    from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
+
+    deploy_valid_job(job_name)
+    arguments = {"job_name": job_name, "region": REGION, "project_id": EXECUTE_PROJECT, name: "{{ params.value }}"}
+    op = CloudRunGpuExecuteJobOperator(task_id="execute", deferrable=False, **arguments)  # not checked yet
+    setattr(op, name, value)  # as rendered
+    with pytest.raises(ValueError, match=f"^{name}={value!r} is not a"):
+        op.execute({"ti": _ExecuteTI()})
+    no_executions_in(EXECUTE_PROJECT, REGION)
 
 
 def test_missing_bucket_is_a_loud_warning_not_a_silent_restart_from_scratch():

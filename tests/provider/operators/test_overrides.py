@@ -20,6 +20,10 @@ from airflow_gpu_resilience.overrides import check_overrides
     {"timeout": "604800s"},  # 168 h, the job spec's task_timeout maximum
     {"timeout": None},
     {"task_count": 4},
+    {"task_count": 10000},  # Cloud Run's most tasks per execution
+    {"task_count": 0},  # unset: the job's task_count
+    {"container_overrides": [{"env": [{"name": "S", "value_source": {"secret_key_ref": {"secret": "s"}}}]}]},
+    {"container_overrides": [{"env": [{"name": "A", "value": ""}]}]},
     {"container_overrides": [{"args": ["--steps", "10"], "env": [{"name": "A", "value": "1"}]}]},
 ])
 def test_valid_overrides_pass(overrides):
@@ -41,7 +45,18 @@ def test_valid_overrides_pass(overrides):
     ({"container_overrides": [{"env": [{"name": "A", "value": "1"}]}, {"env": [{"name": "CLOUD_RUN_TASK_INDEX", "value": "7"}]}]},
      r"^overrides\['container_overrides'\]\[1\] sets CLOUD_RUN_TASK_INDEX: reserved"),
     ({"timeout": 20}, r"^overrides\['timeout'\]=20 is not valid: "),
-    ({"task_count": -1}, r"^overrides\['task_count'\]=-1 must be an integer >= 0$"),
+    ({"task_count": -1}, r"^overrides\['task_count'\]=-1 must be an integer from 1 to 10000 \(Cloud Run's most"),
+    ({"task_count": 10001}, r"^overrides\['task_count'\]=10001 must be an integer from 1 to 10000 .*or 0 to keep"),
+    ({"container_overrides": [{"env": [{"name": "A", "value": "1"}, {"name": "A=B", "value": "1"}]}]},
+     r"^overrides\['container_overrides'\]\[0\]\['env'\]\[1\]\['name'\]: name 'A=B' must not contain '=' or NUL"),
+    ({"container_overrides": [{}, {"env": [{"name": "", "value": "1"}]}]},
+     r"^overrides\['container_overrides'\]\[1\]\['env'\]\[0\]\['name'\]: name '' must be a non-empty string"),
+    ({"container_overrides": [{"env": [{"name": "A\x00", "value": "1"}]}]},
+     r"^overrides\['container_overrides'\]\[0\]\['env'\]\[0\]\['name'\]: .* must not contain '=' or NUL"),
+    ({"container_overrides": [{"env": [{"name": "A", "value": "a\x00b"}]}]},
+     r"^overrides\['container_overrides'\]\[0\]\['env'\]\[0\]\['value'\]: value of 'A' must not contain NUL"),
+    ({"container_overrides": [{"args": ["--steps", "1\x00"]}]},
+     r"^overrides\['container_overrides'\]\[0\]\['args'\]\[1\]='1\\x00' must not contain NUL"),
     ({"task_count": "two"}, r"^overrides\['task_count'\]='two' is not valid: "),
     ({"taskCount": 2, "tiemout": "5s"}, r"^overrides has unknown field\(s\) taskCount, tiemout; allowed: "),
     ({"container_overrides": [{"argz": ["x"]}]}, r"^overrides\['container_overrides'\]=.* is not valid: .*argz"),
