@@ -7,7 +7,8 @@ Start it::
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
         [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] [--max-task-processes N] \\
         [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]] \\
-        [--volumes auto|fuse|folder] [--fuse-strict]
+        [--volumes auto|fuse|folder] [--fuse-strict] \\
+        [--read-quota-per-minute 600] [--write-quota-per-minute 60] [--quota-window-seconds 60]
 
 It binds 127.0.0.1 only; its REST server answers only loopback ``Host`` values, refuses
 cross-origin requests and non-JSON bodies, and reads at most 4 MiB of a body (see :mod:`.guards`);
@@ -28,8 +29,14 @@ Served (gRPC: see :mod:`.rpcs`; REST ``/v2``: see :mod:`.urls`): CreateJob, GetJ
 UpdateJob, DeleteJob, RunJob, GetExecution, ListExecutions, CancelExecution, DeleteExecution,
 GetTask, ListTasks, and the operations mixin (Get, List, Wait, Delete). Enums are integers when the request carries
 ``$alt=json;enum-encoding=int``. Admin endpoints (``/_emulator``: health, reset, preempt,
-preemptions/schedule, faults, transitions, logs, attempts) are listed in :mod:`.app`; the image table
-format is in :mod:`.images`.
+preemptions/schedule, faults, transitions, quota, requests, logs, attempts) are listed in
+:mod:`.app`; the image table format is in :mod:`.images`.
+
+Request quota: as Cloud Run does, the emulator limits Admin API reads and writes per project and
+region per minute (600 and 60 by default; 0 turns one off) and answers more with 429
+``RESOURCE_EXHAUSTED`` and Google's quota error, on both transports; it counts every request per
+method, readable at ``/_emulator/requests`` (see :mod:`.quota`). :class:`~.process.EmulatorProcess`
+starts it with both quotas off unless asked.
 
 Fault injection: ``POST /_emulator/preempt`` (or ``python -m airflow_gpu_resilience.emulator
 preempt``) preempts one running task (SIGTERM, grace, SIGKILL, a failed attempt with the
@@ -48,7 +55,8 @@ Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend`
 project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
 processes), :mod:`.validation`, :mod:`.rpcs` (the methods, for both transports),
 :mod:`.responses` / :mod:`.urls` / :mod:`.app` (REST), :mod:`.grpc_server` (gRPC),
-:mod:`.exceptions`, :mod:`.faults`, :mod:`.gcs` (in-process GCS emulator and mounts),
+:mod:`.exceptions`, :mod:`.faults`, :mod:`.quota` (request quotas and counters), :mod:`.gcs`
+(in-process GCS emulator and mounts),
 :mod:`.guards` (who may send what; paths stay inside the data folder),
 :mod:`.server` and ``__main__`` (CLI).
 

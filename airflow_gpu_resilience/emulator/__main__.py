@@ -1,12 +1,14 @@
 """Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
 
 ``serve --port 8123 --grpc-port 8124 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
-[--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict]`` starts the emulator: REST on
+[--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict] [--read-quota-per-minute 600]
+[--write-quota-per-minute 60] [--quota-window-seconds 60]`` starts the emulator: REST on
 ``--port``, gRPC on ``--grpc-port`` (``CLOUD_RUN_EMULATOR_HOST`` is ``127.0.0.1:`` that port), the
 GCS emulator on ``--gcs-port`` (0 picks a free port; the ready line says which);
 ``--preempt-every MEAN_SECONDS [--preempt-seed S] [--preempt-prefix NAME]`` also starts a seeded
 preemption schedule (see :class:`~.faults.PreemptionSchedule`); ``--google-endpoint`` also stands in
-for ``run.googleapis.com:443`` (see :mod:`.google_endpoint`).
+for ``run.googleapis.com:443`` (see :mod:`.google_endpoint`). The Admin API request quotas per
+project and region default to Cloud Run's (see :mod:`.quota`); 0 turns one off.
 
 ``preempt --endpoint URL --execution NAME [--task-index I] [--grace-seconds S]`` asks a running
 emulator for a maintenance preemption and prints its JSON answer.
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 from .process import post_json
+from .quota import QuotaSettings, checked_limit, checked_window
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,12 +65,34 @@ def _parser() -> argparse.ArgumentParser:
                        help="also stand in for run.googleapis.com:443 for clients that cannot be pointed elsewhere "
                             "(the google provider's CloudRunHook): the ready line's googleEndpointEnv leads gRPC "
                             "there through an HTTP CONNECT proxy and a CA made in DATA_DIR/google-tls")
+    _add_quota_flags(serve)
     preempt = sub.add_parser("preempt", help="preempt a running task (maintenance event)")
     preempt.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8123")
     preempt.add_argument("--execution", required=True, help="full execution name")
     preempt.add_argument("--task-index", type=int, default=0)
     preempt.add_argument("--grace-seconds", type=float, default=None)
     return parser
+
+
+def _add_quota_flags(serve: argparse.ArgumentParser) -> None:
+    default = QuotaSettings()
+    serve.add_argument("--read-quota-per-minute", type=int, default=default.reads_per_minute, metavar="N",
+                       help="Admin API read requests (Get, List, WaitOperation) admitted per minute per project "
+                            f"and region, over REST and gRPC; more get 429 RESOURCE_EXHAUSTED (default "
+                            f"{default.reads_per_minute}, Cloud Run's; 0: off)")
+    serve.add_argument("--write-quota-per-minute", type=int, default=default.writes_per_minute, metavar="N",
+                       help="Admin API write requests (Create, Update, Delete, Run, Cancel) likewise (default "
+                            f"{default.writes_per_minute}, Cloud Run's; 0: off)")
+    serve.add_argument("--quota-window-seconds", type=float, default=default.window_seconds, metavar="S",
+                       help="the quotas' sliding window; shorter only to make tests short (default 60)")
+
+
+#: ``serve`` flags of :class:`~.quota.QuotaSettings`: flag -> (argument, check).
+_QUOTA_FLAGS = {
+    "--read-quota-per-minute": ("read_quota_per_minute", checked_limit),
+    "--write-quota-per-minute": ("write_quota_per_minute", checked_limit),
+    "--quota-window-seconds": ("quota_window_seconds", checked_window),
+}
 
 
 #: ``serve`` flags checked against :data:`~.runtime.POLICY_LIMITS`: flag -> (argument, policy setting).
@@ -93,6 +118,11 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             policy_value(attr, getattr(args, dest))
         except ValueError as exc:
             parser.error(f"{flag} {exc}")
+    for flag, (dest, check) in _QUOTA_FLAGS.items():
+        try:
+            check(flag, getattr(args, dest))
+        except ValueError as exc:
+            parser.error(str(exc))
     for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port), ("--gcs-port", args.gcs_port)):
         if not 0 <= port <= 65535:
             parser.error(f"{flag} must be a port number from 0 to 65535 (0: any free port), got {port}")
@@ -118,7 +148,9 @@ def main(argv=None) -> int:
                 if args.preempt_every > 0 else None)
         serve(ServeConfig(data_dir=args.data_dir, port=args.port, grpc_port=args.grpc_port, gcs_port=args.gcs_port,
                           images_file=args.images, policy=policy, preemptions=plan, volumes=args.volumes,
-                          fuse_strict=args.fuse_strict, google_endpoint=args.google_endpoint))
+                          fuse_strict=args.fuse_strict, google_endpoint=args.google_endpoint,
+                          quota=QuotaSettings(args.read_quota_per_minute, args.write_quota_per_minute,
+                                              args.quota_window_seconds)))
         return 0
     payload = {"execution": args.execution, "taskIndex": args.task_index}
     if args.grace_seconds is not None:

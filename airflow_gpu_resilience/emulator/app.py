@@ -7,7 +7,16 @@ Admin endpoints:
   ``{"limit", "running", "peak"}``, the task processes running now and at most at once, over
   all executions, under ``serve --max-task-processes``).
 - ``POST /_emulator/reset`` -> stop the preemption schedule and all executions and forget all
-  resources; body ``{"gcs": true}`` also wipes the GCS emulator.
+  resources, the request quota's windows and the request counters; body ``{"gcs": true}`` also
+  wipes the GCS emulator.
+- ``GET /_emulator/quota`` -> ``{"readRequestsPerMinute", "writeRequestsPerMinute",
+  "windowSeconds", "usage": {"projects/P/locations/R": {"read", "write"}}}``: the Admin API
+  request quota per project and region (0: off) and the requests admitted in the window now;
+  ``POST`` with any of the three settings changes them and answers the same (see :mod:`.quota`).
+- ``GET /_emulator/requests[?project=P&region=R]`` -> ``{"total", "methods": {METHOD: {...}},
+  "locations": {"projects/P/locations/R": {METHOD: {...}}}}``, each ``{"requests",
+  "quotaExceeded"}``: the API requests per method (REST and gRPC together) and how many got the
+  quota's 429; ``DELETE`` answers the same for all and zeroes the counters.
 - ``POST /_emulator/preempt`` with ``{"execution": NAME, "taskIndex": 0, "graceSeconds": 10,
   "waitSeconds": 10}`` or ``{"task": TASK_NAME, ...}`` -> ``{"task", "attempt", "pid"}``.
 - ``POST /_emulator/faults`` -> see :mod:`faults`.
@@ -57,6 +66,7 @@ from .exceptions import EmulatorError, InvalidArgument, NotFound, Unimplemented
 from .faults import ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule
 from .gcsfuse import event_line
 from .guards import GuardMiddleware, contained
+from .quota import RequestQuota
 from .rpcs import internal_error
 from .runtime import policy_value
 
@@ -73,6 +83,8 @@ class AppState:
     :param data_dir: emulator data directory.
     :param schedule: the seeded preemption schedule (one is made if not given).
     :param mounts: the :class:`~.gcsfuse.VolumeMounts` (FUSE volumes and their events), or ``None``.
+    :param quota: the API request quota and counters, shared with the gRPC server (default:
+        Cloud Run's limits, see :mod:`.quota`).
     """
 
     registry: Registry
@@ -82,6 +94,7 @@ class AppState:
     schedule: Optional[PreemptionSchedule] = None
     logging_requests: int = 0
     mounts: Optional[object] = None
+    quota: RequestQuota = dataclasses.field(default_factory=RequestQuota)
 
     def __post_init__(self) -> None:
         if self.schedule is None:
@@ -102,7 +115,7 @@ def serialize(message, int_enums: bool) -> Response:
 
 def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) -> Response:
     """Route one ``/v2`` request to its method's request message, run it with
-    :func:`~.rpcs.call` (faults, the registry's lock, the same handler as gRPC), map errors."""
+    :func:`~.rpcs.call` (quota, faults, the registry's lock, the same handler as gRPC), map errors."""
     int_enums = "enum-encoding=int" in query.get("$alt", "")
     try:
         found = urls.match(method, path)
@@ -112,7 +125,8 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
             raise NotFound(f"The requested URL /v2/{path} was not found on this server.")
         builder, params, rpc = found
         request = builder(responses.Request(params, query, body))
-        return rpcs.call(state.registry, state.faults, rpc, request, lambda result: serialize(result, int_enums))
+        return rpcs.call(state.registry, state.faults, state.quota, rpc, request,
+                         lambda result: serialize(result, int_enums))
     except EmulatorError as err:
         return error_response(err)
     except Exception as exc:  # an emulator bug: still answer in Google's error shape
@@ -178,6 +192,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         body = await _json_body(request)
         state.schedule.stop()
         await run_in_threadpool(state.registry.reset)
+        state.quota.reset()
         if state.mounts is not None:
             await run_in_threadpool(state.mounts.stop)
         if body.get("gcs"):
@@ -191,6 +206,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         return dataclasses.asdict(config)
 
     _add_schedule_routes(app, state)
+    _add_quota_routes(app, state)
 
     @app.post("/_emulator/transitions")
     async def transitions(request: HttpRequest):
@@ -253,6 +269,31 @@ def _add_schedule_routes(app: FastAPI, state: AppState) -> None:
     @app.delete(path)
     def stop_schedule():
         return state.schedule.stop()
+
+
+def _add_quota_routes(app: FastAPI, state: AppState) -> None:
+    """The request quota's settings and the request counters (see :mod:`.quota`)."""
+
+    @app.get("/_emulator/quota")
+    def quota():
+        return state.quota.describe()
+
+    @app.post("/_emulator/quota")
+    async def set_quota(request: HttpRequest):
+        try:
+            settings = state.quota.settings.updated(await _json_body(request))
+        except ValueError as exc:
+            raise InvalidArgument(f"{exc}.") from None
+        state.quota.configure(settings)
+        return state.quota.describe()
+
+    @app.get("/_emulator/requests")
+    def requests(project: Optional[str] = None, region: Optional[str] = None):
+        return state.quota.counters(project, region)
+
+    @app.delete("/_emulator/requests")
+    def reset_requests():
+        return state.quota.counters(reset=True)
 
 
 _TRANSITION_KEYS = {

@@ -4,9 +4,11 @@ It serves ``google.cloud.run.v2.Jobs``, ``Executions`` and ``Tasks`` and
 ``google.longrunning.Operations`` (which the clients' ``operation.result()`` polls with
 GetOperation, and their ``wait_operation`` calls) on its own port of 127.0.0.1, in the REST
 server's process, over the same backends: every method is :data:`~.rpcs.RPCS`' handler run by
-:func:`~.rpcs.call`, so validation, injected faults and errors are the REST side's. An
-:class:`~.exceptions.EmulatorError` ends the call with its gRPC code (``grpc_code``) and its
-message as the status details, the same code and message the REST side puts in its JSON error.
+:func:`~.rpcs.call`, so the request quota and counters, validation, injected faults and errors
+are the REST side's. An :class:`~.exceptions.EmulatorError` ends the call with its gRPC code
+(``grpc_code``) and its message, the same code and message the REST side puts in its JSON error,
+and with its details (a quota error's ``ErrorInfo``) in a ``google.rpc.Status`` in the
+``grpc-status-details-bin`` trailer, as Google's servers send them (see :func:`status_details`).
 
 Why grpcio's generic handlers and no generated code: ``google-cloud-run`` ships the message
 classes but no servicer base classes, and generating them would take vendored ``.proto`` files
@@ -33,17 +35,22 @@ import concurrent.futures
 from typing import Callable, Optional
 
 import grpc
+from google.rpc import status_pb2
 
 from . import rpcs
 from .backend import Registry
 from .exceptions import EmulatorError
 from .faults import ApiFaults
 from .guards import MAX_BODY_BYTES
+from .quota import RequestQuota
 
 #: Methods running at once (a WaitOperation holds one while it waits); the REST app's thread
 #: pool has as many.
 MAX_WORKERS = 40
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+#: The trailer that carries a ``google.rpc.Status`` with an error's details (what grpcio-status's
+#: ``rpc_status`` reads on the client side, and google-api-core with it).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
 def to_bytes(message) -> bytes:
@@ -63,32 +70,46 @@ def status_of(err: EmulatorError) -> grpc.StatusCode:
     return _CODES.get(err.grpc_code, grpc.StatusCode.INTERNAL)
 
 
-def _method(registry: Registry, faults: ApiFaults, rpc: rpcs.Rpc) -> grpc.RpcMethodHandler:
+def status_details(err: EmulatorError) -> Optional[bytes]:
+    """The ``google.rpc.Status`` (code, message, details) of an error with details, serialized
+    for the :data:`STATUS_DETAILS_KEY` trailer; ``None`` for an error without details."""
+    if not err.details:
+        return None
+    return status_pb2.Status(code=err.grpc_code, message=err.message,
+                             details=err.packed_details()).SerializeToString()
+
+
+def _method(registry: Registry, faults: ApiFaults, quota: RequestQuota, rpc: rpcs.Rpc) -> grpc.RpcMethodHandler:
     def run(request, context: grpc.ServicerContext) -> bytes:
         try:
-            return rpcs.call(registry, faults, rpc, request, to_bytes)
+            return rpcs.call(registry, faults, quota, rpc, request, to_bytes)
         except EmulatorError as err:
             error = err
         except Exception as exc:  # an emulator bug: still a status the client maps
             error = rpcs.internal_error(exc)
+        details = status_details(error)
+        if details is not None:
+            context.set_trailing_metadata(((STATUS_DETAILS_KEY, details),))
         context.abort(status_of(error), error.message)
 
     return grpc.unary_unary_rpc_method_handler(run, request_deserializer=request_reader(rpc.request))
 
 
-def handlers(registry: Registry, faults: ApiFaults) -> list:
+def handlers(registry: Registry, faults: ApiFaults, quota: RequestQuota) -> list:
     """One generic handler per service, with every method of :data:`~.rpcs.RPCS`."""
     services: dict = {}
     for rpc in rpcs.RPCS.values():
-        services.setdefault(rpc.service, {})[rpc.method] = _method(registry, faults, rpc)
+        services.setdefault(rpc.service, {})[rpc.method] = _method(registry, faults, quota, rpc)
     return [grpc.method_handlers_generic_handler(service, methods) for service, methods in services.items()]
 
 
-def start(registry: Registry, faults: ApiFaults, port: int = 0, tls: Optional[tuple] = None) -> tuple:
+def start(registry: Registry, faults: ApiFaults, quota: RequestQuota, port: int = 0,
+          tls: Optional[tuple] = None) -> tuple:
     """Start the gRPC server on ``127.0.0.1:port``, and on a second, TLS port when asked.
 
     :param registry: the backends the REST app serves too.
     :param faults: the REST app's fault injector (faults apply to both transports).
+    :param quota: the REST app's request quota and counters (one for both transports).
     :param port: the port; 0 picks a free one.
     :param tls: ``(private_key_pem, certificate_chain_pem)`` to serve the same methods over TLS on
         a free port too (see :mod:`.google_endpoint`), or ``None`` (default).
@@ -98,7 +119,7 @@ def start(registry: Registry, faults: ApiFaults, port: int = 0, tls: Optional[tu
     """
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc"),
-        handlers=handlers(registry, faults),
+        handlers=handlers(registry, faults, quota),
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_BODY_BYTES)],
     )
     try:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Optional
@@ -67,14 +68,28 @@ class EmulatorProcess:
     :param max_task_processes: task processes running at once over all executions (``serve
         --max-task-processes``; ``None``, the default: the emulator's default, see
         :func:`~.runtime.default_max_task_processes`).
+    :param read_quota_per_minute: Admin API reads admitted per minute per project and region
+        (``serve --read-quota-per-minute``, see :mod:`.quota`); ``None``: Cloud Run's, as ``serve``.
+        The default here is 0, off: tests and the demo poll every 0.05 to 2 s and create dozens of
+        jobs a minute in one project and region, far above what Cloud Run admits; a caller
+        checking that it stays within Cloud Run's quotas passes ``None`` or a limit.
+    :param write_quota_per_minute: Admin API writes likewise (default 0, off; ``None``: Cloud Run's).
+    :param quota_window_seconds: the quotas' window (``None``, the default: 60 s).
     """
 
     def __init__(self, data_dir, images_file=None, grace_seconds: float = 10.0, extra_args=(),
-                 start_timeout: float = 30.0, max_task_processes: Optional[int] = None) -> None:
+                 start_timeout: float = 30.0, max_task_processes: Optional[int] = None,
+                 read_quota_per_minute: Optional[int] = 0, write_quota_per_minute: Optional[int] = 0,
+                 quota_window_seconds: Optional[float] = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
                       "--grpc-port", "0", "--gcs-port", "0", "--data-dir", str(self.data_dir),
                       "--grace-seconds", str(grace_seconds)]
+        for flag, value in (("--read-quota-per-minute", read_quota_per_minute),
+                            ("--write-quota-per-minute", write_quota_per_minute),
+                            ("--quota-window-seconds", quota_window_seconds)):
+            if value is not None:
+                self._argv += [flag, str(value)]
         if max_task_processes is not None:
             self._argv += ["--max-task-processes", str(max_task_processes)]
         tables = images_file if isinstance(images_file, (list, tuple)) else [images_file]
@@ -163,6 +178,14 @@ class EmulatorProcess:
     def attempts(self, name: str) -> list:
         """Every ended attempt of an execution (or task): see ``/_emulator/attempts`` in :mod:`.app`."""
         return self._admin("GET", f"/_emulator/attempts/{name}", None)["attempts"]
+
+    def requests(self, project: Optional[str] = None, region: Optional[str] = None, reset: bool = False) -> dict:
+        """The API request counters (``/_emulator/requests``, see :mod:`.app`), of one project
+        and/or region when given; ``reset=True`` reads all and zeroes them."""
+        if reset:
+            return self._admin("DELETE", "/_emulator/requests", None)
+        query = urllib.parse.urlencode({k: v for k, v in (("project", project), ("region", region)) if v is not None})
+        return self._admin("GET", "/_emulator/requests" + (f"?{query}" if query else ""), None)
 
     def _admin(self, method: str, path: str, payload: Optional[dict]) -> dict:
         answer = post_json(self.endpoint + path, payload, method=method)

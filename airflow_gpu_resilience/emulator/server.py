@@ -34,6 +34,7 @@ from .faults import ApiFaults, PreemptionPlan
 from .gcs import GcsService
 from .gcsfuse import VolumeMounts
 from .images import ImageTable
+from .quota import QuotaSettings, RequestQuota
 from .runtime import RuntimeConfig, RuntimePolicy
 
 
@@ -56,6 +57,8 @@ class ServeConfig:
     :param google_endpoint: also stand in for ``run.googleapis.com:443`` (a TLS gRPC port behind
         an HTTP ``CONNECT`` proxy; see :mod:`.google_endpoint`) and put the environment that
         leads gRPC there in the ready line's ``googleEndpointEnv``.
+    :param quota: the Admin API request quota per project and region, over both transports
+        (default: Cloud Run's, 600 reads and 60 writes a minute; see :mod:`.quota`).
     """
 
     data_dir: Path
@@ -69,6 +72,7 @@ class ServeConfig:
     volumes: str = "auto"
     fuse_strict: bool = False
     google_endpoint: bool = False
+    quota: QuotaSettings = dataclasses.field(default_factory=QuotaSettings)
 
 
 class _Server(uvicorn.Server):
@@ -105,10 +109,10 @@ def serve(config: ServeConfig) -> None:
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
                             policy=config.policy, mounts=mounts)
     registry = Registry(runtime, endpoint)
-    state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts)
+    state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts, quota=RequestQuota(config.quota))
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     identity = google_endpoint.make_identity(data_dir / "google-tls") if config.google_endpoint else None
-    rpc_server, grpc_endpoint, tls_port = grpc_server.start(registry, state.faults, config.grpc_port,
+    rpc_server, grpc_endpoint, tls_port = grpc_server.start(registry, state.faults, state.quota, config.grpc_port,
                                                             identity[:2] if identity else None)  # first to fail
     proxy = google_endpoint.ConnectProxy(tls_port).start() if identity else None
     print(mounts.banner(), file=sys.stderr, flush=True)
