@@ -255,7 +255,7 @@ class GpuJobSpec:
         for key, value in self.env.items():
             problem = env_var_problem(key, value)
             if problem:
-                raise ValueError(f"env: {problem}")
+                raise ValueError(f"env[{key!r}]: {problem}")
         own = self.env.get(CHECKPOINT_DIR_ENV)
         if self.checkpoint_bucket and own is not None and own != self.checkpoint_mount_path:
             raise ValueError(

@@ -35,7 +35,7 @@ REQUIRED = {
 }
 #: Extras (name -> requirement names).
 EXTRAS = {
-    "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy"},
+    "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy", "grpcio", "cryptography"},
     "examples": {"numpy", "scikit-learn"},
     "dev": {"pytest", "pytest-xdist", "torch", "matplotlib", "build"},
     "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
