@@ -6,7 +6,6 @@ built by :class:`~airflow_gpu_resilience.hooks.cloud_run_clients.CloudRunClients
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 import uuid
@@ -20,11 +19,7 @@ from google.api_core.retry import Retry, if_exception_type
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
 
-from airflow.providers.google.common.hooks.base_google import (
-    PROVIDE_PROJECT_ID,
-    GoogleBaseAsyncHook,
-    GoogleBaseHook,
-)
+from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
 
 from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
 from airflow_gpu_resilience.hooks.cloud_run_clients import CloudRunClientsMixin
@@ -192,9 +187,11 @@ class PollStep:
 class ExecutionWatch:
     """The pure part of waiting for an execution to finish: one :meth:`step` per poll, no I/O.
 
-    The hook's blocking :meth:`CloudRunGpuHook.wait_for_execution` and the trigger's async loop
-    share it: each fetches the execution and its tasks, passes them to :meth:`step` (``None``
-    after a transient API error) and sleeps as it says. The clock is passed in.
+    The hook's blocking :meth:`CloudRunGpuHook.wait_for_execution` and the triggers' shared
+    watcher (:mod:`~airflow_gpu_resilience.triggers.execution_watcher`, one per watched
+    execution, without a timeout) share it: each fetches the execution and its tasks, passes them
+    to :meth:`step` (``None`` after a transient API error) and waits as it says. The clock is
+    passed in.
 
     :param poll_interval: seconds between polls (> 0).
     :param timeout: seconds to wait in total, or ``None`` to wait forever.
@@ -754,42 +751,11 @@ class CloudRunGpuHook(CloudRunClientsMixin, GoogleBaseHook):
             time.sleep(step.sleep_seconds)
 
 
-class CloudRunGpuAsyncHook(GoogleBaseAsyncHook):
-    """Async twin of :class:`CloudRunGpuHook` for triggers.
+def __getattr__(name: str) -> Any:
+    """``CloudRunGpuAsyncHook`` moved to :mod:`~airflow_gpu_resilience.hooks.cloud_run_async`; the old
+    import path still works (loaded on first use, since that module imports this one)."""
+    if name == "CloudRunGpuAsyncHook":
+        from airflow_gpu_resilience.hooks.cloud_run_async import CloudRunGpuAsyncHook
 
-    The Cloud Run async clients have no REST transport, so every call runs the sync hook's
-    method in a worker thread (``asyncio.to_thread``). The sync hook is built once, off the event
-    loop, by :meth:`GoogleBaseAsyncHook.get_sync_hook` from :attr:`sync_hook_class`.
-
-    :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
-    :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
-    :param transport: ``"rest"``, ``"grpc"`` or ``None`` (see :class:`CloudRunGpuHook`).
-    :param kwargs: further :class:`CloudRunGpuHook` arguments.
-    """
-
-    sync_hook_class = CloudRunGpuHook
-
-    def __init__(
-        self,
-        gcp_conn_id: str = CloudRunGpuHook.default_conn_name,
-        impersonation_chain: str | Sequence[str] | None = None,
-        transport: Literal["rest", "grpc"] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(gcp_conn_id=gcp_conn_id, impersonation_chain=impersonation_chain, transport=transport,
-                         **kwargs)
-
-    async def get_execution(self, execution: str) -> run_v2.Execution:
-        """Async :meth:`CloudRunGpuHook.get_execution` for a full execution name."""
-        hook = await self.get_sync_hook()
-        return await asyncio.to_thread(hook.get_execution, execution=execution)
-
-    async def list_tasks(self, execution: str) -> list[run_v2.Task]:
-        """Async :meth:`CloudRunGpuHook.list_tasks` for a full execution name."""
-        hook = await self.get_sync_hook()
-        return await asyncio.to_thread(hook.list_tasks, execution=execution)
-
-    async def cancel_execution(self, execution: str) -> run_v2.Execution:
-        """Async :meth:`CloudRunGpuHook.cancel_execution` for a full execution name."""
-        hook = await self.get_sync_hook()
-        return await asyncio.to_thread(hook.cancel_execution, execution=execution)
+        return CloudRunGpuAsyncHook
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,26 +1,24 @@
-"""Async trigger that waits for a Cloud Run execution to finish."""
+"""Async trigger that waits for a Cloud Run execution to finish.
+
+Importing this module is light (the standard library and Airflow's trigger base class): the
+triggerer imports it on its event loop. The Google clients, the hook and the shared watcher
+(:mod:`.execution_watcher`) are imported in a thread the first time a trigger runs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import importlib
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
+from types import ModuleType
 from typing import Any, Literal
 
-from google.api_core import exceptions as gexc
-
 from airflow_gpu_resilience.compat import AIRFLOW_V_3_0_PLUS, BaseTrigger, TriggerEvent
-
-from airflow_gpu_resilience.hooks.cloud_run import (
-    TRANSIENT_ERRORS,
-    CloudRunGpuAsyncHook,
-    ExecutionWatch,
-    PollState,
-)
-from airflow_gpu_resilience.outcome import ExecutionState, completion_message, execution_state
 
 #: Most attempt records one event carries (keeps events small; the oldest are kept).
 MAX_ATTEMPT_RECORDS = 200
@@ -39,15 +37,26 @@ class ExecutionEventStatus(str, enum.Enum):
     ERROR = "error"
 
 
-_STATUS_OF = {
-    ExecutionState.SUCCEEDED: ExecutionEventStatus.SUCCEEDED,
-    ExecutionState.FAILED: ExecutionEventStatus.FAILED,
-    ExecutionState.CANCELLED: ExecutionEventStatus.CANCELLED,
-}
+#: The modules a trigger needs once it runs, imported in a thread (:func:`_import`).
+_WATCHER_MODULE = "airflow_gpu_resilience.triggers.execution_watcher"
+_OUTCOME_MODULE = "airflow_gpu_resilience.outcome"
+_ASYNC_HOOK_MODULE = "airflow_gpu_resilience.hooks.cloud_run_async"
+
+
+async def _import(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` in a thread the first time, so that the Google clients'
+    import never blocks the triggerer's event loop."""
+    module = sys.modules.get(name)
+    return module if module is not None else await asyncio.to_thread(importlib.import_module, name)
 
 
 class CloudRunGpuExecutionTrigger(BaseTrigger):
-    """Poll a Cloud Run execution until it finishes; yield one small JSON event.
+    """Wait for a Cloud Run execution to finish; yield one small JSON event.
+
+    The trigger does not poll on its own: it subscribes to the shared watcher of its
+    execution's connection and region (:mod:`~airflow_gpu_resilience.triggers.execution_watcher`),
+    which lists the region's executions once per poll interval for every trigger of the
+    process and reads tasks only where an attempt ended.
 
     The event is ``{"status", "execution", "message", "attempts", "carry"}``:
 
@@ -56,20 +65,22 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
       API error);
     - ``execution``: the full execution name;
     - ``message``: the execution's ``Completed`` condition message or the error;
-    - ``attempts``: finished task attempts seen while polling
+    - ``attempts``: finished task attempts seen while watching
       (:meth:`~airflow_gpu_resilience.outcome.AttemptRecord.to_dict`), at most 200;
     - ``carry``: the ``carry`` argument, unchanged (state the operator needs back).
 
     The classification of the tasks is left to the operator, which re-reads them with a fresh
-    hook; transient API errors (503, 429, deadline, a broken connection, and the hook's
-    retries giving up) are retried at the next poll and never end the wait.
+    hook; transient API errors (503, 429, deadline, a broken connection) delay the watcher's
+    next poll, with jittered backoff, and never end the wait.
 
     :param execution: full execution name.
     :param gcp_conn_id: Airflow connection id (default ``google_cloud_default``).
     :param impersonation_chain: service account (or chain) to impersonate, or ``None``.
     :param transport: ``"rest"``, ``"grpc"`` or ``None`` (chosen from the endpoint; always gRPC under
         ``CLOUD_RUN_EMULATOR_HOST``, see :mod:`~airflow_gpu_resilience.hooks.cloud_run_clients`).
-    :param poll_interval: seconds between polls (default 10).
+    :param poll_interval: seconds between polls (default 10); the watcher polls at the smallest
+        interval its triggers ask for, at least
+        :data:`~airflow_gpu_resilience.triggers.watch_rules.MIN_POLL_INTERVAL`.
     :param timeout: seconds to wait in total before a ``timeout`` event; ``None`` waits forever.
     :param carry: JSON-able dict echoed back in the event (default ``None``).
     :param cancel_on_kill: cancel the execution when a user kills the deferred task (marks it
@@ -127,27 +138,21 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         """The ``timeout`` to defer to this trigger with: ``timeout`` plus :data:`DEFER_TIMEOUT_MARGIN`."""
         return None if self.timeout is None else timedelta(seconds=self.timeout + DEFER_TIMEOUT_MARGIN)
 
-    def _hook(self) -> CloudRunGpuAsyncHook:
-        return CloudRunGpuAsyncHook(
-            gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain, transport=self.transport
-        )
-
-    def _event(self, status: ExecutionEventStatus, message: str, watch: ExecutionWatch) -> TriggerEvent:
+    def _event(self, status: ExecutionEventStatus, message: str, watched: Any) -> TriggerEvent:
         return TriggerEvent(
             {
                 "status": status.value,
                 "execution": self.execution,
                 "message": message,
-                "attempts": watch.attempts.to_dicts(MAX_ATTEMPT_RECORDS),
+                "attempts": watched.watch.attempts.to_dicts(MAX_ATTEMPT_RECORDS),
                 "carry": self.carry,
             }
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        """Poll with ``asyncio.sleep`` until the execution finishes or ``timeout`` passes."""
+        """Wait, through the region's shared watcher, until the execution finishes or ``timeout`` passes."""
         try:
-            async for event in self._poll():
-                yield event
+            event = await self._wait()
         except asyncio.CancelledError:
             if self.cancel_on_kill and not self._cancel_sent:
                 # Shielded: the triggerer repeats the cancellation while the trigger runs, which
@@ -156,34 +161,31 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(self._cancelling)
             raise
+        yield event
 
     async def _cancel_if_killed_by_user(self) -> None:
         if await self._killed_by_user():
             await self._cancel("the task instance is no longer deferred")
 
-    async def _poll(self) -> AsyncIterator[TriggerEvent]:
-        hook = self._hook()
-        watch = ExecutionWatch(self.poll_interval, self.timeout, time.monotonic())
-        while True:
-            execution, tasks = None, []
+    async def _wait(self) -> TriggerEvent:
+        """Subscribe to the execution's watcher; the event once its watch ends or ``timeout`` passes.
+        The subscription ends with this call (also when it is cancelled)."""
+        started = time.monotonic()
+        watcher = await _import(_WATCHER_MODULE)
+        outcome = await _import(_OUTCOME_MODULE)
+        async with watcher.watch_execution(
+            self.execution, gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
+            transport=self.transport, poll_interval=self.poll_interval,
+        ) as watched:
+            left = None if self.timeout is None else max(0.0, self.timeout - (time.monotonic() - started))
             try:
-                fetched = await hook.get_execution(self.execution)
-                tasks = await hook.list_tasks(self.execution)
-                execution = fetched
-            except (*TRANSIENT_ERRORS, gexc.RetryError) as exc:
-                self.log.warning("Transient error polling %s: %s; retrying", self.execution, exc)
-            except gexc.GoogleAPIError as exc:
-                yield self._event(ExecutionEventStatus.ERROR, f"{type(exc).__name__}: {exc}", watch)
-                return
-            step = watch.step(execution, tasks, time.monotonic())
-            if step.state is PollState.FINISHED:
-                status = _STATUS_OF[execution_state(execution)]
-                yield self._event(status, completion_message(execution), watch)
-                return
-            if step.state is PollState.TIMED_OUT:
-                yield self._event(ExecutionEventStatus.TIMEOUT, f"still running after {self.timeout} s", watch)
-                return
-            await asyncio.sleep(step.sleep_seconds)
+                result = await asyncio.wait_for(asyncio.shield(watched.done), left)
+            except asyncio.TimeoutError:
+                return self._event(ExecutionEventStatus.TIMEOUT, f"still running after {self.timeout} s", watched)
+        if result.error is not None:
+            return self._event(ExecutionEventStatus.ERROR, result.error, watched)
+        status = ExecutionEventStatus[outcome.execution_state(result.execution).name]
+        return self._event(status, outcome.completion_message(result.execution), watched)
 
     async def on_kill(self) -> None:
         """Cancel the execution when a user kills the deferred task (if ``cancel_on_kill``)."""
@@ -196,8 +198,13 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
     async def _cancel(self, why: str) -> None:
         self._cancel_sent = True
         self.log.info("Cancelling execution %s: %s", self.execution, why)
+        hooks = await _import(_ASYNC_HOOK_MODULE)
+        from google.api_core import exceptions as gexc  # imported with the hook's module
+
+        hook = hooks.CloudRunGpuAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
+                                          transport=self.transport)
         try:
-            await self._hook().cancel_execution(self.execution)
+            await hook.cancel_execution(self.execution)
         except gexc.NotFound:
             self.log.info("Execution %s no longer exists", self.execution)
         except gexc.FailedPrecondition as exc:  # already finished or cancelled
