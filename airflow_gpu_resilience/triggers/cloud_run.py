@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import enum
 import importlib
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
@@ -43,11 +42,17 @@ _OUTCOME_MODULE = "airflow_gpu_resilience.outcome"
 _ASYNC_HOOK_MODULE = "airflow_gpu_resilience.hooks.cloud_run_async"
 
 
+_IMPORTED: dict[str, ModuleType] = {}
+
+
 async def _import(name: str) -> ModuleType:
-    """``importlib.import_module(name)`` in a thread the first time, so that the Google clients'
-    import never blocks the triggerer's event loop."""
-    module = sys.modules.get(name)
-    return module if module is not None else await asyncio.to_thread(importlib.import_module, name)
+    """``importlib.import_module(name)`` in a thread until it returned once, so that the Google
+    clients' import never blocks the triggerer's event loop. Triggers starting together each wait
+    in their thread on Python's import lock: none sees the module half-imported."""
+    module = _IMPORTED.get(name)
+    if module is None:
+        module = _IMPORTED[name] = await asyncio.to_thread(importlib.import_module, name)
+    return module
 
 
 class CloudRunGpuExecutionTrigger(BaseTrigger):

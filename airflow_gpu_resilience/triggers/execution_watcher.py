@@ -135,6 +135,8 @@ class ExecutionWatcher:
     :param key: the connection and region.
     :param hook: the async hook its reads go through.
     :param rng: the backoff's random source.
+
+    :attr:`polls` counts the polls that listed the region (each one paged ListExecutions).
     """
 
     key: WatcherKey
@@ -207,10 +209,10 @@ class ExecutionWatcher:
         :raises google.api_core.exceptions.GoogleAPIError: a listing's error (:data:`RETRYABLE`
             ones delay the next poll; the watches stay).
         """
-        self.polls += 1
         pending = {name: e for name, e in self.watched.items() if not e.done.done()}
         if not pending:
             return
+        self.polls += 1
         found, region_tasks = await self._list(set(pending))
         for name in set(pending) - set(found):  # not in a complete listing: ask for it alone
             try:
