@@ -97,6 +97,8 @@ class TaskOutcome:
     :param status_code: ``google.rpc.Code`` of the last attempt's status.
     :param message: the last attempt's status message.
     :param log_uri: the task's log URI (may be empty).
+    :param reason: why the worker says it stopped for good, from its own files in the checkpoint
+        bucket (:func:`~airflow_gpu_resilience.outcome.with_worker_reason`); ``""`` when they say nothing.
     """
 
     index: int
@@ -107,9 +109,10 @@ class TaskOutcome:
     status_code: int = 0
     message: str = ""
     log_uri: str = ""
+    reason: str = ""
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-able form for XCom and trigger events."""
+        """JSON-able form for XCom and trigger events (``reason`` only when there is one)."""
         return {
             "index": self.index,
             "attempts": self.attempts,
@@ -119,6 +122,7 @@ class TaskOutcome:
             "status_code": self.status_code,
             "message": self.message,
             "log_uri": self.log_uri,
+            **({"reason": self.reason} if self.reason else {}),
         }
 
 

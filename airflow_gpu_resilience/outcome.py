@@ -2,7 +2,10 @@
 
 :func:`decide` turns the classified tasks of a finished execution into an :class:`Action` (the
 last column of the README's outcome table, in :mod:`~airflow_gpu_resilience.classification`).
-Pure: no I/O, no clocks.
+Pure: no I/O, no clocks. :func:`with_worker_reason` adds what the worker's own files say about a
+non-retryable stop (its ``FATAL`` marker, a newer release's commit record) to a classified task,
+so that the decision, and the Airflow task's error, give the worker's reason and not only an
+exit code.
 
 This module is also the one import path for the outcome API: the classification
 (:mod:`~airflow_gpu_resilience.classification`) and the attempt records
@@ -11,10 +14,11 @@ This module is also the one import path for the outcome API: the classification
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from airflow_gpu_resilience.attempt_log import AttemptLog, AttemptRecord, observe_attempts
 from airflow_gpu_resilience.classification import (
@@ -45,8 +49,18 @@ __all__ = [
     "Action", "AttemptLog", "AttemptRecord", "Decision", "ExecutionState", "OutcomeClass", "TaskOutcome",
     "classify_attempt", "classify_attempt_result", "classify_task", "completed_condition", "completion_message",
     "deadline_window", "decide", "describe_task", "elapsed_seconds", "execution_state", "observe_attempts",
-    "task_timeout_seconds",
+    "task_timeout_seconds", "REFUSAL_EXIT_CODE", "WORKER_FATAL_EXIT_CODES", "wants_worker_reason",
+    "with_worker_reason",
 ]
+
+#: The exit codes for which the bundled worker writes a ``FATAL`` marker with its reason in the task
+#: folder: the BSD sysexits range (``worker/README.md``, "Exit codes").
+WORKER_FATAL_EXIT_CODES: frozenset[int] = frozenset(range(64, 79))
+#: The worker's exit code for what it refuses to run with (``EX_CONFIG``), among them a commit
+#: record a newer release of the worker wrote (the image was rolled back).
+REFUSAL_EXIT_CODE = 78
+#: The most characters of a worker's reason that are kept (the marker is a file in the bucket).
+MAX_REASON_CHARS = 1000
 
 
 class Action(str, enum.Enum):
@@ -88,7 +102,8 @@ def decide(
 
     Precedence: a user cancellation > any FATAL task > any FAILED task > any PREEMPTED/TIMED_OUT
     task (re-run while the budget lasts) > success. Tasks CANCELLED while the execution was not
-    (the system stopping siblings of a failed task) count as INCOMPLETE.
+    (the system stopping siblings of a failed task) count as INCOMPLETE. The reason of a FATAL or
+    FAILED decision is the blamed task's ``reason`` (:func:`with_worker_reason`) when it has one.
 
     The budget of a PREEMPTED/TIMED_OUT execution: with ``progress`` (a checkpoint bucket) the rule
     of :func:`~airflow_gpu_resilience.rerun_budget.decide_rerun`; without, the fixed budget
@@ -110,10 +125,12 @@ def decide(
     by_class = {c: [t for t in tasks if t.outcome is c] for c in OutcomeClass}
     if by_class[OutcomeClass.FATAL]:
         task = by_class[OutcomeClass.FATAL][0]
-        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.FATAL, f"{describe_task(task)}: non-retryable exit code", task)
+        why = task.reason or "non-retryable exit code"
+        return Decision(Action.FAIL_NO_RETRY, OutcomeClass.FATAL, f"{describe_task(task)}: {why}", task)
     if by_class[OutcomeClass.FAILED]:
         task = by_class[OutcomeClass.FAILED][0]
-        return Decision(Action.FAIL, OutcomeClass.FAILED, f"{describe_task(task)}: failed after its retries", task)
+        why = "failed after its retries" + (f"; the worker says: {task.reason}" if task.reason else "")
+        return Decision(Action.FAIL, OutcomeClass.FAILED, f"{describe_task(task)}: {why}", task)
     resumable = by_class[OutcomeClass.PREEMPTED] + by_class[OutcomeClass.TIMED_OUT]
     if resumable:
         if progress is not None:
@@ -156,3 +173,58 @@ def describe_task(task: TaskOutcome) -> str:
     if task.message:
         text += f", {task.message!r}"
     return text + ")"
+
+
+def wants_worker_reason(task: TaskOutcome) -> bool:
+    """Whether the worker's files may say why ``task`` stopped for good (see :func:`with_worker_reason`).
+
+    :param task: a classified task.
+    :return: ``True`` when its last attempt ended FATAL or FAILED with an exit code (not a signal)
+        in :data:`WORKER_FATAL_EXIT_CODES`, for which the bundled worker writes a ``FATAL`` marker.
+    """
+    return (task.outcome in (OutcomeClass.FATAL, OutcomeClass.FAILED) and task.term_signal is None
+            and task.exit_code in WORKER_FATAL_EXIT_CODES)
+
+
+def with_worker_reason(task: TaskOutcome, marker: Any = None, newer: str | None = None) -> TaskOutcome:
+    """``task`` with the worker's reason for its non-retryable stop, FATAL when a re-run can never help.
+
+    The worker's ``FATAL`` marker (``{exit_code, reason, ..., newer_record}``, ``worker/README.md``,
+    "The task folder's contract") applies when its ``exit_code`` is the task's: its ``reason``
+    becomes the task's. A task that exited :data:`REFUSAL_EXIT_CODE` (78) because its folder holds
+    a commit record of a newer worker release (the marker's ``newer_record``, or ``newer`` read
+    from the folder by the provider) is FATAL, whatever ``fatal_exit_codes`` says: every re-run of
+    that image refuses the folder too. Without a marker that applies, ``newer`` is the reason.
+
+    ===============================  =====================  =========  ======================
+    Last attempt                     The marker             ``newer``  Result
+    ===============================  =====================  =========  ======================
+    not :func:`wants_worker_reason`  any                    any        unchanged
+    exit 78                          with ``newer_record``  any        FATAL, its reason
+    exit 78                          without                set        FATAL, its reason
+    exit 78                          does not apply         set        FATAL, ``newer``
+    exit 64-78                       without                unset      class kept, its reason
+    exit 64-78                       does not apply         unset      unchanged
+    ===============================  =====================  =========  ======================
+
+    :param task: a classified task (:func:`classify_task`).
+    :param marker: the decoded JSON of the task folder's ``FATAL`` file (anything: a malformed
+        one, or one of another exit code, does not apply), ``None`` when there is none.
+    :param newer: why the task folder's newest commit record is a newer release's, as the
+        provider reads the folder, or ``None``.
+    :return: the task, with ``reason`` (at most :data:`MAX_REASON_CHARS` characters) and class.
+    """
+    if not wants_worker_reason(task):
+        return task
+    applies = (isinstance(marker, dict) and type(marker.get("exit_code")) is int
+               and marker["exit_code"] == task.exit_code and isinstance(marker.get("reason"), str)
+               and marker["reason"].strip() != "")
+    refusal = task.exit_code == REFUSAL_EXIT_CODE
+    if applies:
+        reason = marker["reason"].strip()
+    else:
+        reason = (newer or "") if refusal else ""
+    refused = refusal and (bool(newer) or (applies and isinstance(marker.get("newer_record"), dict)))
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 3] + "..."
+    return dataclasses.replace(task, reason=reason, outcome=OutcomeClass.FATAL if refused else task.outcome)

@@ -306,13 +306,16 @@ class CloudRunGpuRunManager:
         :param attempts: its attempts seen while polling (the last ones are added here).
         :return: the summary, or the re-run to wait for.
         :raises CloudRunGpuExecutionError: a task FAILED.
-        :raises CloudRunGpuFatalError: FATAL, cancelled, or the re-run budget is exhausted.
+        :raises CloudRunGpuFatalError: FATAL (with the worker's reason when its files give one, see
+            :meth:`CheckpointProgress.worker_reasons`), cancelled, or the re-run budget is exhausted.
         """
         self.copy_container_logs(execution, finished=True)
         finished = self.hook.get_execution(execution=execution)
         tasks = self.hook.list_tasks(execution=execution)
         attempts.observe(tasks)
         outcomes = [classify_task(t, self.settings.fatal_exit_codes) for t in tasks]
+        if self.progress is not None:  # the worker's own reason for a non-retryable stop, from its files
+            outcomes = self.progress.worker_reasons(outcomes, timeout=self.settings.progress_read_timeout)
         reruns_used = self.reruns_used(run)
         run.classes[execution] = _execution_class(outcomes, execution_state(finished)).value
         history, now = self.history(run)

@@ -3,21 +3,29 @@
 The run manager's reads of the bucket, through
 :class:`~airflow_gpu_resilience.hooks.progress.CheckpointFilesHook` (best effort: an unreadable
 file never fails the task): the newest committed checkpoint step of every task, the progress
-history of the task instance's executions built from it, the tasks' ``progress.json`` lines and
-the work each preemption lost.
+history of the task instance's executions built from it, the tasks' ``progress.json`` lines, the
+work each preemption lost, and the worker's reason for a task it stopped for good (its ``FATAL``
+marker, a newer release's commit record).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from google.cloud import run_v2
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
-from airflow_gpu_resilience.outcome import OutcomeClass
+from airflow_gpu_resilience.outcome import (
+    REFUSAL_EXIT_CODE,
+    OutcomeClass,
+    TaskOutcome,
+    wants_worker_reason,
+    with_worker_reason,
+)
 from airflow_gpu_resilience.rerun_budget import ExecutionProgress
 from airflow_gpu_resilience.run_state import (
     DEFAULT_PROGRESS_READ_TIMEOUT,
@@ -28,10 +36,14 @@ from airflow_gpu_resilience.run_state import (
     decode_steps,
 )
 
-__all__ = ["MAX_PROGRESS_TASKS", "CheckpointProgress", "progress_history"]
+__all__ = ["FATAL_FILE", "MAX_PROGRESS_TASKS", "CheckpointProgress", "progress_history"]
 
-#: Most tasks whose progress files are read (per poll) and whose lost work is reported.
+#: Most tasks whose progress files are read (per poll), whose lost work is reported and whose
+#: ``FATAL`` marker is read (per execution).
 MAX_PROGRESS_TASKS = 16
+#: The worker's marker of a non-retryable error in its task folder: ``{exit_code, reason, ...}``
+#: (``worker/README.md``, "The task folder's contract").
+FATAL_FILE = "FATAL"
 
 
 def progress_history(
@@ -106,3 +118,32 @@ class CheckpointProgress:
                              item["task_index"], item["lost_steps"], item["attempt"], item["execution"],
                              item["resumed_from_step"])
         return lost  # type: ignore[return-value]
+
+    def worker_reasons(self, outcomes: Sequence[TaskOutcome],
+                       timeout: float = DEFAULT_PROGRESS_READ_TIMEOUT) -> list[TaskOutcome]:
+        """``outcomes`` with the worker's reason for each non-retryable stop (see
+        :func:`~airflow_gpu_resilience.outcome.with_worker_reason`, which also makes a refusal of
+        a newer release's commit record FATAL).
+
+        Reads the ``FATAL`` marker of the first :data:`MAX_PROGRESS_TASKS` tasks that
+        :func:`~airflow_gpu_resilience.outcome.wants_worker_reason`, and, when one of them exited
+        78, the task folders' commit records (one listing,
+        :meth:`~airflow_gpu_resilience.hooks.progress.CheckpointFilesHook.task_checkpoints`).
+        Best effort: what cannot be read leaves the task as it was.
+
+        :param outcomes: the execution's classified tasks.
+        :param timeout: seconds each request of the listing may be retried for (>= 0; default
+            :data:`~airflow_gpu_resilience.run_state.DEFAULT_PROGRESS_READ_TIMEOUT`).
+        :return: the tasks, in the same order.
+        """
+        wanting = [o for o in outcomes if wants_worker_reason(o)][:MAX_PROGRESS_TASKS]
+        markers: dict[int, Any] = {o.index: self.files.read_json(o.index, FATAL_FILE) for o in wanting}
+        newer: dict[int, str] = {}
+        if any(o.exit_code == REFUSAL_EXIT_CODE for o in wanting):
+            folders = self.files.task_checkpoints(retry=DEFAULT_RETRY.with_timeout(timeout)) or {}
+            for index in markers:
+                found = folders.get(index)
+                if found is not None and found.newer is not None:  # "task i: " is said by the decision already
+                    newer[index] = found.newer.reason(index).removeprefix(f"task {index}: ")
+        return [with_worker_reason(o, markers.get(o.index), newer.get(o.index)) if o.index in markers else o
+                for o in outcomes]

@@ -21,6 +21,8 @@ from airflow_gpu_resilience.outcome import (
     classify_task,
     decide,
     execution_state,
+    wants_worker_reason,
+    with_worker_reason,
 )
 
 MAINTENANCE = "Container instance preemption initiated by the platform due to underlying hardware maintenance."
@@ -207,6 +209,79 @@ def test_decide(tasks, state, used, action, outcome, reason):
 def test_decide_zero_budget_fails_on_first_preemption():
     decision = decide([t(0, C.PREEMPTED, 143)], state=ExecutionState.FAILED, reruns_used=0, max_reruns=0)
     assert decision.action is Action.FAIL_NO_RETRY and "budget exhausted" in decision.reason
+
+
+#: The worker's marker of a newer release's commit record (worker/README.md, ``FATAL``), and its reason.
+NEWER_REASON = ("commit record /ckpt/job/task-0/ckpt-00000120.commit.json has format 99 (this release reads formats up "
+                "to 1): a newer release of the worker wrote it (was the image rolled back?); nothing was resumed or deleted")
+NEWER_MARKER = {"exit_code": 78, "reason": NEWER_REASON, "created_at": "2026-01-01T00:00:00Z", "invocation": None,
+                "newer_record": {"file": "/ckpt/job/task-0/ckpt-00000120.commit.json", "format": 99, "digest": None}}
+BAD_FLAG = {"exit_code": 78, "reason": "--lr must be a finite number > 0, got inf", "invocation": None}
+DIVERGED = {"exit_code": 70, "reason": "training diverged at step 12: loss is nan"}
+FOLDER = "commit record ckpt-00000120.commit.json has format 99, written by a newer worker release"
+
+
+@pytest.mark.parametrize(
+    ("task", "marker", "newer", "outcome", "reason"),
+    [
+        # a refusal of a newer release's record: FATAL, also when fatal_exit_codes left 78 out (FAILED)
+        (t(0, C.FATAL, 78), NEWER_MARKER, None, C.FATAL, NEWER_REASON),
+        (t(0, C.FAILED, 78), NEWER_MARKER, None, C.FATAL, NEWER_REASON),
+        (t(0, C.FAILED, 78), NEWER_MARKER, FOLDER, C.FATAL, NEWER_REASON),  # the worker's words first
+        (t(0, C.FAILED, 78), None, FOLDER, C.FATAL, FOLDER),  # no marker: the provider's reading of the folder
+        (t(0, C.FAILED, 78), DIVERGED, FOLDER, C.FATAL, FOLDER),  # a marker of another exit code does not apply
+        (t(0, C.FAILED, 78), BAD_FLAG, FOLDER, C.FATAL, BAD_FLAG["reason"]),
+        # any other marker: its reason, the class that fatal_exit_codes gave
+        (t(0, C.FATAL, 78), BAD_FLAG, None, C.FATAL, BAD_FLAG["reason"]),
+        (t(0, C.FAILED, 78), BAD_FLAG, None, C.FAILED, BAD_FLAG["reason"]),
+        (t(0, C.FATAL, 70), DIVERGED, None, C.FATAL, DIVERGED["reason"]),
+        (t(0, C.FAILED, 70), DIVERGED, FOLDER, C.FAILED, DIVERGED["reason"]),  # a newer record matters for 78 only
+        # no marker that applies: unchanged
+        (t(0, C.FATAL, 65), DIVERGED, None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), None, None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), "not a marker", None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), {"exit_code": "78", "reason": "x"}, None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), {"exit_code": True, "reason": "x"}, None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), {"exit_code": 78, "reason": "  "}, None, C.FATAL, ""),
+        (t(0, C.FATAL, 78), {"exit_code": 78, "reason": ["x"]}, None, C.FATAL, ""),
+        # not a worker's non-retryable stop: never read, never changed
+        (t(0, C.PREEMPTED, 143), NEWER_MARKER, FOLDER, C.PREEMPTED, ""),
+        (t(0, C.SUCCEEDED, 0), NEWER_MARKER, FOLDER, C.SUCCEEDED, ""),
+        (t(0, C.FAILED, 1), {**NEWER_MARKER, "exit_code": 1}, FOLDER, C.FAILED, ""),
+        (t(0, C.FAILED, None, 9), NEWER_MARKER, FOLDER, C.FAILED, ""),
+        (t(0, C.CANCELLED, 78), NEWER_MARKER, FOLDER, C.CANCELLED, ""),
+        (t(0, C.FATAL, 79), {"exit_code": 79, "reason": "x"}, None, C.FATAL, ""),  # a user's code, not the worker's
+    ],
+)
+def test_with_worker_reason(task, marker, newer, outcome, reason):
+    explained = with_worker_reason(task, marker, newer)
+    assert (explained.outcome, explained.reason) == (outcome, reason)
+    assert explained.exit_code == task.exit_code and explained.index == task.index
+    assert wants_worker_reason(task) is (task.outcome in (C.FATAL, C.FAILED) and task.exit_code in range(64, 79))
+
+
+def test_a_worker_reason_is_bounded_and_travels_in_the_dict_form_only_when_there_is_one():
+    explained = with_worker_reason(t(0, C.FATAL, 78), {"exit_code": 78, "reason": "x" * 5000})
+    assert len(explained.reason) == 1000 and explained.reason.endswith("...")
+    assert explained.to_dict()["reason"] == explained.reason
+    assert "reason" not in t(0, C.FATAL, 78).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("tasks", "action", "outcome", "reason"),
+    [
+        ([t(0, C.FATAL, 78)], Action.FAIL_NO_RETRY, C.FATAL, "task 0 attempt 1 (exit code 78): non-retryable exit code"),
+        ([with_worker_reason(t(0, C.FAILED, 78), NEWER_MARKER)], Action.FAIL_NO_RETRY, C.FATAL,
+         f"task 0 attempt 1 (exit code 78): {NEWER_REASON}"),
+        ([t(0, C.FAILED, 1), with_worker_reason(t(1, C.FAILED, 78), None, FOLDER)], Action.FAIL_NO_RETRY, C.FATAL,
+         f"task 1 attempt 1 (exit code 78): {FOLDER}"),
+        ([with_worker_reason(t(0, C.FAILED, 70), DIVERGED)], Action.FAIL, C.FAILED,
+         f"task 0 attempt 1 (exit code 70): failed after its retries; the worker says: {DIVERGED['reason']}"),
+    ],
+)
+def test_decide_gives_the_workers_reason(tasks, action, outcome, reason):
+    decision = decide(tasks, state=ExecutionState.FAILED, reruns_used=0, max_reruns=3)
+    assert (decision.action, decision.outcome, decision.reason) == (action, outcome, reason)
 
 
 def test_decide_refuses_running_execution():
