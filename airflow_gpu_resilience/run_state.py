@@ -37,6 +37,7 @@ from airflow_gpu_resilience.rerun_budget import (
     DEFAULT_MAX_TOTAL_RERUNS,
     ExecutionProgress,
 )
+from airflow_gpu_resilience.run_carry import add_task_attempts, bound_attempts, compact_executions, upgrade
 
 __all__ = [
     "RERUN_ENV",
@@ -116,7 +117,10 @@ class ExecutionEntry(TypedDict):
     duration_seconds: float | None
     """Start to completion, or ``None`` when a time is missing."""
     tasks: list[dict[str, Any]]
-    """Every task's :meth:`~airflow_gpu_resilience.outcome.TaskOutcome.to_dict`."""
+    """Every task's :meth:`~airflow_gpu_resilience.outcome.TaskOutcome.to_dict`; empty for an execution
+    older than the newest :data:`~airflow_gpu_resilience.run_carry.MAX_EXECUTIONS_WITH_TASKS`."""
+    task_outcomes: NotRequired[dict[str, int]]
+    """Only where ``tasks`` was emptied: class -> its tasks in it."""
 
 
 class AttemptEntry(TypedDict):
@@ -146,6 +150,9 @@ class TaskSummary(TypedDict):
     """The listed attempts' exit codes in order; a signal death shows as ``-signal``."""
     outcomes: list[str]
     """The listed attempts' classes in order."""
+    unlisted: NotRequired[dict[str, int]]
+    """Only when some of its attempts are not listed (beyond the newest
+    :data:`~airflow_gpu_resilience.run_carry.MAX_ATTEMPTS_PER_TASK`): class -> those attempts."""
 
 
 class LostWork(TypedDict):
@@ -181,8 +188,11 @@ class RunSummary(TypedDict):
 
     Attempts are listed as seen while polling: one that starts and ends between two polls is
     counted in :attr:`TaskSummary.attempts` but not listed; the last attempt of each execution
-    always is. ``progress`` and ``lost_work`` come from the worker's ``progress.json`` and
-    ``metrics.json`` only when ``checkpoint_bucket`` is set; otherwise they are empty.
+    always is. The lists are bounded (see :mod:`~airflow_gpu_resilience.run_carry`): per task the
+    newest attempts, the rest counted in :attr:`TaskSummary.unlisted`; the newest executions with
+    their tasks, older ones with their tasks' count per class. ``progress`` and ``lost_work``
+    come from the worker's ``progress.json`` and ``metrics.json`` only when ``checkpoint_bucket``
+    is set; otherwise they are empty.
     """
 
     job: str
@@ -280,7 +290,9 @@ class RunState:
     """What one try of the execute operator carries from execution to execution.
 
     It travels through the trigger as its ``carry`` (:meth:`to_dict` / :meth:`from_dict`,
-    JSON-able), since nothing on the operator survives a deferral.
+    JSON-able), since nothing on the operator survives a deferral. Its lists are bounded by the
+    task count, not by the executions (:mod:`~airflow_gpu_resilience.run_carry`); a carry of an
+    earlier release, which listed everything, is read and bounded.
 
     :param project_id: the Google Cloud project of the job.
     :param run_key: :meth:`~airflow_gpu_resilience.operators.cloud_run.CloudRunGpuExecuteJobOperator.run_key`
@@ -296,6 +308,8 @@ class RunState:
     :param attempts: their finished task attempts.
     :param progress: the latest progress read per task.
     :param classes: execution name -> its class, once known (saves listing its tasks again).
+    :param task_attempts: task index (as a string) -> its attempts over the executions so far.
+    :param unlisted_attempts: task index (as a string) -> class -> its attempts no longer listed.
     """
 
     project_id: str
@@ -309,6 +323,8 @@ class RunState:
     attempts: list[AttemptEntry] = field(default_factory=list)
     progress: dict[str, dict[str, Any]] = field(default_factory=dict)
     classes: dict[str, str] = field(default_factory=dict)
+    task_attempts: dict[str, int] = field(default_factory=dict)
+    unlisted_attempts: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form for the trigger's ``carry``."""
@@ -316,9 +332,10 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunState:
-        """Inverse of :meth:`to_dict` (keys it does not know are ignored)."""
+        """Inverse of :meth:`to_dict` (keys it does not know are ignored); an earlier release's carry
+        is upgraded and bounded (:func:`~airflow_gpu_resilience.run_carry.upgrade`)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return cls(**{key: value for key, value in upgrade(data).items() if key in known})
 
     def next_wait(self, wait_timeout: float | None, now: float) -> float | None:
         """Seconds the next wait may last, and set :attr:`overall_limit` to whether that is the deadline.
@@ -342,7 +359,7 @@ class RunState:
         decision: Decision,
         fatal_exit_codes: Collection[int],
     ) -> list[AttemptEntry]:
-        """Record a finished execution and its attempts.
+        """Record a finished execution and its attempts (those beyond the bounds counted, not listed).
 
         :param execution: the finished execution.
         :param outcomes: its classified tasks.
@@ -366,7 +383,9 @@ class RunState:
             )
             for r in attempts.records
         ]
-        self.attempts.extend(entries)
+        add_task_attempts(self.task_attempts, self.executions[-1]["tasks"])
+        self.attempts = bound_attempts([*self.attempts, *entries], self.unlisted_attempts)
+        compact_executions(self.executions)
         return entries
 
     def summary(self, job: str, task_count: int, reruns: int, lost_work: list[LostWork],
@@ -384,9 +403,10 @@ class RunState:
         def task(index: int) -> TaskSummary:
             return tasks.setdefault(index, TaskSummary(index=index, attempts=0, exit_codes=[], outcomes=[]))
 
-        for execution in self.executions:
-            for outcome in execution["tasks"]:
-                task(outcome["index"])["attempts"] += outcome["attempts"]
+        for index, attempts in self.task_attempts.items():
+            task(int(index))["attempts"] = attempts
+        for index, counts in self.unlisted_attempts.items():
+            task(int(index))["unlisted"] = dict(counts)
         for attempt in self.attempts:
             entry = task(attempt["task_index"])
             signal = attempt["term_signal"]
