@@ -98,7 +98,7 @@ def test_run_error_for_a_missing_execution(hook, job_name):
 
 
 def test_run_records_a_maintenance_preemption_retried_inside_the_execution(hook, job_name, emulator):
-    # the retry runs 3 s: longer than the watcher's shortest poll interval, so a poll sees it running
+    # the retry runs 3 s, so that a poll sees it running (its attempt 0 result still there)
     execution = start(hook, job_name, ["sleep-first", "60", "3"], max_retries=1)
     wait_until_running(hook, execution)
     trigger = CloudRunGpuExecutionTrigger(execution=execution, poll_interval=0.05)

@@ -55,7 +55,7 @@ def test_counts_of_reads_the_execution_counts():
 @pytest.mark.parametrize("requested, expected", [
     ([10.0], 10.0),
     ([10.0, 5.0, 30.0], 5.0),
-    ([0.05], MIN_POLL_INTERVAL),
+    ([0.01], MIN_POLL_INTERVAL),
     ([], MIN_POLL_INTERVAL),
 ])
 def test_watch_interval(requested, expected):
