@@ -15,8 +15,9 @@ VENV2 := .venv-airflow2
 PY2 := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.installed
 # Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
-# the bundled worker's torch, the benchmarks' plots and the local Airflow deployment (make stack).
-EXTRAS := emulator,examples,dev,deployment
+# the bundled worker's torch, the benchmarks' plots, the local Airflow deployment (make stack)
+# and the documentation site (make docs: a few small pure-Python wheels, so one environment).
+EXTRAS := emulator,examples,dev,deployment,docs
 # Airflow 2.11 runs no deployment tests (they need Airflow 3's API server): no deployment extra there.
 EXTRAS_AIRFLOW2 := emulator,examples,dev
 # The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra
@@ -25,13 +26,14 @@ WORKER_EXTRAS := trainer,transformers,lightning
 WORKER_EXTRAS_AIRFLOW2 := trainer
 # The tests that exercise the provider against an Airflow release: hook, operators, sensor,
 # trigger, links, provider metadata and packaging, and the example DAGs (parsing, rendering and
-# two end-to-end runs through `airflow dags test`). Not the unit tests that import neither Airflow
+# two end-to-end runs through `airflow dags test`), and the google provider's own Cloud Run
+# operators against the emulator on their default gRPC transport. Not the unit tests that import neither Airflow
 # nor a Google client (the goodput account, the job-cleanup decision table, the test suite's own
 # TESTS_REQUIRE_FULL_ENV switch, the save-cost benchmark's tables): pure Python, the same on either release. Nor the training
 # chained through about five task timeouts (2.5 min of real worker attempts): what it adds to the
 # other re-run tests of its file, which run here, is the worker's deadline stop, which does not
 # depend on the Airflow release (the operator's re-run path is the same code on both).
-AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py \
+AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py tests/emulator/test_google_provider.py \
 	--ignore=tests/unit/test_goodput.py --ignore=tests/unit/test_job_cleanup.py --ignore=tests/unit/test_full_env_switch.py \
 	--ignore=tests/unit/test_bench_save_cost.py \
 	--deselect tests/provider/operators/test_progress_reruns.py::test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions
@@ -43,7 +45,7 @@ AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py \
 # that does not compile (a template or test data with a .py name) is skipped, as pip skips it.
 COMPILE := bash scripts/compile_site_packages.sh
 
-.PHONY: venv venv-airflow2 demo stack test test-deployment test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost clean
+.PHONY: venv venv-airflow2 demo docs stack test test-deployment test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost clean
 
 venv: $(STAMP)
 
@@ -66,6 +68,13 @@ $(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# The documentation site (docs/, Sphinx) into build/docs/html: every warning is an error (-W;
+# --keep-going lists all of them first), every cross-reference must resolve (-n), and every page
+# is read again (-E), so a warning in a page that did not change still fails the build.
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
+	@echo "docs: build/docs/html/index.html"
 
 # Only the real Airflow deployment's tests (PostgreSQL, scheduler, DAG processor, triggerer, API
 # server, headless Chromium; about 10 minutes on 2 cores). `make test` runs them too
