@@ -2,6 +2,7 @@
 namespace ``/_emulator``.
 
 Admin endpoints:
+
 - ``GET /_emulator/health`` -> ``{"status": "ok", "gcsEndpoint", "loggingRequests", "taskProcesses"}``
   (``loggingRequests``: Cloud Logging ``entries:list`` requests served so far; ``taskProcesses``:
   ``{"limit", "running", "peak"}``, the task processes running now and at most at once, over

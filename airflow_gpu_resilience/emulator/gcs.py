@@ -225,10 +225,10 @@ class _SyncedHandler(RequestHandler):
 class GcsService:
     """The storage server plus mount reconciliation.
 
-    :attr:`storage` is the :class:`StorageAdapter`; :attr:`root` its folder of bucket folders.
+    ``storage`` is the :class:`StorageAdapter`; ``root`` its folder of bucket folders.
 
     :param data_dir: emulator data directory; storage goes under ``data_dir / "gcs"``.
-    :param port: TCP port on 127.0.0.1 (0 picks a free one; see :attr:`port`).
+    :param port: TCP port on 127.0.0.1 (0 picks a free one; see ``port``).
     """
 
     def __init__(self, data_dir: Path, port: int) -> None:

@@ -54,9 +54,9 @@ def post_json(url: str, payload: Optional[dict], timeout: float = 30.0, method: 
 class EmulatorProcess:
     """``serve --port 0 --grpc-port 0 --gcs-port 0`` in a child process, as a context manager.
 
-    Once entered, :attr:`endpoint` is the REST API (``http://127.0.0.1:PORT``),
-    :attr:`grpc_endpoint` the gRPC API (``127.0.0.1:PORT``, for ``CLOUD_RUN_EMULATOR_HOST``) and
-    :attr:`gcs_endpoint` the GCS emulator; with ``extra_args=["--google-endpoint"]``,
+    Once entered, ``endpoint`` is the REST API (``http://127.0.0.1:PORT``),
+    ``grpc_endpoint`` the gRPC API (``127.0.0.1:PORT``, for ``CLOUD_RUN_EMULATOR_HOST``) and
+    ``gcs_endpoint`` the GCS emulator; with ``extra_args=["--google-endpoint"]``,
     :attr:`google_endpoint_env` is the environment that leads a new process's gRPC channels to
     ``run.googleapis.com:443`` here (see :mod:`.google_endpoint`; ``{}`` without the flag).
 

@@ -59,6 +59,7 @@ from .backend import NAME
 from .exceptions import ResourceExhausted
 
 SERVICE = "run.googleapis.com"
+#: The two kinds of request a quota counts: reads and writes (the mutating methods).
 READ, WRITE = "read", "write"
 #: The scope of a request whose name carries no project and region.
 NO_SCOPE = "-"

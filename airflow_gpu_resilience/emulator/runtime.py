@@ -16,6 +16,7 @@ When attempts start, are reaped, time out, are retried or end the execution is d
 execution's :class:`~.supervisor.ExecutionSupervisor`, not here.
 
 Known differences from Cloud Run:
+
 - No container isolation: the process inherits the emulator's environment (PATH, HOME, ...)
   under the image table's and the container's env.
 - GCS volumes: processes cannot see ``/checkpoints``, so every env value, arg and command

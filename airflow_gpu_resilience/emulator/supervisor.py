@@ -44,7 +44,7 @@ class ExecutionSupervisor(threading.Thread):
     :param cond: the backend's ``threading.Condition``; held for every state change and
         notified after each, so ``WaitOperation`` can block on it.
     :param on_finish: called under ``cond`` once the execution is terminal (more callbacks
-        can be appended to :attr:`finish_callbacks`).
+        can be appended to ``finish_callbacks``).
     :param gpu_slots_left: ``callable() -> int``, GPU attempts that may still start in this
         location (only asked when the execution uses a GPU).
     """

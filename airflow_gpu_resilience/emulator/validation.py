@@ -2,6 +2,7 @@
 
 Rules (Cloud Run's documented ones; which features need a preview launch stage is inferred
 from its documentation, not confirmed):
+
 - job id: lowercase letters, digits and hyphens, starts with a letter, no trailing hyphen,
   at most 63 characters;
 - at least one container, each with an image; ``taskCount`` >= 1 (0 means the default 1);

@@ -359,8 +359,9 @@ class CloudRunGpuHook(CloudRunClientsMixin, GoogleBaseHook):
 
     @GoogleBaseHook.fallback_to_default_project_id
     def unended_executions(self, job_name: str, region: str, project_id: str = PROVIDE_PROJECT_ID) -> list[str]:
-        """:return: the names of the job's executions that have not ended (no completion time);
-        empty when the job does not exist."""
+        """
+        :return: the names of the job's executions that have not ended (no completion time);
+            empty when the job does not exist."""
         try:
             executions = self.list_executions(job_name=job_name, region=region, project_id=project_id)
         except gexc.NotFound:

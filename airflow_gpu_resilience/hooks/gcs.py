@@ -45,7 +45,7 @@ DELETE_BATCH_SIZE = 100
 
 def project_label_value(project_id: str) -> str:
     """:return: ``project_id`` as a label value: ``[a-z0-9_-]``, at most 63 characters (a
-    domain-scoped id such as ``example.com:proj`` becomes ``example_com_proj``).
+        domain-scoped id such as ``example.com:proj`` becomes ``example_com_proj``).
 
     :param project_id: the Google Cloud project id.
     """
@@ -54,7 +54,7 @@ def project_label_value(project_id: str) -> str:
 
 def ownership_labels(project_id: str) -> dict[str, str]:
     """:return: the labels :meth:`CheckpointBucketHook.ensure_bucket` puts on a bucket it creates:
-    ``managed-by=airflow-gpu-resilience`` and ``gcp-project=<project id as a label value>``.
+        ``managed-by=airflow-gpu-resilience`` and ``gcp-project=<project id as a label value>``.
 
     :param project_id: the Google Cloud project id.
     """
@@ -65,7 +65,7 @@ class CheckpointBucketHook(GCSHook):
     """``GCSHook`` with the checkpoint bucket's life cycle: ensure it is ours, delete it whole.
 
     :param gcp_conn_id: the ``google_cloud_platform`` connection (default ``google_cloud_default``).
-    Other keyword arguments go to ``GCSHook``.
+        Other keyword arguments go to ``GCSHook``.
     """
 
     def ensure_bucket(

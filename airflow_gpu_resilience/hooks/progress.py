@@ -179,6 +179,7 @@ def lost_work_entries(task_index: int, data: Any, total_steps: int | None = None
 #: (``worker/README.md``, "The task folder's contract"). A record that names a greater format or
 #: another digest was written by a newer worker release: :class:`NewerRecord`.
 RECORD_FORMAT = 1
+#: The chunk digests a record of that format may name.
 RECORD_DIGESTS = ("sha256", "crc32c", "crc32")
 RECORD_SUFFIX = ".commit.json"
 _TASK_OBJECT_RE = re.compile(r"^task-(?P<index>\d+)/(?P<name>.+)$")

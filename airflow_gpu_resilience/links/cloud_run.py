@@ -1,6 +1,6 @@
 """Extra links: the Cloud Run console page of an execution, and its logs in Logs Explorer.
 
-The operator stores the finished URL in XCom (key :attr:`xcom_key`) when it starts or attaches
+The operator stores the finished URL in XCom (key ``xcom_key``) when it starts or attaches
 to an execution; the UI reads it back. The URL builders are pure functions.
 """
 

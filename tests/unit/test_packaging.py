@@ -39,6 +39,7 @@ EXTRAS = {
     "examples": {"numpy", "scikit-learn"},
     "dev": {"pytest", "pytest-xdist", "torch", "matplotlib", "build"},
     "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
+    "docs": {"sphinx", "furo"},
 }
 #: Never part of a production install: the emulator's servers.
 SERVER_ONLY = {"fastapi", "uvicorn", "gcp-storage-emulator", "mfusepy"}

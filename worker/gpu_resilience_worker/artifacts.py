@@ -221,8 +221,9 @@ class ArtifactCheckpoints:
         return True, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """:return: the refusal of the newest record here that a newer release wrote, or ``None``
-        (reads the records only)."""
+        """
+        :return: the refusal of the newest record here that a newer release wrote, or ``None``
+            (reads the records only)."""
         for step in self.present_steps():
             try:
                 self._read_record(step)
@@ -247,7 +248,7 @@ class ArtifactCheckpoints:
 
     def latest(self) -> str | None:
         """:return: the path of the newest committed, intact artifact, or ``None``. Every newer
-        artifact skipped is logged with the reason (never loaded, never deleted here).
+            artifact skipped is logged with the reason (never loaded, never deleted here).
 
         :raises SystemExit: 78, when a newer release wrote a record here (:meth:`refuse_newer_records`).
         """

@@ -31,6 +31,7 @@ OPTIMIZER = "optimizer"
 LR_SCHEDULER = "lr_scheduler"
 DATALOADER = "dataloader"
 TRAIN_STATE = "train_state"
+#: The item names a checkpoint may hold, in the order they are saved.
 STATE_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 
 
@@ -332,7 +333,7 @@ class CheckpointManager:
         not deleted in its place), nor deleted while newer than the one loaded (:meth:`CommitStore.resumed_from`).
 
         :param step: the step to load; default ``config.load_step`` (-1: newest valid).
-        :return: whether a checkpoint was loaded (its step is then in :attr:`loaded_step`).
+        :return: whether a checkpoint was loaded (its step is then in ``loaded_step``).
         :raises RestoreInterrupted: when ``should_stop`` said so before or during a read.
         :raises NewerCheckpointError: a newer release's commit record is here (exit 78; nothing read).
         """

@@ -94,8 +94,9 @@ class CommitStore:
         return f"{self.folder}/{CheckpointName.build(step, kind)}"
 
     def present_steps(self, kind: str | None = None) -> list[int]:
-        """:return: every step with a data file or commit record (only ``kind`` when given),
-        newest first."""
+        """
+        :return: every step with a data file or commit record (only ``kind`` when given),
+            newest first."""
         steps = set()
         for name in self.storage.list(self.folder):
             parsed = CheckpointName.parse(name)
@@ -121,8 +122,9 @@ class CommitStore:
         return record, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """:return: the refusal of the newest commit record here that a newer release wrote, or
-        ``None`` (reads every record, never the data)."""
+        """
+        :return: the refusal of the newest commit record here that a newer release wrote, or
+            ``None`` (reads every record, never the data)."""
         for step in self.present_steps(COMMIT):
             try:
                 self.record(step)
@@ -131,16 +133,18 @@ class CommitStore:
         return None
 
     def refuse_newer_records(self) -> None:
-        """:raises NewerCheckpointError: when a newer release wrote a commit record here: nothing
-        may be resumed in its place, and nothing deleted (a writer asks before its first
-        restore and before its first clean-up)."""
+        """
+        :raises NewerCheckpointError: when a newer release wrote a commit record here: nothing
+            may be resumed in its place, and nothing deleted (a writer asks before its first
+            restore and before its first clean-up)."""
         newer = self.newer_record()
         if newer is not None:
             raise newer
 
     def is_valid(self, step: int) -> bool:
-        """:return: whether ``step`` is committed and verified; data already verified (or
-        written) by this process is not read again when its commit record is unchanged."""
+        """
+        :return: whether ``step`` is committed and verified; data already verified (or
+            written) by this process is not read again when its commit record is unchanged."""
         record, _ = self.record(step)
         if record is not None and self._verified.get(step) == record.sha256:
             return True
@@ -225,11 +229,12 @@ class CommitStore:
             self._verified.pop(step, None)
 
     def committed_steps(self) -> list[int]:
-        """:return: newest first, the steps whose commit record is valid and whose data file has
-        the recorded size, data unread (what retention counts as kept: re-reading every kept
-        checkpoint after each save would download it again on Cloud Storage FUSE). Checkpoints
-        this process wrote or verified count without a look at the data; those it found corrupt
-        or unloadable (:meth:`mark_invalid`) do not count."""
+        """
+        :return: newest first, the steps whose commit record is valid and whose data file has
+            the recorded size, data unread (what retention counts as kept: re-reading every kept
+            checkpoint after each save would download it again on Cloud Storage FUSE). Checkpoints
+            this process wrote or verified count without a look at the data; those it found corrupt
+            or unloadable (:meth:`mark_invalid`) do not count."""
         steps = []
         for step in self.present_steps(COMMIT):
             try:

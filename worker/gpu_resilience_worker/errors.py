@@ -11,6 +11,7 @@ EXIT_SOFTWARE = 70
 EXIT_CANTCREAT = 73
 EXIT_IOERR = 74
 EXIT_CONFIG = 78
+#: Interrupted (SIGTERM, SIGINT or the task deadline); resumable from the last commit.
 EXIT_PREEMPTED = 143
 
 

@@ -165,9 +165,10 @@ def crc32c_available() -> bool:
 
 
 def default_digest() -> str:
-    """:return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`,
-    else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers in ``worker/README.md``)
-    and, with the size in the commit record, catch a torn or truncated file the same way."""
+    """
+    :return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`,
+        else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers in ``worker/README.md``)
+        and, with the size in the commit record, catch a torn or truncated file the same way."""
     return "crc32c" if crc32c_available() else "crc32"
 
 
@@ -187,8 +188,9 @@ def new_hasher(digest: str) -> Any:
 
 
 def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> list[str]:
-    """:return: the hex ``digest`` (default sha256) of every ``chunk_bytes`` bytes of ``data``
-    (empty for no data)."""
+    """
+    :return: the hex ``digest`` (default sha256) of every ``chunk_bytes`` bytes of ``data``
+        (empty for no data)."""
     view = memoryview(data).cast("B")
     out = []
     for offset in range(0, view.nbytes, chunk_bytes):
@@ -497,7 +499,7 @@ class LocalCopy:
         :param digest: one of :data:`DIGESTS`; default ``sha256``.
         :param stop: asked before each :data:`CHUNK` read; when it returns true the fill ends
             with :class:`InterruptedError` (a SIGTERM during a restore); default never.
-        :return: ``(bytes read, hex digest per chunk)``; the bytes read stop at :attr:`size`, and
+        :return: ``(bytes read, hex digest per chunk)``; the bytes read stop at ``size``, and
             one byte more counts (so a file longer than expected does not match).
         :raises OSError: when reading fails; :class:`InterruptedError` (an ``OSError``) when
             ``stop`` said so.

@@ -43,8 +43,9 @@ def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
 
 
 def free_bytes(folder: str) -> int | None:
-    """:return: the bytes an unprivileged writer may still use on ``folder``'s file system
-    (``statvfs``: available blocks times the fragment size), or ``None`` when it cannot be asked."""
+    """
+    :return: the bytes an unprivileged writer may still use on ``folder``'s file system
+        (``statvfs``: available blocks times the fragment size), or ``None`` when it cannot be asked."""
     try:
         info = os.statvfs(folder)
     except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)

@@ -231,14 +231,16 @@ def _unshare_files() -> int:
 
 
 def in_private_files() -> bool:
-    """:return: whether the calling thread runs in :func:`write_privately` with a descriptor
-    table of its own (a thread it starts would share that table, and keep it alive)."""
+    """
+    :return: whether the calling thread runs in :func:`write_privately` with a descriptor
+        table of its own (a thread it starts would share that table, and keep it alive)."""
     return getattr(_private, "active", False)
 
 
 def private_files_refused() -> int | None:
-    """:return: the ``errno`` with which ``unshare(CLONE_FILES)`` was refused in this process, or
-    ``None`` (not refused, or not tried yet)."""
+    """
+    :return: the ``errno`` with which ``unshare(CLONE_FILES)`` was refused in this process, or
+        ``None`` (not refused, or not tried yet)."""
     return _private_refused
 
 

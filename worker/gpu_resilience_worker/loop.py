@@ -60,6 +60,7 @@ PREEMPTION_SAVES = ("deadline", "always", "never")
 #: before the expected kill); an ``os.fork()`` waiting for a save gives way this long plus the
 #: longest of the last :data:`RECENT_STEPS` steps before the kill (``fork_reserve_seconds``).
 EXIT_RESERVE_SECONDS = 1.0
+#: How many of the latest step times the fork reserve looks at.
 RECENT_STEPS = 16
 
 

@@ -87,7 +87,7 @@ class YoungDalyPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class AnySavePolicy:
-    """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`save`)."""
+    """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`CheckpointManager.save`)."""
 
     policies: tuple[Any, ...]
 

@@ -21,7 +21,7 @@ from gpu_resilience_worker.errors import EXIT_PREEMPTED
 DEFAULT_GRACE_SECONDS = 10.0
 
 #: Seconds before the expected SIGKILL at which an ``os.fork()`` waiting for a checkpoint write
-#: gives way after a stop request (see :attr:`PreemptionWatcher.fork_reserve_seconds`).
+#: gives way after a stop request (see ``PreemptionWatcher.fork_reserve_seconds``).
 DEFAULT_FORK_RESERVE_SECONDS = 2.0
 
 
@@ -47,15 +47,15 @@ class PreemptionWatcher:
 
     :param grace_seconds: time between SIGTERM and SIGKILL, in seconds; default 10.
     :param deadline: monotonic time (seconds) at which to stop as if preempted; default none.
-        Set :attr:`timeout_at` too (the monotonic time the task timeout kills the attempt),
+        Set ``timeout_at`` too (the monotonic time the task timeout kills the attempt),
         so that the time left after a deadline stop is counted to it, not by the grace.
     :param signals: the signals to handle; default SIGTERM and SIGINT.
     :param clock: monotonic clock in seconds.
 
-    :attr:`started_at`, from which :func:`set_task_deadline` counts the task timeout, is the
+    ``started_at``, from which :func:`set_task_deadline` counts the task timeout, is the
     process's start (on :func:`time.monotonic`'s scale), not the watcher's creation.
 
-    :attr:`fork_reserve_seconds` (default 2; it matters only where writes fall back to the fork
+    ``fork_reserve_seconds`` (default 2; it matters only where writes fall back to the fork
     guard, without ``unshare``): while installed, an ``os.fork()`` waiting for a
     checkpoint write (:mod:`gpu_resilience_worker.forkguard`) keeps waiting after a stop request,
     so that the save in flight, or the final save, can still commit; it gives way once no more

@@ -92,8 +92,9 @@ class TrainState:
         return self._elapsed_before + self._clock() - self._attempt_started
 
     def state_dict(self) -> dict[str, Any]:
-        """:return: the state, capturing the RNG states and the torch intra-op thread count
-        (``threads``) now."""
+        """
+        :return: the state, capturing the RNG states and the torch intra-op thread count
+            (``threads``) now."""
         return {
             "step": self.step,
             "last_loss": self.last_loss,

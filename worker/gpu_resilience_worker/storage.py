@@ -48,8 +48,9 @@ class Storage(Protocol):
         """
 
     def local_path(self, path: str) -> str | None:
-        """:return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped,
-        or ``None`` when it must be read through :meth:`open_read`."""
+        """
+        :return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped,
+            or ``None`` when it must be read through :meth:`open_read`."""
 
 
 def _fsync_dir(folder: str) -> None:

@@ -55,10 +55,15 @@ from typing import Any, Iterable
 FORMAT = 1
 RECORD_SUFFIX = ".commit.json"
 DATA_SUFFIX = ".pt"
+#: The suffix of a file being written (an unfinished write; never read as a checkpoint).
 TMP_SUFFIX = ".tmp"
+#: The worker's progress, rewritten at most once a second.
 PROGRESS = "progress.json"
+#: The run's final metrics.
 METRICS = "metrics.json"
+#: Every attempt of the run, where it resumed and the work it lost.
 ATTEMPTS = "attempts.json"
+#: The marker of a non-retryable error.
 FATAL = "FATAL"
 #: The probe file the worker writes and removes to check that the folder is writable.
 WRITE_PROBE = ".write-probe"
