@@ -45,7 +45,7 @@ AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py tests/emul
 # that does not compile (a template or test data with a .py name) is skipped, as pip skips it.
 COMPILE := bash scripts/compile_site_packages.sh
 
-.PHONY: venv venv-airflow2 demo docs stack test test-deployment test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost clean
+.PHONY: venv venv-airflow2 demo docs stack test test-deployment test-airflow2 check-install test-faults-long bench bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost bench-watch-scale clean
 
 venv: $(STAMP)
 
@@ -111,7 +111,7 @@ test-faults-long: $(STAMP)
 	FAULTS_N=200 $(PY) -m pytest -m faults $(PYTEST_ARGS)
 
 # Benchmarks print tables and write JSON (and PNG plots) under benchmarks/results/.
-bench: bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost
+bench: bench-checkpoint bench-goodput bench-orchestration bench-emulator bench-save-cost bench-watch-scale
 
 bench-checkpoint: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py $(BENCH_ARGS)
@@ -124,6 +124,10 @@ bench-orchestration: $(STAMP)
 
 bench-emulator: $(STAMP)
 	$(PY) benchmarks/bench_emulator.py $(BENCH_ARGS)
+
+# N = 1 to 1,000 deferred executions: the per-execution polling trigger vs the shared watcher
+bench-watch-scale: $(STAMP)
+	$(PY) benchmarks/bench_watch_scale.py $(BENCH_ARGS)
 
 # the defaults (256 MiB); the issue's setting: BENCH_ARGS="--skip-e2e --skip-io --hidden 3584
 # --modes none raw sync async --grid 1800:6 --dir /dev/shm/bench" (see worker/README.md)
