@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import random
 import time
@@ -163,8 +164,9 @@ class ExecutionWatcher:
             self.watched[execution] = entry
         entry.subscribers += 1
         self.intervals[poll_interval] += 1
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._run(), name=f"cloud-run-watcher {self.key}")
+        if self.task is None:  # in a context of its own: not the first trigger's (its log routing, say)
+            self.task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._run(),
+                                                  name=f"cloud-run-watcher {self.key}")
         return entry
 
     def unsubscribe(self, entry: Watched, poll_interval: float) -> None:
