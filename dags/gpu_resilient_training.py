@@ -73,12 +73,14 @@ def cleanup(params: dict | None = None) -> dict:
         "objects_deleted", "bytes_deleted"} (plus "reason" when it was kept for a running execution)}``.
     :raises CheckpointBucketNotOursError: ``delete_bucket`` is set and the bucket is not ours.
     """
+    # [START howto_hook_delete_job_when_idle]
     run = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"])
     result = run.delete_job_when_idle(
         job_name=params["job_name"], project_id=params["project_id"], region=params["region"],
         keep_job=params["keep_job"], wait_seconds=params["cleanup_wait_seconds"],
         poll_interval=min(5.0, params["poll_interval_seconds"]))
     log.info("Cleanup: job %s: %s", params["job_name"], result.action.value)
+    # [END howto_hook_delete_job_when_idle]
     deleted = None
     running: list[str] = []
     if params["delete_bucket"] and result.action in (JobCleanupAction.KEEP_RUNNING, JobCleanupAction.KEEP_REQUESTED):
@@ -91,13 +93,16 @@ def cleanup(params: dict | None = None) -> dict:
         deleted = {"bucket": params["bucket"], "deleted": False, "objects_deleted": 0, "bytes_deleted": 0,
                    "reason": reason}
     elif params["delete_bucket"]:
+        # [START howto_hook_delete_bucket]
         deleted = CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).delete_bucket_and_contents(
             bucket_name=params["bucket"], project_id=params["project_id"])
+        # [END howto_hook_delete_bucket]
         log.info("Cleanup: bucket %s: %s objects, %s bytes deleted", deleted["bucket"], deleted["objects_deleted"],
                  deleted["bytes_deleted"])
     return {"job": result.action.value, "job_cleanup": result.to_dict(), "bucket": deleted}
 
 
+# [START howto_dag_gpu_resilient_training]
 with DAG(
     dag_id="gpu_resilient_training",
     description="Preemption-resilient PyTorch training on a Cloud Run GPU job",
@@ -123,3 +128,4 @@ with DAG(
     check_job_is_ours() >> bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}") >> done
     done.as_teardown(setups=bucket)
+# [END howto_dag_gpu_resilient_training]

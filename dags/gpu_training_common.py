@@ -92,10 +92,12 @@ def create_bucket(params: dict | None = None) -> dict:
     :return: ``{"bucket", "created", "labels", "project_number"}``.
     :raises CheckpointBucketNotOursError: the bucket exists and is not ours.
     """
+    # [START howto_hook_ensure_bucket]
     return CheckpointBucketHook(gcp_conn_id=params["gcp_conn_id"]).ensure_bucket(
         bucket_name=params["bucket"], project_id=params["project_id"], location=params["region"],
         storage_class="STANDARD",
     )
+    # [END howto_hook_ensure_bucket]
 
 
 #: Labels on the deployed Cloud Run job: deploy updates and cleanup deletes only a job that carries them.
@@ -125,11 +127,13 @@ def check_job_is_ours(params: dict | None = None) -> str:
     from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 
     name = params["job_name"]
+    # [START howto_hook_get_job]
     try:
         job = CloudRunGpuHook(gcp_conn_id=params["gcp_conn_id"]).get_job(
             job_name=name, project_id=params["project_id"], region=params["region"])
     except NotFound:
         return "absent"
+    # [END howto_hook_get_job]
     if not job_is_ours(job):
         raise AirflowFailException(
             f"Cloud Run job {name!r} already exists in {params['project_id']}/{params['region']} and is not this "
@@ -145,6 +149,7 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
     """:return: the ``deploy_job`` task: the GPU job from the params (L4 by default, no zonal
     redundancy, task timeout, max retries, service account, the bucket mounted at
     ``/checkpoints``), labelled ``JOB_LABELS``; deploying an unchanged spec changes nothing."""
+    # [START howto_operator_deploy_job]
     return CloudRunGpuDeployJobOperator(
         task_id="deploy_job",
         gcp_conn_id="{{ params.gcp_conn_id }}",
@@ -160,17 +165,20 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
         checkpoint_bucket="{{ params.bucket }}",
         labels=JOB_LABELS,
     )
+    # [END howto_operator_deploy_job]
 
 
 #: Execution overrides that give each DAG run its own checkpoint namespace: the worker then keeps
 #: ``{job}/{namespace_for(run_id)}/task-{i}/`` in the bucket, so a cleared task resumes its own
 #: run's checkpoints and a new DAG run (other params, another day) never resumes another's.
+# [START howto_run_namespace]
 RUN_NAMESPACE_OVERRIDES = {
     "container_overrides": [{"env": [{"name": "CHECKPOINT_RUN_ID", "value": "{{ namespace_for(run_id) }}"}]}]
 }
 
 #: Where that namespace's task folders are in the bucket (the execute operator's ``checkpoint_prefix``).
 RUN_CHECKPOINT_PREFIX = "{{ params.job_name }}/{{ namespace_for(run_id) }}"
+# [END howto_run_namespace]
 
 
 def execute_operator(task_id: str = "execute_job", **kwargs) -> CloudRunGpuExecuteJobOperator:
@@ -178,6 +186,7 @@ def execute_operator(task_id: str = "execute_job", **kwargs) -> CloudRunGpuExecu
     run's own checkpoint namespace (``RUN_NAMESPACE_OVERRIDES``), progress and lost work read
     from the bucket. ``kwargs`` override or add operator arguments (``overrides``,
     ``wait_for_completion``, ...)."""
+    # [START howto_operator_execute_job]
     arguments = {
         "gcp_conn_id": "{{ params.gcp_conn_id }}",
         "project_id": "{{ params.project_id }}",
@@ -192,6 +201,7 @@ def execute_operator(task_id: str = "execute_job", **kwargs) -> CloudRunGpuExecu
         **kwargs,
     }
     return CloudRunGpuExecuteJobOperator(task_id=task_id, **arguments)
+    # [END howto_operator_execute_job]
 
 
 def namespace_for(run_id: str) -> str:

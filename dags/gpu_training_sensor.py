@@ -46,6 +46,7 @@ with DAG(
 ) as dag:
     bucket = create_bucket()
     deploy = deploy_operator()
+    # [START howto_sensor_execution]
     start = execute_operator("start_execution", wait_for_completion=False)
     wait = CloudRunGpuExecutionSensor(
         task_id="wait_for_execution",
@@ -55,5 +56,6 @@ with DAG(
         poke_interval=30.0,
         timeout=7 * 24 * 3600,
     )
+    # [END howto_sensor_execution]
     check_job_is_ours() >> bucket >> grant_bucket_access() >> upload_dataset() >> deploy >> start >> wait
     wait >> report({"task_count": 1}, namespace="{{ namespace_for(run_id) }}")

@@ -55,6 +55,7 @@ with DAG(
     bucket = create_bucket()
     land = upload_dataset.override(task_id="land_partition")(object_name=PARTITION_OBJECT, partition="{{ ds }}")
     deploy = deploy_operator()
+    # [START howto_operator_execute_job_overrides]
     execute = execute_operator(
         overrides={
             "container_overrides": [
@@ -65,5 +66,6 @@ with DAG(
             ]
         },
     )
+    # [END howto_operator_execute_job_overrides]
     check_job_is_ours() >> bucket >> grant_bucket_access() >> land >> deploy >> execute
     report(execute.output, namespace="{{ namespace_for(run_id) }}")

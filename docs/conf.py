@@ -35,6 +35,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.viewcode",
     "api_modules",
+    "benchmark_tables",
 ]
 exclude_patterns = ["_build", "examples/README.rst"]
 html_theme = "furo"

@@ -42,6 +42,9 @@ ALLOWED_SHELL = frozenset({
     "make check-install",
     "make bench",
     "EMULATOR_FUSE_STRICT=1 make demo",
+    # the emulator's command line; test_the_emulator_command_lines_parse checks its flags
+    "python -m airflow_gpu_resilience.emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 "
+    "--data-dir /tmp/emulator --images worker/emulator-image.json",
     "gcloud iam service-accounts create gpu-trainer",
     "gcloud artifacts repositories create ml --repository-format=docker --location=us-central1",
     "gcloud builds submit worker/ --tag us-central1-docker.pkg.dev/PROJECT/ml/airflow-gpu-resilience-worker:latest",
@@ -244,3 +247,133 @@ def test_block_problems_allows_only_listed_commands_and_text(language, body, exp
         assert problems == []
     else:
         assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_the_goodput_example_prints_what_its_page_shows() -> None:
+    """``docs/examples/goodput_example.py`` (the goodput page's worked example) prints exactly the
+    output the page includes, so the page's numbers are the code's."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(DOCS / "examples" / "goodput_example.py")], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == (DOCS / "examples" / "goodput_example.out").read_text()
+
+
+def _exception_classes(path: Path) -> list[str]:
+    """Public classes of ``path`` that derive from an exception (by their bases' names)."""
+    import ast
+
+    found, bases_of = [], {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            bases_of[node.name] = [getattr(base, "id", getattr(base, "attr", "")) for base in node.bases]
+    for name in bases_of:
+        seen, todo = set(), list(bases_of[name])
+        while todo:
+            base = todo.pop()
+            if base in seen:
+                continue
+            seen.add(base)
+            todo += bases_of.get(base, [])
+        if not name.startswith("_") and any(b.endswith(("Exception", "Error")) for b in seen | {name}):
+            found.append(name)
+    return found
+
+
+def test_troubleshooting_names_every_exception_of_the_provider_and_the_worker() -> None:
+    """Each exception the provider raises (``exceptions.py``) and each error the worker exits with
+    (``errors.py``) is on the troubleshooting page, so a new one cannot be left out."""
+    page = (DOCS / "troubleshooting.rst").read_text()
+    provider = _exception_classes(REPO / "airflow_gpu_resilience" / "exceptions.py")
+    worker = _exception_classes(REPO / "worker" / "gpu_resilience_worker" / "errors.py")
+    assert {"CloudRunGpuFatalError", "CheckpointBucketNotOursError"} <= set(provider)
+    assert {"ConfigError", "OutOfSpaceError", "NewerCheckpointError"} <= set(worker)
+    missing = [name for name in provider + worker if f"``{name}``" not in page and name != "WorkerError"]
+    assert not missing, f"docs/troubleshooting.rst does not name {missing}"
+
+
+def test_the_emulator_command_lines_parse() -> None:
+    """The emulator's command lines the pages show are ones its own parser accepts."""
+    import shlex
+
+    from airflow_gpu_resilience.emulator.__main__ import _parser
+
+    lines = [line for line in ALLOWED_SHELL if line.startswith("python -m airflow_gpu_resilience.emulator ")]
+    assert lines
+    for line in lines:
+        args = _parser().parse_args(shlex.split(line)[3:])
+        assert args.command == "serve" and args.data_dir
+
+
+def test_the_sample_demo_report_is_what_the_demo_prints_for_its_json() -> None:
+    """``docs/examples/demo-report.txt`` (the "Getting started" page's sample) is the demo's own
+    rendering of ``demo-report.json``, a real run's report (``scripts/docs_sample_report.py``)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("docs_sample_report", REPO / "scripts" / "docs_sample_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rendered = module.render(json.loads(module.SAMPLE_JSON.read_text()))
+    assert rendered.startswith("==== airflow-gpu-resilience demo report ====\n")
+    assert rendered == module.SAMPLE_TEXT.read_text()
+
+
+_DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d")
+_LITERAL = re.compile(r"``[^`]*``|`[^`]*`")
+
+
+def _dated(text: str) -> bool:
+    """A date outside an inline literal (an example value such as ``scheduled__2026-01-01...``)."""
+    return bool(_DATE.search(_LITERAL.sub("", text)))
+
+
+def dated_comment_lines(path: Path, source: str | None = None) -> list[int]:
+    """Line numbers of comments and docstrings of ``path`` that carry a date: history, which
+    belongs in the benchmark results and the version control log, not in the code.
+
+    :param path: a Python file, or a Makefile or shell script (its ``#`` comment lines).
+    :param source: its text (default: read from ``path``).
+    :return: the offending line numbers, in order.
+    """
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text() if source is None else source
+    if path.suffix != ".py":
+        return [n for n, line in enumerate(source.splitlines(), 1) if line.lstrip().startswith("#") and _dated(line)]
+    found = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT and _dated(token.string)}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                for offset, line in enumerate(first.value.value.splitlines()):
+                    if _dated(line):
+                        found.add(first.lineno + offset)
+    return sorted(found)
+
+
+def test_no_comment_or_docstring_carries_a_date() -> None:
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "*.py", "Makefile", ".ci/run", "scripts/*.sh"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert "Makefile" in listed and len(listed) > 50
+    problems = [f"{name}:{line}" for name in listed if (REPO / name).is_file()
+                for line in dated_comment_lines(REPO / name)]
+    assert not problems, "dates in comments or docstrings (measurements belong in benchmarks/results/): " + ", ".join(problems)
+
+
+@pytest.mark.parametrize(("name", "source", "expected"), [
+    ("a.py", "x = 1  # measured 2026-12-03: 5 s\n", [1]),
+    ("a.py", '"""Module.\n\nRun of 2026-12-02 on 2 cores."""\n', [3]),
+    ("a.py", 'def f():\n    """Uses ``2026-01-01T00:00:00Z`` as an example."""\n', []),
+    ("a.py", 'STAMP = "2026-01-01"  # test data, not history\n', []),
+    ("Makefile", "# (2 cores, 2026-12-03: 152 s)\nall:\n\techo 2026-12-03\n", [1]),
+])
+def test_dated_comment_lines_finds_history_not_data(name, source, expected) -> None:
+    assert dated_comment_lines(Path(name), source) == expected

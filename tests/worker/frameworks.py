@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-README = REPO_ROOT / "README.md"
+#: The framework examples the documentation includes (``docs/examples/``), by block name.
+EXAMPLES = {"transformers-trainer": REPO_ROOT / "docs" / "examples" / "transformers_trainer.py",
+            "lightning-fit": REPO_ROOT / "docs" / "examples" / "lightning_fit.py"}
 #: Interruptions of each kind (SIGTERM, SIGKILL) per framework; CI runs the default 10.
 FAULTS_N = int(os.environ.get("FRAMEWORK_FAULTS_N", "10"))
 
@@ -80,12 +82,8 @@ while True:
 
 
 def readme_block(name: str) -> str:
-    """:return: the python block after ``<!-- example: NAME ... -->`` in README.md."""
-    import re
-
-    match = re.search(rf"<!-- example: {re.escape(name)}\b.*?-->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert match, f"the example block {name!r} is missing from README.md"
-    return match.group(1)
+    """:return: the source of the framework example ``name`` (a key of :data:`EXAMPLES`)."""
+    return EXAMPLES[name].read_text()
 
 
 class ForkServer:
@@ -333,7 +331,7 @@ def _threads(log: Path) -> list[int]:
 
 def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, prefix: str, suffix: str,
               max_delay: float, n: int = FAULTS_N, seed: int = 0) -> tuple[Path, Path, list[dict[str, Any]]]:
-    """Run the README ``block`` once uninterrupted (``baseline/``) and once through ``2 n``
+    """Run the example ``block`` once uninterrupted (``baseline/``) and once through ``2 n``
     interruptions chained in one folder (``chain/``), checking every attempt.
 
     Each attempt: the newest intact checkpoint before it (:func:`intact_steps`) is the one it

@@ -1,6 +1,6 @@
 """``pip install ./worker`` into a clean virtual environment: no Airflow, no Google package, and
-the README's own-loop example runs there; and the worker's wheel, built from its folder alone,
-carries the repository's license.
+the documentation's own-loop example (``docs/examples/own_loop.py``) runs there; and the
+worker's wheel, built from its folder alone, carries the repository's license.
 
 The environment is a real ``python -m venv`` (no system site-packages, no pip of its own: this
 environment's pip installs into it with ``--python``, which saves the ``ensurepip`` step). torch

@@ -1,6 +1,7 @@
-"""The own-loop example of worker/README.md with DataLoader workers, as a real process whose
-whole process group gets SIGTERM (as Cloud Run does to a container): it saves and exits 143
-within the grace period, persistent workers or not, and leaves no worker process behind."""
+"""The checkpoint-manager example (``docs/examples/checkpoint_manager.py``) with DataLoader workers, as
+a real process whose whole process group gets SIGTERM (as Cloud Run does to a container): it saves
+and exits 143 within the grace period, persistent workers or not, and leaves no worker process
+behind."""
 
 from __future__ import annotations
 

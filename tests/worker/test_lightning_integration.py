@@ -1,7 +1,8 @@
-"""The README's Lightning ``Trainer.fit`` example, interrupted by SIGTERM and SIGKILL in real
-processes (``FRAMEWORK_FAULTS_N`` of each, default 10, during Lightning's own write and before
-the commit record too), ends with the same weights, bit for bit, as an uninterrupted run; it
-never resumes from a torn checkpoint and exits 143 within the grace period on SIGTERM.
+"""The documentation's Lightning ``Trainer.fit`` example (``docs/examples/lightning_fit.py``),
+interrupted by SIGTERM and SIGKILL in real processes (``FRAMEWORK_FAULTS_N`` of each, default 10,
+during Lightning's own write and before the commit record too), ends with the same weights, bit for
+bit, as an uninterrupted run; it never resumes from a torn checkpoint and exits 143 within the grace
+period on SIGTERM.
 
 Cost: about 40 s on 2 cores (one fork server importing lightning once; 22 attempts).
 Bit-exact at torch's default thread count (:mod:`tests.worker.frameworks`).

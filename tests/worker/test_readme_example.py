@@ -1,9 +1,9 @@
-"""The README examples run as written: worker/README.md's checkpoint manager, README.md's bundled worker and own loop."""
+"""The documentation's worker examples run as written (``docs/examples/``, included by the "Your
+training code" page): the checkpoint manager, the bundled worker's command line and the own loop."""
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import shutil
 import signal
@@ -14,19 +14,21 @@ from pathlib import Path
 
 from gpu_resilience_worker.preemption import ignore_termination_signals
 
-README = Path(__file__).resolve().parents[2] / "worker" / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "docs" / "examples"
+#: The example files, by the names the tests use.
+FILES = {"checkpoint-manager": "checkpoint_manager.py", "own-loop": "own_loop.py",
+         "bundled-worker": "bundled_worker.sh"}
 
 
 def _example() -> str:
-    text = README.read_text()
-    match = re.search(r"<!-- example: checkpoint-manager.*?-->\s*```python\n(.*?)```", text, re.S)
-    assert match, "the example block is missing from worker/README.md"
-    return match.group(1)
+    """The checkpoint-manager example's source."""
+    return (EXAMPLES / FILES["checkpoint-manager"]).read_text()
 
 
 def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code = compile(_example(), str(README), "exec")
+    code = compile(_example(), str(EXAMPLES / FILES["checkpoint-manager"]), "exec")
     exec(code, {"__name__": "readme_example"})
     folder = tmp_path / "checkpoints" / "my-run"
     assert sorted(p.name for p in folder.glob("*.commit.json")) == [
@@ -44,7 +46,7 @@ def test_ignore_termination_signals_ignores_others_but_not_the_parent(tmp_path: 
         [sys.executable, "-c", "import sys, time\n"
          "from gpu_resilience_worker.preemption import ignore_termination_signals\n"
          "ignore_termination_signals(0)\nprint('ready', flush=True)\ntime.sleep(60)\n"],
-        cwd=README.parents[1], stdout=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -62,17 +64,20 @@ def test_ignore_termination_signals_ignores_others_but_not_the_parent(tmp_path: 
             child.wait()
 
 
-ROOT_README = README.parents[1] / "README.md"
-
-
 def _root_example(name: str, language: str) -> str:
-    match = re.search(rf"<!-- example: {name}.*?-->\s*```{language}\n(.*?)```", ROOT_README.read_text(), re.S)
-    assert match, f"the {name} example block is missing from README.md"
-    return match.group(1)
+    """An example file's source: the whole script, or a shell file's lines that are not comments.
+
+    :param name: ``own-loop`` or ``bundled-worker``.
+    :param language: ``python`` or ``sh``.
+    """
+    text = (EXAMPLES / FILES[name]).read_text()
+    if language == "sh":
+        return "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    return text
 
 
 def test_readme_own_loop_example_runs_and_resumes(tmp_path: Path) -> None:
-    """The README's own-loop block, as a script: trains 100 steps, then a rerun resumes at 100.
+    """The own-loop example, as a script: trains 100 steps, then a rerun resumes at 100.
     Cost: about 8 s (two processes importing torch)."""
     from tests.worker.conftest import worker_env
 
@@ -89,7 +94,7 @@ def test_readme_own_loop_example_runs_and_resumes(tmp_path: Path) -> None:
 
 
 def test_readme_bundled_worker_example_runs(tmp_path: Path, digits_npz: Path) -> None:
-    """The README's bundled-worker command line, with the data where it says. Cost: about 5 s."""
+    """The bundled worker's command line, with the data where it says. Cost: about 5 s."""
     from tests.worker.conftest import worker_env
 
     [line] = [line for line in _root_example("bundled-worker", "sh").splitlines() if line.strip()]

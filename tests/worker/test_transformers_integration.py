@@ -1,7 +1,8 @@
-"""The README's ``transformers.Trainer`` example, interrupted by SIGTERM and SIGKILL in real
-processes (``FRAMEWORK_FAULTS_N`` of each, default 10, during Trainer's own write and before the
-commit record too), ends with the same weights, bit for bit, as an uninterrupted run; it never
-resumes from a torn checkpoint and exits 143 within the grace period on SIGTERM.
+"""The documentation's ``transformers.Trainer`` example (``docs/examples/transformers_trainer.py``),
+interrupted by SIGTERM and SIGKILL in real processes (``FRAMEWORK_FAULTS_N`` of each, default 10,
+during Trainer's own write and before the commit record too), ends with the same weights, bit for
+bit, as an uninterrupted run; it never resumes from a torn checkpoint and exits 143 within the grace
+period on SIGTERM.
 
 Cost: about 60 s on 2 cores (one fork server importing transformers once; 22 attempts).
 Bit-exact at torch's default thread count (:mod:`tests.worker.frameworks`).
