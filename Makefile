@@ -38,10 +38,9 @@ AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py tests/emul
 	--ignore=tests/unit/test_bench_save_cost.py \
 	--deselect tests/provider/operators/test_progress_reruns.py::test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions
 
-# Bytecode for everything installed, compiled on every core: pip compiles one file at a time
-# (2 cores, 2026-12-03: `make venv`'s install took 152 s, of which 95 s compiling; with
-# --no-compile and this, 57 s + 58 s). Not skipped: where PYTHONDONTWRITEBYTECODE is set, every
-# process would compile its imports again (an Airflow and torch import: 10 s against 5 s). A file
+# Bytecode for everything installed, compiled on every core: pip compiles one file at a time,
+# which was most of the install's time. Not skipped: where PYTHONDONTWRITEBYTECODE is set, every
+# process would compile its imports again (an Airflow and torch import takes twice as long). A file
 # that does not compile (a template or test data with a .py name) is skipped, as pip skips it.
 COMPILE := bash scripts/compile_site_packages.sh
 
@@ -130,7 +129,7 @@ bench-watch-scale: $(STAMP)
 	$(PY) benchmarks/bench_watch_scale.py $(BENCH_ARGS)
 
 # the defaults (256 MiB); the issue's setting: BENCH_ARGS="--skip-e2e --skip-io --hidden 3584
-# --modes none raw sync async --grid 1800:6 --dir /dev/shm/bench" (see worker/README.md)
+# --modes none raw sync async --grid 1800:6 --dir /dev/shm/bench" (see docs/benchmarks.rst)
 bench-save-cost: $(STAMP)
 	$(PY) benchmarks/bench_save_cost.py $(BENCH_ARGS)
 

@@ -1,7 +1,7 @@
 """Classify Cloud Run task attempts, tasks and executions.
 
 Pure functions over ``run_v2`` messages and primitives: no I/O, no clocks. The classes are those
-of the README's outcome table (the action is :func:`~airflow_gpu_resilience.outcome.decide`'s):
+of the outcome table (``docs/howto/execute-job.rst``) (the action is :func:`~airflow_gpu_resilience.outcome.decide`'s):
 
 ============  ==========================================================  ======================
 Class         Last attempt looks like                                     Operator action
@@ -19,7 +19,7 @@ CANCELLED     status CANCELLED (a user, ``on_kill``), even with the exit  fail, 
 Two helper classes complete the picture: RUNNING (not finished yet) and INCOMPLETE (a task that
 never ran to an end because its execution stopped early, e.g. siblings cancelled by the system).
 
-What Cloud Run shows for a preemption is not part of the API schema (the README's "Known
+What Cloud Run shows for a preemption is not part of the API schema (``docs/emulator.rst``, "Known
 differences from Cloud Run" lists what the emulator infers), so detection uses every trace it
 leaves.
 """

@@ -1,7 +1,7 @@
 """Decide what the execute operator does with a finished Cloud Run execution.
 
 :func:`decide` turns the classified tasks of a finished execution into an :class:`Action` (the
-last column of the README's outcome table, in :mod:`~airflow_gpu_resilience.classification`).
+last column of the outcome table (``docs/howto/execute-job.rst``), in :mod:`~airflow_gpu_resilience.classification`).
 Pure: no I/O, no clocks. :func:`with_worker_reason` adds what the worker's own files say about a
 non-retryable stop (its ``FATAL`` marker, a newer release's commit record) to a classified task,
 so that the decision, and the Airflow task's error, give the worker's reason and not only an
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: The exit codes for which the bundled worker writes a ``FATAL`` marker with its reason in the task
-#: folder: the BSD sysexits range (``worker/README.md``, "Exit codes").
+#: folder: the BSD sysexits range (``docs/worker-contract.rst``, "Exit codes").
 WORKER_FATAL_EXIT_CODES: frozenset[int] = frozenset(range(64, 79))
 #: The worker's exit code for what it refuses to run with (``EX_CONFIG``), among them a commit
 #: record a newer release of the worker wrote (the image was rolled back).
@@ -189,7 +189,7 @@ def wants_worker_reason(task: TaskOutcome) -> bool:
 def with_worker_reason(task: TaskOutcome, marker: Any = None, newer: str | None = None) -> TaskOutcome:
     """``task`` with the worker's reason for its non-retryable stop, FATAL when a re-run can never help.
 
-    The worker's ``FATAL`` marker (``{exit_code, reason, ..., newer_record}``, ``worker/README.md``,
+    The worker's ``FATAL`` marker (``{exit_code, reason, ..., newer_record}``, ``docs/worker-contract.rst``,
     "The task folder's contract") applies when its ``exit_code`` is the task's: its ``reason``
     becomes the task's. A task that exited :data:`REFUSAL_EXIT_CODE` (78) because its folder holds
     a commit record of a newer worker release (the marker's ``newer_record``, or ``newer`` read

@@ -42,7 +42,7 @@ __all__ = ["FATAL_FILE", "MAX_PROGRESS_TASKS", "CheckpointProgress", "progress_h
 #: ``FATAL`` marker is read (per execution).
 MAX_PROGRESS_TASKS = 16
 #: The worker's marker of a non-retryable error in its task folder: ``{exit_code, reason, ...}``
-#: (``worker/README.md``, "The task folder's contract").
+#: (``docs/worker-contract.rst``, "The commit record").
 FATAL_FILE = "FATAL"
 
 

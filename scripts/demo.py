@@ -431,7 +431,7 @@ def _summary(emulator: EmulatorProcess, rc: int, preempter: Preempter, reference
 
 
 def _volume_line(volumes: dict) -> str:
-    """Which checkpoint volume the tasks had, and what it recorded (see the README's FUSE section)."""
+    """Which checkpoint volume the tasks had, and what it recorded (see docs/emulator-fuse.rst)."""
     if volumes.get("type") != "fuse":
         return f"checkpoint volume: plain folder ({volumes.get('reason') or 'FUSE off'}); gcsfuse semantics not checked"
     s = volumes.get("summary", {})

@@ -3,9 +3,8 @@
 #
 # 1. The tests not marked `serial` on TEST_WORKERS pytest-xdist workers (default 3), whole
 #    files to a worker (--dist loadfile, so a module's fixtures are built once). Much of their
-#    time is spent waiting on subprocesses and the emulators: on 2 cores, three workers kept
-#    1.6 cores busy and ran `make test`'s part in 5.7 min (343 s for 844 tests, 2026-12-03,
-#    nothing else running), where two had taken 7.1 min in CI (beside a pip install).
+#    time is spent waiting on subprocesses and the emulators, so three workers keep two cores
+#    busier than two workers do.
 # 2. The tests marked `serial` alone, in one process: real worker processes against wall-clock
 #    task timeouts, deadlines and grace periods, latency bounds, and the real Airflow
 #    deployment (tests/deployment). Sharing the cores with another test slowed e.g. the

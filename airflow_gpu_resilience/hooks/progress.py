@@ -10,7 +10,7 @@ The worker writes, per task, under ``{prefix}/task-{index}/`` in the checkpoint 
 - checkpoints and their commit records, written after the data: ``ckpt-{step:08d}.pt`` +
   ``ckpt-{step:08d}.commit.json`` (the bundled worker, ``ResilientLoop``), or a framework's
   ``<prefix><step><suffix>`` (a folder or a file) + ``<prefix><step><suffix>.commit.json``. The
-  record schema, with its ``format`` version, is the one ``worker/README.md`` documents ("The task
+  record schema, with its ``format`` version, is the one ``docs/worker-contract.rst`` documents ("The task
   folder's contract"); this module reads it without importing the worker (:func:`record_commits`,
   :func:`task_checkpoints`, :meth:`CheckpointFilesHook.task_checkpoints`);
 - ``goodput-{execution}-{attempt}.json``: one attempt's goodput events (see
@@ -176,7 +176,7 @@ def lost_work_entries(task_index: int, data: Any, total_steps: int | None = None
 
 
 #: The commit-record format this reader knows, and the chunk digests a record may name
-#: (``worker/README.md``, "The task folder's contract"). A record that names a greater format or
+#: (``docs/worker-contract.rst``, "The commit record"). A record that names a greater format or
 #: another digest was written by a newer worker release: :class:`NewerRecord`.
 RECORD_FORMAT = 1
 #: The chunk digests a record of that format may name.

@@ -64,12 +64,10 @@ PROJECT = "local-project"
 REGION = "us-central1"
 POLL_INTERVAL = 1.0
 #: Training that outlasts the stack-wide faults: 2400 steps, at least 120 s of step delays plus
-#: the restarts. The faults take about 100 s from the moment all five train (2 cores, 2026-12-03:
-#: with 2400 steps the outage ended 138 s after the trigger and the runs 131 s after that, five
-#: concurrent runs making a step in about 0.09 s; phase 1 took 269 s, against 377 s with 3600
-#: steps, which ended 231 s after the outage: two minutes of CI spent waiting). On cores so fast that a step takes
-#: only its 0.05 s delay the margin is about 40 s; a run that ends before its fault fails the
-#: campaign's own check that it was deferred through it, it does not pass silently.
+#: the restarts, while the faults take about 100 s from the moment all five train; more steps
+#: would only add waiting after the outage. On cores so fast that a step takes only its 0.05 s
+#: delay the margin is about 40 s; a run that ends before its fault fails the campaign's own
+#: check that it was deferred through it, it does not pass silently.
 PHASE1_CONF = {"steps": 2400, "checkpoint_every": 100, "step_delay_seconds": 0.05, "hidden_units": 32,
                "poll_interval_seconds": POLL_INTERVAL, "max_retries": 3}
 #: A task-timeout chain, through the DAG's params: a 40 s task timeout and ``max_retries`` 0,

@@ -266,8 +266,8 @@ def test_an_attempt_that_ended_between_two_polls_is_reported_unobserved(gcp_conn
     assert "task 0 attempt 0: UNOBSERVED" in out + err and "shorter poll_interval" in out + err
 
 
-# serial: the preemption must land the moment the first attempt starts; on two xdist workers
-# (2 cores, 12:07 UTC 2026-12-03) the summary once showed attempt 0 as SUCCEEDED only.
+# serial: the preemption must land the moment the first attempt starts; beside another test on a
+# shared core it can land too late, and the summary then shows attempt 0 as SUCCEEDED only.
 @pytest.mark.serial
 def test_preemption_during_the_very_first_step(gcp_conn, job_name, emulator, run_execute):
     """Preempted the moment the first attempt starts (grace 0): the retry succeeds."""
@@ -279,8 +279,8 @@ def test_preemption_during_the_very_first_step(gcp_conn, job_name, emulator, run
     assert injected and ti.state == TaskInstanceState.SUCCESS, CAPTURED["errors"]
     [summary] = CAPTURED["summaries"]
     # attempt 0 ends at once (grace 0) and Cloud Run retries it at once: a poll sees it ended
-    # (PREEMPTED) only when it falls in that moment, else its record says so (UNOBSERVED; seen
-    # here with the test alone on the machine, 2026-12-05); either way it is accounted for
+    # (PREEMPTED) only when it falls in that moment, else its record says so (UNOBSERVED, also
+    # with the test alone on the machine); either way it is accounted for
     outcomes = summary["tasks"][0]["outcomes"]
     assert outcomes in (["PREEMPTED", "SUCCEEDED"], ["UNOBSERVED", "SUCCEEDED"]), outcomes
     assert len(executions(job_name)) == 1

@@ -68,8 +68,8 @@ def test_demo_survives_two_preemptions_bit_exactly(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     result = subprocess.run(
         # 360 steps: the second preemption waits for progress 240, then for a checkpoint write; under
-        # load a write through the FUSE volume took 25 steps, and with 240 steps in all (2026-12-05,
-        # CI) the preemption came after the run had ended (attempt 1 reported exit 0)
+        # load a write through the FUSE volume can take tens of steps, and with 240 steps in all
+        # the preemption could come after the run had ended (attempt 1 reporting exit 0)
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--steps", "360", "--checkpoint-every", "20",
          "--step-delay", "0.03", "--hidden", "256", "--preemptions", "2", "--workdir", str(workdir),
          "--report", str(report_path)],

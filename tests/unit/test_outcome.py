@@ -1,4 +1,4 @@
-"""Table tests: every row of the README's outcome table, plus task and execution classification."""
+"""Table tests: every row of the outcome table (docs/howto/execute-job.rst), plus task and execution classification."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_decide_zero_budget_fails_on_first_preemption():
     assert decision.action is Action.FAIL_NO_RETRY and "budget exhausted" in decision.reason
 
 
-#: The worker's marker of a newer release's commit record (worker/README.md, ``FATAL``), and its reason.
+#: The worker's marker of a newer release's commit record (docs/worker-contract.rst, ``FATAL``), and its reason.
 NEWER_REASON = ("commit record /ckpt/job/task-0/ckpt-00000120.commit.json has format 99 (this release reads formats up "
                 "to 1): a newer release of the worker wrote it (was the image rolled back?); nothing was resumed or deleted")
 NEWER_MARKER = {"exit_code": 78, "reason": NEWER_REASON, "created_at": "2026-01-01T00:00:00Z", "invocation": None,

@@ -114,7 +114,7 @@ def _gap(number, execution="job-a", task_index=0):
     [
         ([], _attempt(0), [_attempt(0)]),
         ([_attempt(0), _attempt(1)], _attempt(2), [_attempt(0), _attempt(1), _attempt(2)]),
-        # attempt 2 was killed between its "resuming" log line and its record (CI, 2026-12-04)
+        # attempt 2 was killed between its "resuming" log line and its record
         ([_attempt(0), _attempt(1)], _attempt(3), [_attempt(0), _attempt(1), _gap(2), _attempt(3)]),
         ([], _attempt(2), [_gap(0), _gap(1), _attempt(2)]),  # a torn or missing file: none recorded
         # another execution's or task's attempts do not count, and are kept as they are

@@ -176,8 +176,8 @@ def _interrupt(process: WorkerProcess, kind: str, rng: random.Random) -> bool:
 
 def _trail(attempts: list[tuple[str, WorkerProcess]]) -> str:
     """:return: what each attempt did, for a failure message: its kind and exit, its set-up
-    (threads, MKL mode), where it resumed, what it saved and how it stopped (the CI failure of
-    2026-12-04 left only two digests to go on)."""
+    (threads, MKL mode), where it resumed, what it saved and how it stopped (a failure that shows
+    only the two digests leaves nothing to go on)."""
     keep = ("training setup", "checkpoint saved", "checkpoint data written", "exiting: interrupted, resumable",
             "training complete")
     lines = []

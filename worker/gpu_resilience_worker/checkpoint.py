@@ -287,7 +287,7 @@ class CheckpointManager:
 
     def _save_in_background(self, step: int, snapshot: dict[str, Any], started: float) -> None:
         # at the process's own priority: at nice 10 it was starved on busy cores until the next
-        # save had to wait for it, and the training loop with it (worker/README.md, "End to end")
+        # save had to wait for it, and the training loop with it (docs/benchmarks.rst)
         try:
             self._commit(step, snapshot, started)
         except BaseException as exc:  # noqa: BLE001 - logged now, re-raised by wait_until_finished

@@ -167,7 +167,7 @@ def crc32c_available() -> bool:
 def default_digest() -> str:
     """
     :return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`,
-        else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers in ``worker/README.md``)
+        else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers on the documentation's benchmarks page)
         and, with the size in the commit record, catch a torn or truncated file the same way."""
     return "crc32c" if crc32c_available() else "crc32"
 

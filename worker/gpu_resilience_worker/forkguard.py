@@ -36,7 +36,7 @@ ends early, and the fork goes ahead, when
 Not covered by the fallback, because they run no fork hooks: ``subprocess`` and the ``spawn``
 and ``forkserver`` start methods (the default of ``multiprocessing`` on Python 3.14 is
 ``forkserver``). Each starts a program, and the ``exec`` closes the inherited descriptor, which
-flushes it (see worker/README.md, "On Cloud Storage FUSE").
+flushes it (see docs/worker-contract.rst, "On Cloud Storage FUSE").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The task folder's contract: its file names and the one commit-record schema, as pure code.
 
 No I/O and no torch here: what the worker writes in a task folder, and how a reader (the worker
-itself, or the provider, which reads this schema from ``worker/README.md`` and imports nothing
+itself, or the provider, which reads this schema from ``docs/worker-contract.rst`` and imports nothing
 from the worker) tells a committed checkpoint from anything else.
 
 **Names.** Directly in the task folder:
