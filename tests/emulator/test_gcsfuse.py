@@ -24,6 +24,8 @@ from google.cloud import run_v2
 
 from airflow_gpu_resilience.emulator import gcsfuse
 from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, VolumeMounts
+from airflow_gpu_resilience.emulator.gcsfuse_host import is_mounted
+from airflow_gpu_resilience.emulator.gcsfuse_rules import DEFAULT_STREAMING_FILES
 from airflow_gpu_resilience.emulator.process import EmulatorProcess
 
 from .conftest import PARENT, make_job
@@ -351,7 +353,7 @@ def test_no_mount_is_left_when_the_emulator_is_hard_killed(tmp_path, images_file
 
 
 def test_more_files_streaming_at_once_than_the_limit_fall_back_to_staging(mnt, fuse_bucket):
-    names = [_name("many") for _ in range(gcsfuse.DEFAULT_STREAMING_FILES + 1)]
+    names = [_name("many") for _ in range(DEFAULT_STREAMING_FILES + 1)]
     files = [open(mnt.mountpoint / name, "wb", buffering=0) for name in names]
     for f in files:
         f.write(b"abc")
@@ -477,16 +479,16 @@ def test_the_streaming_limit_counts_the_files_of_one_task(mnt, fuse_bucket):
 def test_a_mount_point_with_a_space_mounts_and_unmounts(emulator, fuse_bucket):
     base = Path(emulator.data_dir, "fuse-tests", f"{fuse_bucket.name} spaced")
     with GcsFuseMount(emulator.bucket_dir(fuse_bucket.name), base / "mount point", base / "state") as mount:
-        assert gcsfuse._mounted(str(mount.mountpoint))
+        assert is_mounted(str(mount.mountpoint))
         _put(mount, "spaced", b"ok")
-    assert not gcsfuse._mounted(str(mount.mountpoint)) and fuse_bucket.get_blob("spaced").size == 2
+    assert not is_mounted(str(mount.mountpoint)) and fuse_bucket.get_blob("spaced").size == 2
 
 
 def test_state_dir_on_another_file_system_is_refused_before_mounting(emulator, fuse_bucket):
     base = Path(emulator.data_dir, "fuse-tests", "other-fs")
     with pytest.raises(ValueError, match="is not on the file system of source"):
         GcsFuseMount(emulator.bucket_dir(fuse_bucket.name), base / "mnt", "/dev/shm/gcsfuse-state-test").start()
-    assert not gcsfuse._mounted(str(base / "mnt"))
+    assert not is_mounted(str(base / "mnt"))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
