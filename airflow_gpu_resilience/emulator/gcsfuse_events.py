@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+#: The kinds of event a mount records.
 EVENT_KINDS = ("staged", "throttled-rewrite", "non-atomic-rename", "estale", "read")
 
 
