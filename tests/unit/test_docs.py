@@ -22,6 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
+EXAMPLES_DIR = DOCS / "examples"
 
 #: Where an included file may come from: the files the tests run (``tests/system/test_dags.py``
 #: runs the DAGs, ``tests/system/test_docs_examples.py`` and the worker tests run
@@ -41,6 +42,7 @@ ALLOWED_SHELL = frozenset({
     "make test-airflow2",
     "make check-install",
     "make bench",
+    "pip install ./worker",
     "EMULATOR_FUSE_STRICT=1 make demo",
     # the emulator's command line; test_the_emulator_command_lines_parse checks its flags
     "python -m airflow_gpu_resilience.emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 "
@@ -377,3 +379,63 @@ def test_no_comment_or_docstring_carries_a_date() -> None:
 ])
 def test_dated_comment_lines_finds_history_not_data(name, source, expected) -> None:
     assert dated_comment_lines(Path(name), source) == expected
+
+
+# --- the READMEs ---------------------------------------------------------------------------------
+README = REPO / "README.md"
+WORKER_README = REPO / "worker" / "README.md"
+_FENCE = re.compile(r"^```(?P<language>[\w-]*)\n(?P<body>.*?)^```$", re.S | re.M)
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _fenced(path: Path) -> list[tuple[str, str]]:
+    """The ``(language, body)`` of every fenced code block of a Markdown file."""
+    return [(m["language"], m["body"]) for m in _FENCE.finditer(path.read_text())]
+
+
+def _marked(path: Path, name: str) -> str:
+    """The lines between ``[START name]`` and ``[END name]`` of ``path``, as a literalinclude shows them."""
+    text = path.read_text()
+    return text.split(f"# [START {name}]\n", 1)[1].split(f"# [END {name}]", 1)[0]
+
+
+def test_the_readmes_are_short() -> None:
+    """The README is the way in, not the reference: the reference is the documentation site."""
+    assert len(README.read_text().splitlines()) <= 250
+    assert len(WORKER_README.read_text().splitlines()) <= 250
+
+
+def test_every_readme_code_block_is_a_tested_file_or_an_allowed_command() -> None:
+    """README.md's Python is the minimal DAG the tests run, its sample report the demo's own
+    rendering of a real run; its text blocks are pictures; shell lines are allowed commands."""
+    dag = _marked(EXAMPLES_DIR / "dags" / "minimal_dag.py", "howto_minimal_dag")
+    report = (EXAMPLES_DIR / "demo-report.txt").read_text()
+    problems, seen = [], set()
+    for path in (README, WORKER_README):
+        for language, body in _fenced(path):
+            where = f"{path.relative_to(REPO)}: a {language or 'bare'} block"
+            if language in SHELL_LANGUAGES:
+                problems += [f"{where}: {line!r} is not in ALLOWED_SHELL" for line in body.splitlines()
+                             if line.strip() and not line.startswith("#") and line.strip() not in ALLOWED_SHELL]
+            elif language == "python":
+                seen.add("dag")
+                if body != dag:
+                    problems.append(f"{where} differs from docs/examples/dags/minimal_dag.py's howto_minimal_dag")
+            elif language == "text" and body.startswith("==== airflow-gpu-resilience demo report"):
+                seen.add("report")
+                if body != report:
+                    problems.append(f"{where} differs from docs/examples/demo-report.txt")
+            elif language != "text":
+                problems.append(f"{where}: only python (the minimal DAG), shell and text blocks")
+    assert not problems, "\n".join(problems)
+    assert seen == {"dag", "report"}, "README.md shows the minimal DAG and the sample report"
+
+
+def test_every_relative_link_of_the_readmes_exists() -> None:
+    problems = []
+    for path in (README, WORKER_README):
+        for match in _LINK.finditer(path.read_text()):
+            target = match["target"].split("#", 1)[0]
+            if target and "://" not in target and not (path.parent / target).exists():
+                problems.append(f"{path.relative_to(REPO)}: {match['target']} does not exist")
+    assert not problems, "\n".join(problems)
