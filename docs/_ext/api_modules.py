@@ -121,7 +121,8 @@ def _imports(module: str) -> dict[str, str]:
                 found[alias.asname or alias.name] = f"{base}.{alias.name}"
         elif isinstance(statement, ast.Import):
             for alias in statement.names:
-                found[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or alias.name.split(".")[0]
+                top = alias.name.split(".")[0]
+                found[alias.asname or top] = alias.name if alias.asname else top
     return found
 
 

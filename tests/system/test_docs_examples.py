@@ -21,6 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "docs" / "examples"
+PARENT = "projects/local-project/locations/us-central1"
 
 
 def _load(path: Path, name: str):
@@ -71,12 +72,12 @@ def test_each_connection_example_sends_the_hook_where_the_page_says(tmp_path: Pa
         examples.emulator_over_rest(emulator.endpoint, emulator.gcs_endpoint)
         hook = CloudRunGpuHook()
         assert (hook.transport, hook.api_endpoint) == ("rest", emulator.endpoint)
-        assert list(hook.jobs_client("us-central1").list_jobs(parent="projects/local-project/locations/us-central1")) == []
+        assert list(hook.jobs_client("us-central1").list_jobs(parent=PARENT)) == []
 
         examples.emulator_over_grpc(emulator.grpc_endpoint, emulator.gcs_endpoint)
         hook = CloudRunGpuHook()
         assert hook.transport == "grpc" and hook.project_id == "local-project"
-        assert list(hook.jobs_client("us-central1").list_jobs(parent="projects/local-project/locations/us-central1")) == []
+        assert list(hook.jobs_client("us-central1").list_jobs(parent=PARENT)) == []
 
     monkeypatch.delenv("CLOUD_RUN_EMULATOR_HOST")
     examples.cloud_run("/secrets/key.json")
