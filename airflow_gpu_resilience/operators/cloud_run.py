@@ -229,17 +229,6 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
     #: Seconds between progress log lines while polling in the worker (sync mode).
     progress_log_interval: float = 60.0
 
-    template_fields: Sequence[str] = (
-        "job_name", "region", "project_id", "gcp_conn_id", "impersonation_chain", "overrides",
-        "max_preemption_reruns", "max_reruns_without_progress", "max_total_reruns",
-        "checkpoint_bucket", "checkpoint_prefix", "poll_interval",
-        "log_container_output",
-    )
-    template_fields_renderers = {"overrides": "json"}
-    operator_extra_links = (CloudRunGpuExecutionLink(), CloudRunGpuLogsLink())
-    #: Seconds between progress log lines while polling in the worker (sync mode).
-    progress_log_interval: float = 60.0
-
     def __init__(
         self,
         *,
