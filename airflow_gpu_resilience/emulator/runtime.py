@@ -7,7 +7,8 @@ container's argv from the :mod:`.images` table, its env plus ``CLOUD_RUN_JOB``,
 ``CLOUD_RUN_TASK_COUNT``. stdout and stderr go to
 ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt gets the parent-death signal
 SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has it, which keeps ``subprocess``
-on its vfork path; else with a ``preexec_fn``), so attempts die with a hard-killed emulator.
+on its vfork path; else with a ``preexec_fn``), so attempts die with a hard-killed emulator, also
+one being started at that moment (see :func:`_spawn_args`).
 :class:`Attempt` is one running attempt: it signals its process group (:meth:`Attempt.stop`:
 SIGTERM now, SIGKILL due after the grace) and translates its return code and stop reason
 (:meth:`Attempt.result`). :class:`RuntimePolicy` holds the settings (grace, pacing, retries).
@@ -35,6 +36,7 @@ import ctypes
 import datetime as dt
 import ctypes.util
 import dataclasses
+import functools
 import math
 import os
 import select
@@ -68,32 +70,51 @@ _PR_SET_PDEATHSIG = 1
 #: util-linux ``setpriv``: sets the parent-death signal and execs the command. Spawning through
 #: it keeps ``subprocess`` on its fast vfork path (a ``preexec_fn`` forces a full fork of the
 #: emulator plus Python code in the child: about 4x slower per attempt).
-_SETPRIV = shutil.which("setpriv") if _PRCTL is not None else None
+_SETPRIV = shutil.which("setpriv") if _PRCTL is not None and os.access("/bin/sh", os.X_OK) else None
+#: Run by ``/bin/sh`` between ``setpriv`` and the attempt's command, as ``sh -c SCRIPT sh
+#: EMULATOR_PID ARGV...``: the death signal set, the attempt goes on only while its parent is still
+#: the emulator (the shell reads ``$PPID`` at its start, after ``setpriv``'s ``prctl``). The shell
+#: sets ``PWD`` to the attempt's folder, which the command then inherits.
+_STILL_PARENT = '[ "$PPID" = "$1" ] || { kill -KILL $$; exit 137; }; shift; exec "$@"'
 
 
-def _die_with_emulator() -> None:
-    """Child-side, before exec: SIGKILL this process if the emulator dies (even by SIGKILL).
+def _die_with_emulator(emulator_pid: int) -> None:
+    """Child-side, before exec: SIGKILL this process if the emulator dies (even by SIGKILL), or
+    has died already (see :func:`_spawn_args`).
 
     Linux only; elsewhere a hard-killed emulator can leave attempts behind.
+
+    :param emulator_pid: the emulator's pid, taken before the fork.
     """
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != emulator_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _spawn_args(argv: list, cwd: Path, env: dict) -> tuple:
     """``(argv, preexec_fn)`` that make the attempt die with the emulator: through ``setpriv
-    --pdeathsig KILL`` when it exists, else with a ``preexec_fn``.
+    --pdeathsig KILL`` then ``/bin/sh`` (:data:`_STILL_PARENT`) when ``setpriv`` exists, else
+    with a ``preexec_fn``.
+
+    The death signal is set in the child, after ``Popen`` has returned (``setpriv``) or at least
+    after the fork, and ``PR_SET_PDEATHSIG`` in a child whose parent has died already sets
+    nothing (``prctl(2)``): the child belongs to init (or a subreaper) by then. An emulator hard-killed in
+    that moment (say, while it retries a preempted attempt) would leave the attempt running for
+    good. So after the ``prctl`` the child checks that its parent is still the emulator, and
+    kills itself if not; from then on the signal covers the emulator's death.
 
     :raises FileNotFoundError: when ``argv[0]`` is not an executable (as ``Popen`` would).
     """
     if _SETPRIV is None:
-        return argv, _die_with_emulator
+        return argv, functools.partial(_die_with_emulator, os.getpid())
     program = argv[0] if argv else ""
     found = (os.access(Path(cwd, program), os.X_OK) if os.sep in program
              else shutil.which(program, path=env.get("PATH", os.defpath)) is not None)
     if not found:
         raise FileNotFoundError(f"No such executable: '{program}'")
-    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _STILL_PARENT, "sh", str(os.getpid()),
+            *argv], None
 
 
 @dataclasses.dataclass

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -66,18 +71,118 @@ def test_serve_prints_one_ready_line_fast(tmp_path):
         assert proc.wait(timeout=10) == 0
 
 
-def test_hard_killed_emulator_takes_its_task_processes_along(tmp_path, images_file):
-    with EmulatorProcess(tmp_path / "emu", images_file=images_file) as emu:
-        opts = {"api_endpoint": emu.endpoint}
-        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest", client_options=opts)
-        jobs.create_job(parent=PARENT, job=make_job("local/stubborn"), job_id="hard").result()
-        op = jobs.run_job(name=f"{PARENT}/jobs/hard")
-        pid = emu.preempt(op.metadata.name, 0, grace_seconds=60)["pid"]
-        os.kill(emu.pid, 9)
-        deadline = time.monotonic() + 5
-        while _pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _pid_alive(pid)
+# Ignores SIGTERM, says "started", sleeps RUN_FOR seconds (default 20), then writes the file MARKER:
+# a marker means that the process ran to its end, which an attempt of a hard-killed emulator must not.
+HOLDOUT_SCRIPT = (
+    "import os,signal,time\nsignal.signal(signal.SIGTERM,signal.SIG_IGN)\nprint('started',flush=True)\n"
+    "time.sleep(float(os.environ.get('RUN_FOR','20')))\nopen(os.environ['MARKER'],'w').write('ran to its end')\n"
+)
+
+
+def _wait_for(condition, what: str, limit: float = 60.0) -> None:
+    """Poll ``condition()`` until it is true; fail naming ``what`` after ``limit`` s (a guard
+    against a hang, far beyond the time it takes)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {limit:g} s"
+        time.sleep(0.02)
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Block until process ``pid`` (not a child of this one) has ended, through a pidfd."""
+    fd = os.pidfd_open(pid)
+    try:
+        readable, _, _ = select.select([fd], [], [], 90.0)  # the holdout ends by itself after 20 s
+        assert readable, f"process {pid} is still running"
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def holdout(tmp_path, monkeypatch):
+    """``(images file with 'local/holdout', marker path)``; the marker path is in every task's env."""
+    images = tmp_path / "holdout-images.json"
+    images.write_text(json.dumps({"images": {"local/holdout": {"entrypoint": ["{python}", "-c", HOLDOUT_SCRIPT]}}}))
+    marker = tmp_path / "ran-to-its-end"
+    monkeypatch.setenv("MARKER", str(marker))
+    return images, marker
+
+
+def _jobs(emu):
+    return run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                             client_options={"api_endpoint": emu.endpoint})
+
+
+def test_hard_killed_emulator_takes_its_task_processes_along(tmp_path, holdout):
+    """A running attempt that ignores SIGTERM (preempted, SIGKILL 60 s away) dies with a
+    SIGKILLed emulator: it never runs to its end."""
+    images, marker = holdout
+    with EmulatorProcess(tmp_path / "emu", images_file=images) as emu:
+        _jobs(emu).create_job(parent=PARENT, job=make_job("local/holdout", max_retries=0), job_id="hard").result()
+        execution = _jobs(emu).run_job(name=f"{PARENT}/jobs/hard").metadata.name
+        log = emu.data_dir / "logs" / execution.rsplit("/", 1)[-1] / "task0-attempt0.log"
+        # SIGTERM ignored from here on: the preemption below cannot be what ends it
+        _wait_for(lambda: log.exists() and "started" in log.read_text(), "the attempt's start")
+        pid = emu.preempt(execution, 0, grace_seconds=60)["pid"]
+        os.kill(emu.pid, signal.SIGKILL)
+        _wait_for_exit(pid)
+    assert not marker.exists(), "the attempt outlived the hard-killed emulator"
+
+
+def test_attempt_being_started_when_the_emulator_is_hard_killed_dies_too(tmp_path, holdout, monkeypatch):
+    """An attempt whose parent-death signal is not set yet when the emulator is SIGKILLed (a
+    retry being started, on a busy machine) dies all the same. A stand-in ``setpriv`` first on
+    PATH holds the new process before the real one runs (as a scheduler that has not run it
+    yet) until the emulator is dead; the old code's attempt then ran on as init's child."""
+    real = shutil.which("setpriv")
+    if real is None:
+        pytest.skip("no util-linux setpriv: attempts set their death signal in a preexec_fn")
+    images, marker = holdout
+    hold = tmp_path / "hold"
+    (hold / "bin").mkdir(parents=True)
+    stand_in = hold / "bin" / "setpriv"
+    stand_in.write_text(f'''#!/bin/sh
+echo $$ > "{hold}/pid.tmp" && mv "{hold}/pid.tmp" "{hold}/pid"
+while [ ! -e "{hold}/go" ]; do sleep 0.01; done
+exec {real} "$@"
+''')
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("RUN_FOR", "0")
+    pidfd = None
+    try:
+        with EmulatorProcess(tmp_path / "emu", images_file=images) as emu:
+            _jobs(emu).create_job(parent=PARENT, job=make_job("local/holdout", max_retries=0), job_id="held").result()
+            _jobs(emu).run_job(name=f"{PARENT}/jobs/held")
+            _wait_for(lambda: (hold / "pid").exists(), "the attempt's spawn")
+            pidfd = os.pidfd_open(int((hold / "pid").read_text()))
+            os.kill(emu.pid, signal.SIGKILL)
+            _wait_for(lambda: not _pid_alive(emu.pid), "the emulator's death")  # a zombie: every thread gone
+            (hold / "go").touch()
+            readable, _, _ = select.select([pidfd], [], [], 90.0)
+            assert readable, "the held attempt is still running"
+    finally:
+        (hold / "go").touch()
+        if pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+    assert not marker.exists(), "an attempt being started when the emulator was hard-killed ran on"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_preexec_fallback_ends_a_child_whose_parent_is_not_the_emulator_any_more():
+    """Without setpriv the child sets its death signal in a preexec_fn, then checks that its
+    parent is still the emulator (here: a pid that is not its parent, as after the emulator's
+    death); the check fails, the child kills itself before exec."""
+    from airflow_gpu_resilience.emulator.runtime import _die_with_emulator
+
+    def run(emulator_pid):
+        return subprocess.run([sys.executable, "-c", "pass"], timeout=60,
+                              preexec_fn=functools.partial(_die_with_emulator, emulator_pid)).returncode
+
+    assert run(os.getpid()) == 0
+    assert run(os.getppid()) == -signal.SIGKILL
 
 
 def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
