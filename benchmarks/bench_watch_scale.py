@@ -234,7 +234,7 @@ def row(variant: str, n: int, result: dict, counters: dict, ends: dict, preempte
     return {
         "variant": variant, "n": n, "preempted": preempted, "minutes": round(minutes, 2),
         "reads_per_min": round(read_calls / minutes, 1), "writes_per_min": round(write_calls / minutes, 1),
-        "reads_per_execution": round(read_calls / n, 1),
+        "reads_per_execution": round(read_calls / n, 3),
         "quota_429": sum(m["quotaExceeded"] for m in methods.values()),
         "by_method": {name: m["requests"] for name, m in sorted(methods.items())},
         "detection_p50_s": _r(percentile(delays, 0.5)), "detection_p95_s": _r(percentile(delays, 0.95)),

@@ -34,8 +34,9 @@ import random
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
@@ -57,11 +58,14 @@ from airflow_gpu_resilience.triggers.watch_rules import (
 __all__ = ["ExecutionWatcher", "WatchResult", "Watched", "WatcherKey", "watch_execution", "watchers"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Items per page asked of ListExecutions and ListTasks (the server may send fewer).
 PAGE_SIZE = 1000
 #: Per-execution ListTasks requests in flight at once.
 TASK_READS_AT_ONCE = 8
+#: Executions handled between two hand-backs of the event loop within a poll.
+ITEMS_PER_TURN = 50
 #: Errors after which the next poll is delayed (never the end of a watch).
 RETRYABLE = (*TRANSIENT_ERRORS, gexc.RetryError)
 
@@ -225,16 +229,17 @@ class ExecutionWatcher:
                 pending[name].end(WatchResult(error=error_text(exc)))
         now = time.monotonic()
         wanted: dict[str, tuple[run_v2.Execution, Counts]] = {}
-        for name, execution in found.items():
+        async for name, execution in _in_turns(found.items()):
             entry = pending[name]
             counts = counts_of(execution, execution_state(execution) is not ExecutionState.RUNNING)
             if needs_tasks(entry.counts, counts, None if entry.listed_at is None else now - entry.listed_at):
                 wanted[name] = (execution, counts)
             else:
                 entry.counts = counts
-                self._apply(entry, execution, [])
+                if counts.finished:
+                    self._apply(entry, execution, [])
         tasks = await self._read_tasks({name: int(e.task_count) for name, (e, _) in wanted.items()}, region_tasks)
-        for name, task_list in tasks.items():
+        async for name, task_list in _in_turns(tasks.items()):
             execution, counts = wanted[name]
             entry = pending[name]
             if isinstance(task_list, BaseException):
@@ -258,7 +263,7 @@ class ExecutionWatcher:
         while True:
             executions, token = await self.hook.list_executions_page(
                 self.key.project, self.key.region, page_token=token, page_size=PAGE_SIZE)
-            for execution in executions:
+            async for execution in _in_turns(executions):
                 region_tasks += execution.task_count
                 if execution.name in names:
                     found[execution.name] = execution
@@ -300,6 +305,14 @@ class ExecutionWatcher:
 
         names = list(task_counts)
         return dict(zip(names, await asyncio.gather(*(one(name) for name in names))))
+
+
+async def _in_turns(items: Iterable[_T], turn: int = ITEMS_PER_TURN) -> AsyncIterator[_T]:
+    """``items``, handing the event loop back after every ``turn`` of them (other triggers run)."""
+    for count, item in enumerate(items, 1):
+        yield item
+        if count % turn == 0:
+            await asyncio.sleep(0)
 
 
 #: The watchers of each event loop, by key.
