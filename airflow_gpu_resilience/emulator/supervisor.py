@@ -159,6 +159,9 @@ class ExecutionSupervisor(threading.Thread):
             outcome.close()
             self.config.slots.give()
         else:
+            # The task's start_time (the API's, for its latest attempt) is its process's start,
+            # the same instant the attempt record starts at, so both read one clock.
+            task.start_time = outcome.started
             self.running[task.index] = outcome
             if self.execution.state in (ExecutionState.CANCELLING, ExecutionState.FAILING):
                 outcome.stop("cancelled", self.config.policy.grace_seconds)
@@ -198,10 +201,8 @@ class ExecutionSupervisor(threading.Thread):
     def _record(self, attempt: Attempt, result: AttemptResult) -> None:
         task = attempt.task
         task.last_result = result
-        # The attempt's start as the API shows it (the task's start_time, set when it was claimed),
-        # so that the history and a client's account of the same attempt read one clock.
-        task.history.append(result.record(attempt.number, task.start_time or attempt.started, utcnow(),
-                                          attempt.stop_reason, attempt.log_path.name))
+        task.history.append(result.record(attempt.number, attempt.started, utcnow(), attempt.stop_reason,
+                                          attempt.log_path.name))
         if result.status_code == 0:
             self._end_task(task, TaskState.SUCCEEDED)
         elif attempt.stop_reason == "cancelled":

@@ -134,7 +134,7 @@ def test_preemption_exit_143_is_retried_into_success(jobs, tasks, emulator, buck
     assert first_attempt["statusCode"] == 14 and first_attempt["log"] == "task0-attempt0.log"
     assert (second_attempt["attempt"], second_attempt["exitCode"], second_attempt["statusCode"]) == (1, 0, 0)
     assert second_attempt["stopReason"] is None and first_attempt["endTime"] <= second_attempt["startTime"]
-    # the record and the API read one clock for an attempt: its start is the task's start_time
+    # the record and the API read one clock for an attempt: the task's start_time is its process's start
     assert dt.datetime.fromisoformat(second_attempt["startTime"]) == task.start_time
     second = json.loads((root / "attempt-1.json").read_text())
     assert second["CLOUD_RUN_TASK_ATTEMPT"] == "1" and second["interrupted"] is False
