@@ -78,7 +78,7 @@ Known differences from Cloud Run:
   cores 1,000 short tasks at parallelism 50 (``--max-task-processes 50``) run at about 180 per
   second (``benchmarks/bench_emulator.py``).
 - All tasks share one machine: at most ``--max-task-processes`` task processes run at once over
-  all executions (default twice the CPUs, at most 8); further tasks stay PENDING, as beyond
+  all executions (default 8); further tasks stay PENDING, as beyond
   ``parallelism``. ``/_emulator/health`` reports the bound, the processes running and the peak.
 - The REST client maps errors by HTTP code only: INVALID_ARGUMENT and FAILED_PRECONDITION
   both raise ``google.api_core.exceptions.BadRequest`` (status in the JSON body), and

@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="GPU task attempts running at once per project and location (0: unlimited)")
     serve.add_argument("--max-task-processes", type=int, default=None,
                        help="task processes running at once on this machine, over all executions; further "
-                            "tasks wait as pending (default: twice the CPUs, at most 8)")
+                            "tasks wait as pending (default: 8)")
     serve.add_argument("--preempt-every", type=float, default=0.0, metavar="MEAN_SECONDS",
                        help="seeded maintenance preemptions, exponential inter-arrival with this mean (0: off)")
     serve.add_argument("--preempt-seed", type=int, default=0, help="seed of the preemption schedule")

@@ -149,14 +149,16 @@ class RuntimePolicy:
 
 
 def default_max_task_processes() -> int:
-    """The default bound on task processes at once: twice the CPUs, at most 8 (at least 2).
+    """The default bound on task processes at once: 8.
 
     A task here is a whole training process (a PyTorch worker takes hundreds of MB), not a
-    container on a machine of its own, so the bound follows a laptop's CPUs and stays small
-    whatever the job asks for: an execution of 10,000 tasks with ``parallelism`` 0 must not start
-    10,000 processes. Waiting tasks cost nothing; raise it with ``serve --max-task-processes``.
+    container on a machine of its own, so the bound stays small whatever the job asks for: an
+    execution of 10,000 tasks with ``parallelism`` 0 must not start 10,000 processes. It does not
+    follow the CPU count: several DAG runs training at once (the local Airflow stack runs five) each
+    need their task running, and a waiting process costs memory, not CPU; 8 such workers fit a
+    laptop's memory. Waiting tasks cost nothing; raise it with ``serve --max-task-processes``.
     """
-    return max(2, min(2 * (os.cpu_count() or 1), 8))
+    return 8
 
 
 class ProcessSlots:
