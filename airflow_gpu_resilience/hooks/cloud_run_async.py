@@ -96,9 +96,12 @@ class CloudRunGpuAsyncHook(GoogleBaseAsyncHook):
         if clients is not None:
             return await getattr(clients[kind], method)(request=request, retry=None, timeout=self.request_timeout)
         hook = await self.get_sync_hook()
-        client = hook.executions_client(location) if kind is run_v2.ExecutionsClient else hook.tasks_client(location)
-        return await asyncio.to_thread(getattr(client, method), request=request, retry=None,
-                                       timeout=self.request_timeout)
+
+        def call() -> Any:  # in the thread: the first call also builds the client (credentials)
+            client = hook.executions_client(location) if kind is run_v2.ExecutionsClient else hook.tasks_client(location)
+            return getattr(client, method)(request=request, retry=None, timeout=self.request_timeout)
+
+        return await asyncio.to_thread(call)
 
     async def list_executions_page(self, project_id: str, region: str, job_name: str = "-", page_token: str = "",
                                    page_size: int = 0) -> Page:
