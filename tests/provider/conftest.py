@@ -7,6 +7,7 @@ from the image table below; their behaviour is chosen with container args.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -92,22 +93,31 @@ def airflow_db() -> None:
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
 
 
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """A Cloud Run emulator (with its GCS emulator) for the whole session, with ``BUCKET`` created."""
+@contextlib.contextmanager
+def stub_emulator(data_dir: Path, **settings):
+    """A Cloud Run emulator (with its GCS emulator) in ``data_dir`` whose image table maps
+    ``STUB_IMAGE`` to the stand-in task, with ``BUCKET`` created.
+
+    :param settings: further :class:`~airflow_gpu_resilience.emulator.process.EmulatorProcess`
+        arguments (a read quota, say).
+    """
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
     from airflow_gpu_resilience.emulator.process import EmulatorProcess
 
-    data_dir = tmp_path_factory.mktemp("emulator")
     table = data_dir / "images.json"
     table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]}}}))
-    with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0) as emu:
-        client = storage.Client(
-            project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emu.gcs_endpoint}
-        )
-        client.create_bucket(BUCKET)
+    with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0, **settings) as emu:
+        storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
+                       client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
+        yield emu
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    """A Cloud Run emulator (with its GCS emulator) for the whole session, with ``BUCKET`` created."""
+    with stub_emulator(tmp_path_factory.mktemp("emulator")) as emu:
         yield emu
 
 

@@ -7,15 +7,13 @@ minute; the short window only keeps the test short), on both transports (``gcp_c
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
-from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, STUB_SCRIPT
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, stub_emulator
 
 READS, WINDOW_SECONDS = 4, 3.0
 
@@ -23,16 +21,8 @@ READS, WINDOW_SECONDS = 4, 3.0
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     """Overrides the session's emulator (which ``gcp_conn`` points at) with a read quota."""
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-
-    data_dir = tmp_path_factory.mktemp("quota-emulator")
-    table = data_dir / "images.json"
-    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT]}}}))
-    with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0, read_quota_per_minute=READS,
-                         write_quota_per_minute=None, quota_window_seconds=WINDOW_SECONDS) as emu:
-        storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
-                       client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
+    with stub_emulator(tmp_path_factory.mktemp("quota-emulator"), read_quota_per_minute=READS, write_quota_per_minute=None,
+                       quota_window_seconds=WINDOW_SECONDS) as emu:
         yield emu
 
 

@@ -8,14 +8,13 @@ minute; the short window only keeps the test short), on both transports (``gcp_c
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess, post_json
+from airflow_gpu_resilience.emulator.process import post_json
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
-from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, STUB_SCRIPT
+from tests.provider.conftest import PROJECT, REGION, stub_emulator
 from tests.provider.triggers.test_cloud_run import start
 
 READS, WINDOW_SECONDS = 4, 10.0
@@ -24,16 +23,8 @@ READS, WINDOW_SECONDS = 4, 10.0
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     """Overrides the session's emulator (which ``gcp_conn`` points at) with a read quota."""
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-
-    data_dir = tmp_path_factory.mktemp("watcher-quota-emulator")
-    table = data_dir / "images.json"
-    table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT]}}}))
-    with EmulatorProcess(data_dir / "state", images_file=table, grace_seconds=1.0, read_quota_per_minute=READS,
-                         write_quota_per_minute=None, quota_window_seconds=WINDOW_SECONDS) as emu:
-        storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
-                       client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
+    with stub_emulator(tmp_path_factory.mktemp("watcher-quota-emulator"), read_quota_per_minute=READS, write_quota_per_minute=None,
+                       quota_window_seconds=WINDOW_SECONDS) as emu:
         yield emu
 
 
