@@ -14,12 +14,13 @@ STAMP := $(VENV)/.installed
 VENV2 := .venv-airflow2
 PY2 := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.installed
-# Everything a development checkout uses: the emulator, the example DAGs' imports, tests,
+# Everything a development checkout uses besides the worker and the emulator (their own
+# distributions, worker/ and emulator/, installed editable beside it): the example DAGs' imports, tests,
 # the bundled worker's torch, the benchmarks' plots, the local Airflow deployment (make stack)
 # and the documentation site (make docs: a few small pure-Python wheels, so one environment).
-EXTRAS := emulator,examples,dev,deployment,docs
+EXTRAS := examples,dev,deployment,docs
 # Airflow 2.11 runs no deployment tests (they need Airflow 3's API server): no deployment extra there.
-EXTRAS_AIRFLOW2 := emulator,examples,dev
+EXTRAS_AIRFLOW2 := examples,dev
 # The worker library's own distribution (worker/pyproject.toml), editable, with the bundled trainer's extra
 # and the framework integrations' extras (their tests run in CI, on Airflow 3's environment only).
 WORKER_EXTRAS := trainer,transformers,lightning
@@ -48,20 +49,20 @@ COMPILE := bash scripts/compile_site_packages.sh
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml worker/pyproject.toml constraints/dev.txt
+$(STAMP): pyproject.toml worker/pyproject.toml emulator/pyproject.toml constraints/dev.txt
 	bash scripts/system_packages.sh fuse
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -c constraints/dev.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]'
+	$(PY) -m pip install --quiet --no-compile -c constraints/dev.txt -e '.[$(EXTRAS)]' -e './worker[$(WORKER_EXTRAS)]' -e ./emulator
 	$(COMPILE) $(PY)
 	touch $(STAMP)
 
 venv-airflow2: $(STAMP2)
 
-$(STAMP2): pyproject.toml worker/pyproject.toml constraints/dev.txt constraints/airflow2.txt
+$(STAMP2): pyproject.toml worker/pyproject.toml emulator/pyproject.toml constraints/dev.txt constraints/airflow2.txt
 	test -x $(PY2) || $(PYTHON) -m venv $(VENV2)
 	$(PY2) -m pip install --quiet --upgrade pip
-	$(PY2) -m pip install --quiet --no-compile -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS_AIRFLOW2)]' -e './worker[$(WORKER_EXTRAS_AIRFLOW2)]'
+	$(PY2) -m pip install --quiet --no-compile -c constraints/dev.txt -c constraints/airflow2.txt -e '.[$(EXTRAS_AIRFLOW2)]' -e './worker[$(WORKER_EXTRAS_AIRFLOW2)]' -e ./emulator
 	$(COMPILE) $(PY2)
 	touch $(STAMP2)
 
@@ -99,7 +100,7 @@ test: $(STAMP)
 test-airflow2: $(STAMP2)
 	bash scripts/run_tests.sh $(PY2) $(AIRFLOW2_TESTS) $(PYTEST_ARGS)
 
-# Build the wheel and install it, without the emulator extra, into fresh virtual environments
+# Build the wheel and install it, without the emulator (its own distribution), into fresh virtual environments
 # with Airflow 2.11 and with the newest Airflow 3; each must list the provider and parse the
 # example DAGs with no import errors.
 check-install: $(STAMP)

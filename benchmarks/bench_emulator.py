@@ -33,7 +33,7 @@ from pathlib import Path
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402

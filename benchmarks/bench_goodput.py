@@ -116,7 +116,7 @@ class Lab:
     """
 
     def __init__(self, root: Path, strategy: str, grace: float) -> None:
-        from airflow_gpu_resilience.emulator.process import EmulatorProcess
+        from cloud_run_emulator.process import EmulatorProcess
 
         self.strategy = strategy
         self.emulator = EmulatorProcess(root / strategy, images_file=common.REPO / "worker" / "emulator-image.json",

@@ -6,7 +6,7 @@ file) is watched by (i) the deferrable execute operator (``CloudRunGpuExecuteJob
 ``poke`` mode (``CloudRunGpuExecutionSensor``; a ``@task`` calling ``CloudRunGpuHook.run_job``
 starts the execution first). Each DAG runs through ``airflow dags test`` (its own temporary
 ``AIRFLOW_HOME``; triggers run inline) against one
-:class:`~airflow_gpu_resilience.emulator.process.EmulatorProcess`; the three run at once
+:class:`~cloud_run_emulator.process.EmulatorProcess`; the three run at once
 (``--sequential`` for one after another), each on its own job.
 
 Measured per mode:
@@ -408,7 +408,7 @@ def plot(path: Path, rows: list, poll: float) -> bool:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the table; write JSON and PNG. :return: 0 when every DAG run succeeded."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     args = parse_args(argv)
     common.apply_offline_env()

@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         mount = None
         if args.fuse:  # everything below (raw probes, end-to-end runs, I/O) goes through the mount
-            from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
+            from cloud_run_emulator.gcsfuse import GcsFuseMount
 
             base = Path(args.dir)
             mount = stack.enter_context(GcsFuseMount(base / "bucket", base / "mnt", base / "state", strict=True))

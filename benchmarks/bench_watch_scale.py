@@ -130,7 +130,7 @@ def import_seconds(src: Path | None) -> float:
 
 
 def _env(src: Path | None, extra: dict) -> dict:
-    from airflow_gpu_resilience.emulator.process import OFFLINE_ENV
+    from cloud_run_emulator.process import OFFLINE_ENV
 
     env = {**os.environ, **OFFLINE_ENV, "AIRFLOW__CORE__LOAD_EXAMPLES": "False", **extra}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src) if src else "", env.get("PYTHONPATH", "")) if p)
@@ -193,7 +193,7 @@ def percentile(values: list, q: float) -> float | None:
 
 def run_cell(variant: str, src: Path | None, n: int, args: argparse.Namespace, workdir: Path) -> dict:
     """One emulator, N executions, one child with N triggers of ``variant``; the row of the table."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     cell = workdir / f"{variant}-{n}"
     images = cell / "images.json"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
-from airflow_gpu_resilience.emulator.process import OFFLINE_ENV  # google-auth stays offline
+from cloud_run_emulator.process import OFFLINE_ENV  # google-auth stays offline
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"

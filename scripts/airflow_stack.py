@@ -13,7 +13,7 @@ What it starts, in order, each in its own process group, each waited for until h
    only). Run as root, PostgreSQL runs as the unprivileged ``postgres`` OS user (it refuses
    root).
 2. The Cloud Run emulator with its embedded GCS emulator (``python -m
-   airflow_gpu_resilience.emulator serve``; the worker image maps to ``python -m gpu_resilience_worker``
+   cloud_run_emulator serve``; the worker image maps to ``python -m gpu_resilience_worker``
    through ``worker/emulator-image.json``).
 3. ``airflow db migrate`` on that database, then ``airflow api-server``, ``scheduler`` (with
    ``LocalExecutor``), ``dag-processor`` and ``triggerer`` as four processes, with ``dags/`` as
@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from airflow_gpu_resilience.emulator.process import OFFLINE_ENV, EmulatorProcess  # noqa: E402
+from cloud_run_emulator.process import OFFLINE_ENV, EmulatorProcess  # noqa: E402
 
 #: The Airflow processes the stack runs, in start order.
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")

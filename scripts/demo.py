@@ -37,8 +37,8 @@ from google.api_core.client_options import ClientOptions  # noqa: E402
 from google.auth.credentials import AnonymousCredentials  # noqa: E402
 from google.cloud import run_v2  # noqa: E402
 
-from airflow_gpu_resilience.emulator import process as emulator_process  # noqa: E402
-from airflow_gpu_resilience.emulator.process import EmulatorProcess  # noqa: E402
+from cloud_run_emulator import process as emulator_process  # noqa: E402
+from cloud_run_emulator.process import EmulatorProcess  # noqa: E402
 
 DAG_ID = "gpu_resilient_training"
 PROJECT = "local-project"

@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import pytest
 
-from airflow_gpu_resilience.emulator.process import OFFLINE_ENV
+from cloud_run_emulator.process import OFFLINE_ENV
 
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="agr-airflow-home-")
 atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
@@ -40,7 +40,7 @@ for _key, _value in _OFFLINE_ENV.items():
 #: extra) fails the tests that need it instead of skipping them or falling back to plain folders.
 FULL_ENV = "TESTS_REQUIRE_FULL_ENV"
 FUSE_INSTALL = ("install fuse3 and libfuse3-3 as root (sudo bash scripts/system_packages.sh fuse) and mfusepy "
-                "(make venv, the emulator extra); a container also needs /dev/fuse and CAP_SYS_ADMIN")
+                "(make venv installs ./emulator); a container also needs /dev/fuse and CAP_SYS_ADMIN")
 
 
 def full_env_required() -> bool:
@@ -70,7 +70,7 @@ def missing_from_env(what: str, install: str) -> NoReturn:
 
 def require_fuse(fallback: bool = False) -> bool:
     """Whether the emulator's Cloud Storage FUSE volume can be mounted here
-    (:func:`~airflow_gpu_resilience.emulator.gcsfuse.fuse_available`).
+    (:func:`~cloud_run_emulator.gcsfuse.fuse_available`).
 
     :param fallback: where FUSE is unavailable, return ``False`` (the test goes on with plain
         folders) instead of skipping; under ``TESTS_REQUIRE_FULL_ENV=1`` it fails either way.
@@ -78,7 +78,7 @@ def require_fuse(fallback: bool = False) -> bool:
     :raises pytest.fail.Exception: FUSE is unavailable under ``TESTS_REQUIRE_FULL_ENV=1``.
     :raises pytest.skip.Exception: FUSE is unavailable, without ``fallback``.
     """
-    from airflow_gpu_resilience.emulator.gcsfuse import fuse_available
+    from cloud_run_emulator.gcsfuse import fuse_available
 
     works, why = fuse_available()
     if works:

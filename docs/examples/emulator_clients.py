@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 
 # [START howto_emulator_process]
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 with tempfile.TemporaryDirectory() as data_dir, EmulatorProcess(data_dir) as emulator:
     print("REST:", emulator.endpoint, "gRPC:", emulator.grpc_endpoint, "GCS:", emulator.gcs_endpoint)

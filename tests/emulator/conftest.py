@@ -16,7 +16,7 @@ from google.cloud.run_v2.services.executions.transports import ExecutionsGrpcTra
 from google.cloud.run_v2.services.jobs.transports import JobsGrpcTransport
 from google.cloud.run_v2.services.tasks.transports import TasksGrpcTransport
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 PARENT = "projects/test-project/locations/us-central1"
 

@@ -13,7 +13,7 @@ from google.api import launch_stage_pb2
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.models import PREEMPTION_MESSAGE
+from cloud_run_emulator.models import PREEMPTION_MESSAGE
 
 from .conftest import PARENT, make_job, task_name
 
@@ -328,7 +328,7 @@ def test_update_and_delete_job(jobs, job_id):
 
 
 def test_injected_api_faults(jobs, emulator, job_id):
-    from airflow_gpu_resilience.emulator.process import post_json
+    from cloud_run_emulator.process import post_json
 
     create(jobs, job_id, make_job("local/exit:latest"))
     post_json(emulator.endpoint + "/_emulator/faults", {"failNext": 1, "codes": [429]})
@@ -342,7 +342,7 @@ def test_injected_api_faults(jobs, emulator, job_id):
 
 @pytest.mark.parametrize(("code", "error"), [(500, gexc.InternalServerError), (504, gexc.GatewayTimeout)])
 def test_lost_answer_fault_applies_the_request_then_fails_it(jobs, emulator, job_id, code, error):
-    from airflow_gpu_resilience.emulator.process import post_json
+    from cloud_run_emulator.process import post_json
 
     post_json(emulator.endpoint + "/_emulator/faults", {"loseAnswerNext": 1, "loseAnswerCode": code})
     try:
@@ -358,7 +358,7 @@ def test_lost_answer_fault_applies_the_request_then_fails_it(jobs, emulator, job
 
 
 def test_preempt_by_task_name_and_wildcard_task_listing(jobs, tasks, emulator, job_id):
-    from airflow_gpu_resilience.emulator.process import post_json
+    from cloud_run_emulator.process import post_json
 
     job = create(jobs, job_id, make_job("local/sleep:1", task_count=2, env={"SLEEP": "3"}))
     op = jobs.run_job(name=job.name)
@@ -396,7 +396,7 @@ def test_delete_execution_and_cross_job_listing(jobs, executions, tasks, job_id)
 
 
 def test_seeded_preemption_schedule_over_http(jobs, tasks, executions, emulator, job_id):
-    from airflow_gpu_resilience.emulator.process import post_json
+    from cloud_run_emulator.process import post_json
 
     spec = make_job("local/sleep:1", task_count=2, env={"SLEEP": "30", "FAST_FROM": "9"}, max_retries=5)
     job = create(jobs, job_id, spec)

@@ -13,20 +13,20 @@ from google.cloud import run_v2
 from google.longrunning import operations_pb2
 from google.protobuf import json_format
 
-from airflow_gpu_resilience.emulator import validation
-from airflow_gpu_resilience.emulator.backend import CloudRunBackend, Registry, paginate
-from airflow_gpu_resilience.emulator.exceptions import (
+from cloud_run_emulator import validation
+from cloud_run_emulator.backend import CloudRunBackend, Registry, paginate
+from cloud_run_emulator.exceptions import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
 )
-from airflow_gpu_resilience.emulator.faults import (
+from cloud_run_emulator.faults import (
     MIN_GAP_SECONDS, ApiFaults, FaultConfig, PreemptionPlan, PreemptionSchedule,
 )
-from airflow_gpu_resilience.emulator.images import ImageTable
-from airflow_gpu_resilience.emulator.overrides import apply_overrides
-from airflow_gpu_resilience.emulator.models import (
+from cloud_run_emulator.images import ImageTable
+from cloud_run_emulator.overrides import apply_overrides
+from cloud_run_emulator.models import (
     TASK_TRANSITIONS, ExecutionState, TaskState, transition,
 )
-from airflow_gpu_resilience.emulator.runtime import RuntimeConfig, RuntimePolicy, rewrite
+from cloud_run_emulator.runtime import RuntimeConfig, RuntimePolicy, rewrite
 
 from .conftest import PARENT, make_job
 

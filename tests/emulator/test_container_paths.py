@@ -12,7 +12,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 from .conftest import PARENT, make_job, task_name
 

@@ -1,5 +1,5 @@
 """The emulator's FUSE volume against Cloud Storage FUSE's documented semantics (see
-:mod:`airflow_gpu_resilience.emulator.gcsfuse`): what becomes an object and when, what falls back to
+:mod:`cloud_run_emulator.gcsfuse`): what becomes an object and when, what falls back to
 staged writes (and is ``EIO`` in strict mode), rename, rewrite throttling, ``ESTALE``, killed
 writers, bytes read, and the folder fallback. Objects are checked through the real
 google-cloud-storage client on the emulator's GCS endpoint.
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator import gcsfuse
-from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, VolumeMounts
-from airflow_gpu_resilience.emulator.gcsfuse_host import is_mounted
-from airflow_gpu_resilience.emulator.gcsfuse_rules import DEFAULT_STREAMING_FILES
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator import gcsfuse
+from cloud_run_emulator.gcsfuse import GcsFuseMount, VolumeMounts
+from cloud_run_emulator.gcsfuse_host import is_mounted
+from cloud_run_emulator.gcsfuse_rules import DEFAULT_STREAMING_FILES
+from cloud_run_emulator.process import EmulatorProcess
 
 from .conftest import PARENT, make_job
 from .test_api import _read, create, poll_execution

@@ -23,8 +23,8 @@ from google.cloud.run_v2.services.jobs.transports import JobsGrpcAsyncIOTranspor
 from google.cloud.run_v2.services.tasks.transports import TasksGrpcAsyncIOTransport
 from google.longrunning import operations_pb2
 
-from airflow_gpu_resilience.emulator.models import PREEMPTION_MESSAGE
-from airflow_gpu_resilience.emulator.process import post_json
+from cloud_run_emulator.models import PREEMPTION_MESSAGE
+from cloud_run_emulator.process import post_json
 
 from .conftest import PARENT, make_job, task_name
 from .test_api import create, wait_running

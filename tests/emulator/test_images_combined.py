@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from airflow_gpu_resilience.emulator.images import ImageTable
+from cloud_run_emulator.images import ImageTable
 
 
 def test_tables_combine_in_order_with_their_own_directories(tmp_path: Path) -> None:

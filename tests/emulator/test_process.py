@@ -18,8 +18,8 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
-from airflow_gpu_resilience.emulator.runtime import default_max_task_processes
+from cloud_run_emulator.process import EmulatorProcess
+from cloud_run_emulator.runtime import default_max_task_processes
 
 from .conftest import PARENT, make_job, task_name
 
@@ -40,7 +40,7 @@ def test_stop_kills_running_task_processes(tmp_path, images_file):
         jobs.create_job(parent=PARENT, job=make_job("local/stubborn", task_count=2), job_id="stop").result()
         op = jobs.run_job(name=f"{PARENT}/jobs/stop")
         answer = subprocess.run(
-            [sys.executable, "-m", "airflow_gpu_resilience.emulator", "preempt", "--endpoint", emu.endpoint,
+            [sys.executable, "-m", "cloud_run_emulator", "preempt", "--endpoint", emu.endpoint,
              "--execution", op.metadata.name, "--task-index", "1", "--grace-seconds", "30"],
             capture_output=True, text=True, timeout=30, check=True)
         pid = json.loads(answer.stdout)["pid"]
@@ -59,7 +59,7 @@ def test_stop_kills_running_task_processes(tmp_path, images_file):
 def test_serve_prints_one_ready_line_fast(tmp_path):
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0", "--gcs-port", "0",
+        [sys.executable, "-m", "cloud_run_emulator", "serve", "--port", "0", "--gcs-port", "0",
          "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         ready = json.loads(proc.stdout.readline())
@@ -175,7 +175,7 @@ def test_preexec_fallback_ends_a_child_whose_parent_is_not_the_emulator_any_more
     """Without setpriv the child sets its death signal in a preexec_fn, then checks that its
     parent is still the emulator (here: a pid that is not its parent, as after the emulator's
     death); the check fails, the child kills itself before exec."""
-    from airflow_gpu_resilience.emulator.runtime import _die_with_emulator
+    from cloud_run_emulator.runtime import _die_with_emulator
 
     def run(emulator_pid):
         return subprocess.run([sys.executable, "-c", "pass"], timeout=60,
@@ -186,7 +186,7 @@ def test_preexec_fallback_ends_a_child_whose_parent_is_not_the_emulator_any_more
 
 
 def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
-    from airflow_gpu_resilience.emulator import __main__ as cli, server
+    from cloud_run_emulator import __main__ as cli, server
 
     seen = []
     monkeypatch.setattr(server, "serve", seen.append)
@@ -211,7 +211,7 @@ def test_serve_flags_start_a_seeded_preemption_schedule(monkeypatch, tmp_path):
 def test_serve_refuses_out_of_range_flags_before_it_starts(tmp_path, flags, named):
     """A user's bad flag is one usage error naming it and the allowed values (exit 2), not an
     emulator that starts and then never SIGKILLs a preempted task or never runs one."""
-    result = subprocess.run([sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "cloud_run_emulator", "serve", "--port", "0",
                              "--gcs-port", "0", "--data-dir", str(tmp_path / "emu"), *flags],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr

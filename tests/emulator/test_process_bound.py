@@ -16,7 +16,7 @@ import psutil
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 from .conftest import PARENT, make_job
 

@@ -1,4 +1,4 @@
-"""The Admin API request quota and the request counters (:mod:`airflow_gpu_resilience.emulator.quota`).
+"""The Admin API request quota and the request counters (:mod:`cloud_run_emulator.quota`).
 
 Black-box: the real run_v2 clients on both transports, and raw HTTP for the exact JSON, against an
 emulator with a read quota of 5 and a write quota of 3 per minute. Each test works in a project of
@@ -21,12 +21,12 @@ from google.cloud import run_v2
 from google.cloud.run_v2.services.jobs.transports import JobsGrpcTransport
 from google.longrunning import operations_pb2
 
-from airflow_gpu_resilience.emulator import __main__ as cli
-from airflow_gpu_resilience.emulator.exceptions import ResourceExhausted
-from airflow_gpu_resilience.emulator.process import EmulatorProcess, post_json
-from airflow_gpu_resilience.emulator.quota import (
+from cloud_run_emulator import __main__ as cli
+from cloud_run_emulator.exceptions import ResourceExhausted
+from cloud_run_emulator.process import EmulatorProcess, post_json
+from cloud_run_emulator.quota import (
     KINDS, NO_SCOPE, READ, WRITE, QuotaSettings, RequestQuota, project_number, scope_of)
-from airflow_gpu_resilience.emulator.rpcs import RPCS
+from cloud_run_emulator.rpcs import RPCS
 
 from .conftest import make_job
 

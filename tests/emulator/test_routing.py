@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from airflow_gpu_resilience.emulator import responses, rpcs, urls
-from airflow_gpu_resilience.emulator.app import AppState, create_app
-from airflow_gpu_resilience.emulator.backend import Registry
-from airflow_gpu_resilience.emulator.faults import ApiFaults
-from airflow_gpu_resilience.emulator.images import ImageTable
-from airflow_gpu_resilience.emulator.runtime import RuntimeConfig
+from cloud_run_emulator import responses, rpcs, urls
+from cloud_run_emulator.app import AppState, create_app
+from cloud_run_emulator.backend import Registry
+from cloud_run_emulator.faults import ApiFaults
+from cloud_run_emulator.images import ImageTable
+from cloud_run_emulator.runtime import RuntimeConfig
 
 from .test_backend import FakeGcs
 

@@ -11,8 +11,8 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator import guards
-from airflow_gpu_resilience.emulator.runtime import rewrite
+from cloud_run_emulator import guards
+from cloud_run_emulator.runtime import rewrite
 
 from .conftest import PARENT, make_job
 from .test_api import create, poll_execution

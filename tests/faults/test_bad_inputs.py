@@ -232,7 +232,7 @@ def test_airflow_dags_test_with_a_bad_param_fails_before_any_api_call(tmp_path: 
     against an emulator fails, the output names the param, and no job or execution exists."""
     import importlib.util
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     spec = importlib.util.spec_from_file_location("agr_demo_faults", REPO / "scripts" / "demo.py")
     demo = importlib.util.module_from_spec(spec)

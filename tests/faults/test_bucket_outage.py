@@ -156,7 +156,7 @@ def outage_emulator(tmp_path, monkeypatch):
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     table = tmp_path / "images.json"
     table.write_text(json.dumps({"images": {CHAIN_IMAGE: {"entrypoint": ["{python}", "-c", CHAIN_SCRIPT]}}}))

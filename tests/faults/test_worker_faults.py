@@ -70,7 +70,7 @@ def volume(tmp_path_factory):
     """The emulator's Cloud Storage FUSE mount in strict mode (``None`` where FUSE is unavailable;
     a failure instead under ``TESTS_REQUIRE_FULL_ENV=1``, see ``tests/conftest.py``).
     ``rename-dir-limit`` lets the vanishing-directory test rename a task folder."""
-    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
+    from cloud_run_emulator.gcsfuse import GcsFuseMount
 
     if not require_fuse(fallback=True):
         yield None
@@ -87,7 +87,7 @@ def _root(volume, fallback: Path, name: str) -> Path:
 
 def volume_summary(volume, root: Path) -> dict:
     """The FUSE volume's records of the objects under ``root`` (see ``gcsfuse.summarize``)."""
-    from airflow_gpu_resilience.emulator.gcsfuse import summarize
+    from cloud_run_emulator.gcsfuse import summarize
 
     prefix = os.path.relpath(root, volume.mountpoint) + "/"
     return summarize([e for e in volume.events() if str(e.get("object", "")).startswith(prefix)])

@@ -1,6 +1,6 @@
 """Shared fixtures for the provider's unit tests: the Airflow DB, the Cloud Run emulator, a connection.
 
-Provider tests run against the local Cloud Run emulator (``airflow_gpu_resilience.emulator``),
+Provider tests run against the local Cloud Run emulator (``cloud_run_emulator``),
 never against mocks of the Cloud Run client. Task "images" are small ``python -c`` stand-ins
 from the image table below; their behaviour is chosen with container args.
 """
@@ -98,13 +98,13 @@ def stub_emulator(data_dir: Path, **settings):
     """A Cloud Run emulator (with its GCS emulator) in ``data_dir`` whose image table maps
     ``STUB_IMAGE`` to the stand-in task, with ``BUCKET`` created.
 
-    :param settings: further :class:`~airflow_gpu_resilience.emulator.process.EmulatorProcess`
+    :param settings: further :class:`~cloud_run_emulator.process.EmulatorProcess`
         arguments (a read quota, say).
     """
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     table = data_dir / "images.json"
     table.write_text(json.dumps({"images": {STUB_IMAGE: {"entrypoint": ["{python}", "-c", STUB_SCRIPT], "cmd": ["ok"]}}}))
@@ -172,7 +172,7 @@ def wait_until_running(hook, execution: str, task_index: int = 0, timeout: float
 @pytest.fixture
 def faults(emulator):
     """Configure the emulator's API faults (``POST /_emulator/faults``); cleared afterwards."""
-    from airflow_gpu_resilience.emulator.process import post_json
+    from cloud_run_emulator.process import post_json
 
     def configure(**body):
         post_json(emulator.endpoint + "/_emulator/faults", body)

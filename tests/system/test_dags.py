@@ -147,7 +147,7 @@ def test_scheduled_retraining_gives_each_run_its_own_namespace() -> None:
 
 def _run_against_emulator(tmp_path: Path, dag_id: str, conf: dict, logical_date: str | None = None):
     demo = _load_demo()
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     with EmulatorProcess(tmp_path / "emulator", images_file=REPO / "worker" / "emulator-image.json") as emulator:
         log = tmp_path / f"{dag_id}.log"
@@ -187,7 +187,7 @@ def test_cleanup_deletes_our_bucket_with_300_checkpoints_and_reports_it(tmp_path
     """Item 6: the bucket from an earlier run holds 300 more objects than the 256 the client's
     forced delete accepts; cleanup deletes them in batches, then the bucket, and reports the
     count and bytes in its log and its return value (XCom)."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     demo = _load_demo()
     conf = {"steps": 20, "checkpoint_every": 10, "poll_interval_seconds": 1.0, "delete_bucket": True}
@@ -219,7 +219,7 @@ def test_a_bucket_that_is_not_ours_fails_setup_before_the_grant_and_upload(tmp_p
     ``create_bucket`` with an error naming the bucket and what to do; its IAM policy, its objects
     and the bucket itself stay as they were, even with ``delete_bucket`` set (the cleanup teardown
     does not run, its setup failed), and no job is deployed."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     demo = _load_demo()
     conf = {"steps": 20, "checkpoint_every": 10, "poll_interval_seconds": 1.0, "delete_bucket": True}
@@ -279,7 +279,7 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
     deletes nothing; our job passes the check and cleanup deletes it."""
     from airflow_gpu_resilience.compat import AirflowFailException
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
     from airflow_gpu_resilience.job_spec import GpuJobSpec
 
     demo = _load_demo()
@@ -317,7 +317,7 @@ def test_cleanup_keeps_the_bucket_while_an_execution_of_the_job_still_runs(
     """``delete_bucket`` with an execution still running after ``cleanup_wait_seconds`` (the job
     is kept for it) must not delete the bucket that execution is writing its checkpoints to; the
     same with ``keep_job``; once the execution has ended, the bucket goes."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
     from airflow_gpu_resilience.job_spec import GpuJobSpec
 
     demo = _load_demo()

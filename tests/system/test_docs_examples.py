@@ -38,7 +38,7 @@ def test_the_minimal_dag_deploys_and_trains_to_the_end(tmp_path: Path) -> None:
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     sys.path.insert(0, str(REPO / "dags"))
     from gpu_training_common import DATASET_OBJECT, digits_npz
@@ -61,7 +61,7 @@ def test_each_connection_example_sends_the_hook_where_the_page_says(tmp_path: Pa
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """REST through ``api_endpoint``, gRPC through ``CLOUD_RUN_EMULATOR_HOST`` (both list jobs on a
     running emulator), and Google's endpoint with a key file and no endpoint."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
     from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 
     examples = _load(EXAMPLES / "connections.py", "connection_examples")

@@ -20,7 +20,7 @@ from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.emulator.process import EmulatorProcess
+from cloud_run_emulator.process import EmulatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "projects/local-project/locations/us-central1/jobs/gpu-resilient-training"

@@ -36,7 +36,7 @@ def test_the_dockerfile_installs_the_library_and_runs_the_script_the_table_runs(
     assert ["worker", "/tmp/gpu-resilience-worker"] in copies
     assert any(line.startswith("RUN pip install") and "/tmp/gpu-resilience-worker" in line for line in lines)
     assert ["examples/user-image/train.py", entrypoint[1]] in copies
-    from airflow_gpu_resilience.emulator.images import ImageTable
+    from cloud_run_emulator.images import ImageTable
 
     entry = ImageTable.load(TABLES).resolve(USER_IMAGE)
     assert entry is not None and entry.entrypoint[1:] == ("train.py",) and entry.cwd == EXAMPLE
@@ -46,7 +46,7 @@ def test_the_dockerfile_installs_the_library_and_runs_the_script_the_table_runs(
 @pytest.mark.e2e
 def test_example_dag_runs_the_user_image_through_one_preemption_and_resumes(tmp_path: Path) -> None:
     """Cost: 55-75 s on 2 busy cores (one ``airflow dags test``, two attempts of the script)."""
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
 
     demo = _load_demo()
     steps = 60

@@ -45,7 +45,7 @@ ALLOWED_SHELL = frozenset({
     "pip install ./worker",
     "EMULATOR_FUSE_STRICT=1 make demo",
     # the emulator's command line; test_the_emulator_command_lines_parse checks its flags
-    "python -m airflow_gpu_resilience.emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 "
+    "python -m cloud_run_emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 "
     "--data-dir /tmp/emulator --images worker/emulator-image.json",
     "gcloud iam service-accounts create gpu-trainer",
     "gcloud artifacts repositories create ml --repository-format=docker --location=us-central1",
@@ -302,9 +302,9 @@ def test_the_emulator_command_lines_parse() -> None:
     """The emulator's command lines the pages show are ones its own parser accepts."""
     import shlex
 
-    from airflow_gpu_resilience.emulator.__main__ import _parser
+    from cloud_run_emulator.__main__ import _parser
 
-    lines = [line for line in ALLOWED_SHELL if line.startswith("python -m airflow_gpu_resilience.emulator ")]
+    lines = [line for line in ALLOWED_SHELL if line.startswith("python -m cloud_run_emulator ")]
     assert lines
     for line in lines:
         args = _parser().parse_args(shlex.split(line)[3:])

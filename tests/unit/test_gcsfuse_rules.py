@@ -1,4 +1,4 @@
-"""The FUSE volume's pure rules (:mod:`airflow_gpu_resilience.emulator.gcsfuse_rules`), table by
+"""The FUSE volume's pure rules (:mod:`cloud_run_emulator.gcsfuse_rules`), table by
 table: mount settings from options, which write streams or is staged and why, what a close
 uploads, rewrite throttling, ``utimens`` times, the folder-rename limit and attributes. The mount
 itself (these rules through a real FUSE mount) is ``tests/emulator/test_gcsfuse.py``.
@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from airflow_gpu_resilience.emulator.gcsfuse_rules import (
+from cloud_run_emulator.gcsfuse_rules import (
     AFTER_CLOSE, AFTER_RENAME, DEFAULT_STREAMING_FILES, REWRITE_INTERVAL_S, UTIME_NOW, UTIME_OMIT, MountSettings,
     after_upload_cause, attributes, overwrites, rename_dir_refusal, resolve_times, shows_local_copy,
     stream_refusal, throttled, truncation_stages, uploads_at_close,
 )
-from airflow_gpu_resilience.mount_options import parse_mount_options
+from cloud_run_emulator.mount_options import parse_mount_options
 
 
 @pytest.mark.parametrize("options, strict, expected", [
@@ -161,7 +161,7 @@ def test_attributes(kind, expected_mode, nlink):
 def test_the_emulator_side_imports_no_fuse_library():
     """The modules the emulator imports (the mounts, their records, these rules) load no
     ``mfusepy``: only the mount process (``gcsfuse_process``) does."""
-    code = ("import sys; import airflow_gpu_resilience.emulator.server, airflow_gpu_resilience.emulator.gcsfuse, "
-            "airflow_gpu_resilience.emulator.gcsfuse_rules; print('mfusepy' in sys.modules)")
+    code = ("import sys; import cloud_run_emulator.server, cloud_run_emulator.gcsfuse, "
+            "cloud_run_emulator.gcsfuse_rules; print('mfusepy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"

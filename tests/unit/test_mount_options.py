@@ -1,12 +1,18 @@
-"""Cloud Storage FUSE mount options (:mod:`airflow_gpu_resilience.mount_options`): one table of
-what is accepted with which value, what is refused with which words, and the same answer from the
-job spec, the emulator's request validation and its FUSE mounts."""
+"""Cloud Storage FUSE mount options: one table of what is accepted with which value, what is
+refused with which words, and the same answer from the provider's rules
+(:mod:`airflow_gpu_resilience.mount_options`, the job spec) and the emulator's own
+(:mod:`cloud_run_emulator.mount_options`: its request validation and its FUSE mounts)."""
 
 from __future__ import annotations
 
 import pytest
 
+import cloud_run_emulator.mount_options as emulator_rules
+from airflow_gpu_resilience import mount_options as provider_rules
 from airflow_gpu_resilience.mount_options import mount_key, parse_mount_options
+
+#: The two rule tables, the provider's and the emulator's: every verdict must be the same.
+RULES = pytest.mark.parametrize("rules", [provider_rules, emulator_rules], ids=["provider", "emulator"])
 
 ACCEPTED = [
     (["implicit-dirs"], {"implicit-dirs": True}),
@@ -79,16 +85,18 @@ REFUSED = [
 ]
 
 
+@RULES
 @pytest.mark.parametrize(("options", "expected"), ACCEPTED)
-def test_accepted_options_and_their_values(options, expected):
-    assert parse_mount_options(options) == expected
-    assert parse_mount_options(options, emulator=True) == expected
+def test_accepted_options_and_their_values(options, expected, rules):
+    assert rules.parse_mount_options(options) == expected
+    assert rules.parse_mount_options(options, emulator=True) == expected
 
 
+@RULES
 @pytest.mark.parametrize(("options", "says"), REFUSED)
-def test_refused_options_get_one_error_naming_the_field_and_the_allowed_values(options, says):
+def test_refused_options_get_one_error_naming_the_field_and_the_allowed_values(options, says, rules):
     with pytest.raises(ValueError) as err:
-        parse_mount_options(options)
+        rules.parse_mount_options(options)
     assert says in str(err.value)
     assert str(err.value).startswith("mount_options[")
 
@@ -103,7 +111,7 @@ def test_the_emulator_alone_accepts_its_strict_option_and_names_its_request_fiel
 def test_the_job_spec_and_the_emulator_volumes_agree(options, expected, tmp_path):
     """Every option list gets the same verdict from GpuJobSpec and the emulator's volumes
     (VolumeMounts.local_dir, before anything is mounted), but for the emulator's own option."""
-    from airflow_gpu_resilience.emulator.gcsfuse import VolumeMounts
+    from cloud_run_emulator.gcsfuse import VolumeMounts
     from airflow_gpu_resilience.job_spec import GpuJobSpec
 
     verdicts = []

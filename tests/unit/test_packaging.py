@@ -1,8 +1,10 @@
 """What the package declares and ships: requirements, extras, one version, LICENSE and py.typed.
 
 The requirement lists below are the contract: a production install pulls only what the provider
-imports; the emulator's servers, the example DAGs' dataset libraries and the development tools
-each sit in an extra that installs something usable.
+imports; the example DAGs' dataset libraries and the development tools each sit in an extra that
+installs something usable. The emulator is a distribution of its own (``emulator/``): the
+provider's wheel carries none of its code and none of its servers' requirements, and the
+emulator's requires no Airflow.
 """
 
 from __future__ import annotations
@@ -35,13 +37,12 @@ REQUIRED = {
 }
 #: Extras (name -> requirement names).
 EXTRAS = {
-    "emulator": {"fastapi", "uvicorn", "gcp-storage-emulator", "psutil", "mfusepy", "grpcio", "cryptography"},
     "examples": {"numpy", "scikit-learn"},
     "dev": {"pytest", "pytest-xdist", "torch", "matplotlib", "build"},
     "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
     "docs": {"sphinx", "furo"},
 }
-#: Never part of a production install: the emulator's servers.
+#: Never part of a production install: the emulator's servers (in no extra of the provider either).
 SERVER_ONLY = {"fastapi", "uvicorn", "gcp-storage-emulator", "mfusepy"}
 
 
@@ -59,7 +60,7 @@ def _extra_of(req: Requirement) -> str | None:
 def test_production_requirements_are_exactly_the_list() -> None:
     base = {r.name: str(r.specifier) for r in _requirements() if r.marker is None}
     assert base == REQUIRED
-    assert not SERVER_ONLY & set(base)
+    assert not SERVER_ONLY & {r.name for r in _requirements()}
 
 
 def test_extras_are_exactly_the_list_and_each_installs_something() -> None:
@@ -109,8 +110,31 @@ def test_wheel_holds_license_py_typed_and_no_tests_or_dags(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "airflow_gpu_resilience/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
-    assert not [n for n in names if n.startswith(("tests/", "dags/", "worker/", "scripts/"))]
+    assert not [n for n in names if n.startswith(("tests/", "dags/", "worker/", "scripts/", "emulator/",
+                                                   "cloud_run_emulator/"))]
+    assert not [n for n in names if "emulator" in n], "the provider's wheel carries emulator code"
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert "License-Expression: Apache-2.0" in text
     assert f"Version: {airflow_gpu_resilience.__version__}\n" in text
+
+
+def test_the_emulator_is_a_distribution_of_its_own_without_airflow(tmp_path) -> None:
+    """``emulator/`` builds a wheel with its console script, its LICENSE and only its package; it
+    requires no Airflow and nothing of the provider."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path),
+                    str(REPO / "emulator")], check=True, capture_output=True, timeout=600)
+    [built] = tmp_path.glob("cloud_run_emulator-*.whl")
+    names = zipfile.ZipFile(built).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"cloud_run_emulator"}
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+    entry_points = zipfile.ZipFile(built).read(f"{dist_info}/entry_points.txt").decode()
+    assert "cloud-run-emulator = cloud_run_emulator.__main__:main" in entry_points
+    requires = [Requirement(line.split(":", 1)[1].strip()).name
+                for line in zipfile.ZipFile(built).read(f"{dist_info}/METADATA").decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+    assert "google-cloud-run" in requires and SERVER_ONLY <= set(requires)
+    assert not [r for r in requires if r.startswith(("apache-airflow", "airflow"))], requires
+    for path in (REPO / "emulator" / "cloud_run_emulator").glob("*.py"):
+        assert "airflow" not in _top_level_imports(path) and "airflow_gpu_resilience" not in _top_level_imports(path), path

@@ -317,7 +317,7 @@ class _Bag:
 def strict_volume(tmp_path: Path):
     """A strict-mode FUSE volume of the emulator (staging is an ``EIO``)."""
     require_fuse()
-    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount
+    from cloud_run_emulator.gcsfuse import GcsFuseMount
 
     with GcsFuseMount(tmp_path / "bucket", tmp_path / "mnt", tmp_path / "state", strict=True) as mount:
         yield mount, tmp_path / "bucket"

@@ -30,7 +30,7 @@ from tests.conftest import missing_from_env
 from tests.worker.test_checkpoint_unit import Box, ListLog
 
 #: A skip without it; a failure under TESTS_REQUIRE_FULL_ENV=1 (tests/conftest.py).
-CRC32C_INSTALL = "make venv (google-cloud-storage, in the emulator extra, brings it)"
+CRC32C_INSTALL = "make venv (google-cloud-storage, a requirement of the provider, brings it)"
 
 
 class _CountingReader:

@@ -62,7 +62,7 @@ def worker_emulator(tmp_path, monkeypatch):
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    from airflow_gpu_resilience.emulator.process import EmulatorProcess
+    from cloud_run_emulator.process import EmulatorProcess
     from tests.worker.conftest import write_digits
 
     worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"], "cwd": str(REPO),

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from airflow_gpu_resilience.emulator.process import post_json
+from cloud_run_emulator.process import post_json
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
 from tests.provider.conftest import PROJECT, REGION, stub_emulator
 from tests.provider.triggers.test_cloud_run import start

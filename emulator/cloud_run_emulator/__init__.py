@@ -3,7 +3,7 @@ REST and gRPC (their default transport), sync and async.
 
 Start it::
 
-    python -m airflow_gpu_resilience.emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 \\
+    python -m cloud_run_emulator serve --port 8123 --grpc-port 8124 --gcs-port 9023 \\
         --data-dir DIR [--images FILE] [--grace-seconds 10] [--task-start-delay 0] \\
         [--no-preemption-consumes-retry] [--failed-execution-code 9] [--gpu-quota N] [--max-task-processes N] \\
         [--preempt-every MEAN_SECONDS --preempt-seed S [--preempt-prefix NAME]] \\
@@ -38,7 +38,7 @@ region per minute (600 and 60 by default; 0 turns one off) and answers more with
 method, readable at ``/_emulator/requests`` (see :mod:`.quota`). :class:`~.process.EmulatorProcess`
 starts it with both quotas off unless asked.
 
-Fault injection: ``POST /_emulator/preempt`` (or ``python -m airflow_gpu_resilience.emulator
+Fault injection: ``POST /_emulator/preempt`` (or ``python -m cloud_run_emulator
 preempt``) preempts one running task (SIGTERM, grace, SIGKILL, a failed attempt with the
 maintenance status, retried per ``maxRetries``); ``POST /_emulator/preemptions/schedule`` or
 ``serve --preempt-every`` preempts random running tasks at seeded exponential intervals;
@@ -86,3 +86,5 @@ Known differences from Cloud Run:
   (``InvalidArgument``, ``FailedPrecondition``, ``AlreadyExists``), with the same message. A failed execution's LRO carries gRPC code 9 (so
   ``operation.result()`` raises ``FailedPrecondition``); the real code is unconfirmed.
 """
+
+__version__ = "0.1.0"

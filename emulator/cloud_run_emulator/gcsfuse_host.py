@@ -28,7 +28,7 @@ def fuse_available() -> tuple:
     import importlib.util
 
     if importlib.util.find_spec("mfusepy") is None:
-        return False, "mfusepy is not installed (the emulator extra)"
+        return False, "mfusepy is not installed (a requirement of the cloud-run-emulator distribution)"
     try:  # dlopen by soname: importing mfusepy would search for it with ldconfig (slow)
         ctypes.CDLL("libfuse3.so.3")
     except OSError as exc:

@@ -8,7 +8,7 @@ through the Storage API) only when gcsfuse would have created it.
 
 Mount API (stable; the worker's fault suite uses it directly)::
 
-    from airflow_gpu_resilience.emulator.gcsfuse import GcsFuseMount, fuse_available
+    from cloud_run_emulator.gcsfuse import GcsFuseMount, fuse_available
 
     ok, why = fuse_available()             # (False, "no /dev/fuse") where FUSE cannot work
     with GcsFuseMount(source=bucket_dir, mountpoint=mnt, state_dir=state,
@@ -19,7 +19,7 @@ Mount API (stable; the worker's fault suite uses it directly)::
 
 ``source`` is the folder holding the objects (a bucket folder), ``mountpoint`` an empty folder,
 ``state_dir`` a folder on the same file system as ``source`` (staging files, ``events.jsonl``).
-The file system runs in its own process (``python -m airflow_gpu_resilience.emulator.gcsfuse_process``),
+The file system runs in its own process (``python -m cloud_run_emulator.gcsfuse_process``),
 which unmounts itself when it gets SIGTERM or when its parent process dies (even by SIGKILL);
 :meth:`GcsFuseMount.stop` and :func:`unmount_stale` lazily unmount (``fusermount3 -u -z``).
 
@@ -83,7 +83,7 @@ of all buckets), ``time`` (epoch s), ``cause`` and
 ``CLOUD_RUN_*`` environment) or ``pid``.
 
 Accepted mount options (gcsfuse flags without ``--``, validated with their values by
-:func:`airflow_gpu_resilience.mount_options.parse_mount_options`, the job spec's rules):
+:func:`cloud_run_emulator.mount_options.parse_mount_options`, the job spec's rules):
 ``implicit-dirs``, ``only-dir``, ``file-mode``, ``dir-mode``, ``uid``, ``gid``,
 ``rename-dir-limit``, ``enable-streaming-writes``, ``write-global-max-blocks``,
 ``metadata-cache-ttl-secs``, ``stat-cache-max-size-mb``, ``type-cache-max-size-mb``,
@@ -110,7 +110,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from airflow_gpu_resilience.mount_options import mount_key, parse_mount_options
+from cloud_run_emulator.mount_options import mount_key, parse_mount_options
 
 from .gcsfuse_events import EVENT_KINDS, event_line, read_events, summarize
 from .gcsfuse_host import fuse_available, is_mounted, lazy_unmount, unmount_stale
@@ -164,7 +164,7 @@ class GcsFuseMount:
             raise ValueError(f"state_dir {self.state_dir} is not on the file system of source {self.source}: "
                              f"a close publishes the staging file by a rename into source.")
         lazy_unmount(self.mountpoint)
-        argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator.gcsfuse_process", "--source", str(self.source),
+        argv = [sys.executable, "-m", "cloud_run_emulator.gcsfuse_process", "--source", str(self.source),
                 "--mountpoint", str(self.mountpoint), "--state-dir", str(self.state_dir)]
         argv += ["--strict"] if self.strict else []
         argv += ["--buckets-root"] if self.buckets_root else []

@@ -1,4 +1,4 @@
-"""Command line: ``python -m airflow_gpu_resilience.emulator {serve,preempt}``.
+"""Command line: ``python -m cloud_run_emulator {serve,preempt}``.
 
 ``serve --port 8123 --grpc-port 8124 --gcs-port 9023 --data-dir DIR [--images FILE] [--grace-seconds 10]
 [--max-task-processes N] [--volumes auto|fuse|folder] [--fuse-strict] [--read-quota-per-minute 600]
@@ -27,7 +27,7 @@ from .quota import QuotaSettings, checked_limit, checked_window
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m airflow_gpu_resilience.emulator")
+    parser = argparse.ArgumentParser(prog="python -m cloud_run_emulator")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the Cloud Run Admin API v2 emulator")
     serve.add_argument("--port", type=int, default=8123, help="REST API port on 127.0.0.1 (0: any free)")

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from ..mount_options import mount_key, parse_mount_options
+from .mount_options import mount_key, parse_mount_options
 from .gcs import bucket_path
 
 #: Environment that keeps google-auth from probing a metadata server (nothing local reaches
@@ -82,7 +82,7 @@ class EmulatorProcess:
                  read_quota_per_minute: Optional[int] = 0, write_quota_per_minute: Optional[int] = 0,
                  quota_window_seconds: Optional[float] = None) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self._argv = [sys.executable, "-m", "airflow_gpu_resilience.emulator", "serve", "--port", "0",
+        self._argv = [sys.executable, "-m", "cloud_run_emulator", "serve", "--port", "0",
                       "--grpc-port", "0", "--gcs-port", "0", "--data-dir", str(self.data_dir),
                       "--grace-seconds", str(grace_seconds)]
         for flag, value in (("--read-quota-per-minute", read_quota_per_minute),

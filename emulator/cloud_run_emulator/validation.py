@@ -16,7 +16,7 @@ from its documentation, not confirmed):
 - project ids (6-30 lowercase letters, digits, hyphens; or a project number) and regions in
   names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
 - every GCS volume's bucket exists and its ``mountOptions`` are gcsfuse flags the emulator knows
-  (see :data:`airflow_gpu_resilience.mount_options.GCSFUSE_MOUNT_OPTIONS`); every volume mount names a declared volume; a
+  (see :data:`cloud_run_emulator.mount_options.GCSFUSE_MOUNT_OPTIONS`); every volume mount names a declared volume; a
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
   without ``..``; an env value, arg, command element or ``workingDir`` under a GCS mount path does not lead out
   of the volume (``/checkpoints/../x``), as the emulator rewrites those to the bucket's folder;
@@ -42,7 +42,7 @@ from google.api import launch_stage_pb2
 from google.cloud import run_v2
 
 from .exceptions import InvalidArgument
-from ..mount_options import parse_mount_options
+from .mount_options import parse_mount_options
 from .guards import climbs_out, under_mount
 
 JOB_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")

@@ -1,4 +1,4 @@
-"""The FUSE volume's mount process: ``python -m airflow_gpu_resilience.emulator.gcsfuse_process
+"""The FUSE volume's mount process: ``python -m cloud_run_emulator.gcsfuse_process
 --source DIR --mountpoint DIR --state-dir DIR [--strict] [--buckets-root] [--option K=V]...``.
 
 :class:`~.gcsfuse.GcsFuseMount` starts it; it serves :class:`~.gcsfuse_ops.GcsFuseOperations`
@@ -19,7 +19,7 @@ import time
 
 import mfusepy
 
-from airflow_gpu_resilience.mount_options import parse_mount_options
+from cloud_run_emulator.mount_options import parse_mount_options
 
 from .gcsfuse_host import fusermount_lazy
 from .gcsfuse_ops import GcsFuseOperations
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
 
     :param argv: the arguments (``sys.argv[1:]`` when ``None``).
     :raises SystemExit: for bad arguments.
-    :raises ValueError: for a bad ``--option`` (see :func:`~airflow_gpu_resilience.mount_options.parse_mount_options`).
+    :raises ValueError: for a bad ``--option`` (see :func:`~cloud_run_emulator.mount_options.parse_mount_options`).
     """
-    parser = argparse.ArgumentParser(prog="python -m airflow_gpu_resilience.emulator.gcsfuse_process")
+    parser = argparse.ArgumentParser(prog="python -m cloud_run_emulator.gcsfuse_process")
     parser.add_argument("--source", required=True)
     parser.add_argument("--mountpoint", required=True)
     parser.add_argument("--state-dir", required=True)
