@@ -32,7 +32,8 @@ Admin endpoints:
 - ``GET /_emulator/attempts/{execution or task name}`` -> ``{"attempts": [{"task", "index",
   "attempt", "startTime", "endTime", "seconds", "exitCode", "termSignal", "statusCode",
   "message", "stopReason", "log"}]}``: every ended attempt (``stopReason`` is ``preempted``,
-  ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure.
+  ``timeout``, ``cancelled`` or null), e.g. to count GPU-seconds spent for a goodput figure; still
+  served after the execution or its job was deleted (the last 1,000 deleted executions per region).
   With FUSE volumes each record also has ``fuseEvents``: the attempt's gcsfuse events (staged
   writes with cause and bytes, throttled rewrites, non-atomic renames, ``ESTALE``, reads; see
   :mod:`.gcsfuse`), which the logs above also list in a last ``gcsfuse events`` section.

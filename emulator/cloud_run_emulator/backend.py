@@ -13,6 +13,7 @@ executions (rejected with FAILED_PRECONDITION).
 
 from __future__ import annotations
 
+import collections
 import re
 import secrets
 import string
@@ -32,6 +33,8 @@ from .supervisor import ExecutionSupervisor
 
 NAME = re.compile(r"^projects/(?P<p>[^/]+)/locations/(?P<l>[^/]+)(?:/|$)")
 _ALNUM = string.ascii_lowercase + string.digits
+#: Deleted executions whose attempt records a backend keeps (``/_emulator/attempts``), oldest dropped first.
+DELETED_ATTEMPT_RECORDS = 1000
 
 
 def paginate(items: list, page_size: int, page_token: str) -> tuple:
@@ -122,6 +125,9 @@ class CloudRunBackend:
         self.executions: dict = {}
         self.operations: dict = {}
         self.supervisors: dict = {}
+        #: The attempt records of deleted executions, newest last, at most
+        #: :data:`DELETED_ATTEMPT_RECORDS` executions: a job's cleanup must not erase what ran.
+        self.deleted_attempts: collections.OrderedDict = collections.OrderedDict()
 
     # --- helpers -------------------------------------------------------------------------
     def _new_operation(self, target, done: bool, keep: bool = True) -> Operation:
@@ -214,8 +220,7 @@ class CloudRunBackend:
             model.delete_time = utcnow()
             del self.jobs[name]
             for ex_name in [n for n, e in self.executions.items() if e.job_name == name]:
-                del self.executions[ex_name]
-                self.supervisors.pop(ex_name, None)
+                self._forget_execution(ex_name)
             return self._new_operation(model, done=True)
 
     # --- run ------------------------------------------------------------------------------
@@ -319,8 +324,7 @@ class CloudRunBackend:
             if not execution.done:
                 raise FailedPrecondition(f"Execution '{name}' is still running; cancel it first.")
             if not validate_only:
-                del self.executions[name]
-                self.supervisors.pop(name, None)
+                self._forget_execution(name)
             return self._new_operation(execution, done=True)
 
     # --- tasks ---------------------------------------------------------------------------
@@ -368,11 +372,24 @@ class CloudRunBackend:
             self._get(self.operations, name, "Operation")
             del self.operations[name]
 
+    def _forget_execution(self, name: str) -> None:
+        """Delete an execution, keeping its attempt records (see :attr:`deleted_attempts`)."""
+        execution = self.executions.pop(name)
+        self.supervisors.pop(name, None)
+        self.deleted_attempts[name] = [{"task": t.name, "index": t.index, **entry}
+                                       for t in execution.tasks for entry in t.history]
+        while len(self.deleted_attempts) > DELETED_ATTEMPT_RECORDS:
+            self.deleted_attempts.popitem(last=False)
+
     def attempts(self, name: str) -> list:
         """Every ended attempt of an execution's tasks (or of one task, given a task name), by
-        task index and attempt: the task's name and index plus its history entry."""
+        task index and attempt: the task's name and index plus its history entry. A deleted
+        execution's records stay readable (the last :data:`DELETED_ATTEMPT_RECORDS` executions),
+        as a billing record outlives the resource."""
         with self.cond:
             execution_name, _, _ = name.partition("/tasks/")
+            if execution_name not in self.executions and execution_name in self.deleted_attempts:
+                return [dict(r) for r in self.deleted_attempts[execution_name] if "/tasks/" not in name or r["task"] == name]
             execution = self._get(self.executions, execution_name, "Execution")
             tasks = [self.get_task(name)] if "/tasks/" in name else execution.tasks
             return [{"task": t.name, "index": t.index, **entry} for t in tasks for entry in t.history]

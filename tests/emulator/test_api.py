@@ -111,6 +111,13 @@ def test_failing_task_is_retried_then_fails_the_execution(jobs, executions, task
     assert [(a["attempt"], a["exitCode"]) for a in emulator.attempts(task.name)] == [(0, 1), (1, 1)]
     assert jobs.get_job(name=job.name).latest_created_execution.completion_status == \
         run_v2.ExecutionReference.CompletionStatus.EXECUTION_FAILED
+    # the attempt record outlives the job (a DAG's cleanup deletes it before a report reads it)
+    recorded = emulator.attempts(execution.name)
+    jobs.delete_job(name=job.name).result(timeout=10)
+    with pytest.raises(gexc.NotFound):
+        executions.get_execution(name=execution.name)
+    assert emulator.attempts(execution.name) == recorded and len(recorded) == 2
+    assert [a["attempt"] for a in emulator.attempts(task.name)] == [0, 1]
 
 
 def test_preemption_exit_143_is_retried_into_success(jobs, tasks, emulator, bucket, job_id):
