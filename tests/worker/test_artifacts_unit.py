@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_resilience_worker.artifacts import ArtifactCheckpoints, grace_seconds_from_env
+from gpu_resilience_worker.artifacts import ArtifactCheckpoints
 
 
 def _write(folder: Path, step: int, payload: bytes = b"weights") -> None:
@@ -68,10 +68,3 @@ def test_stop_action_after_sigterm(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ArtifactCheckpoints(tmp_path, **kwargs)
-
-
-def test_grace_from_env() -> None:
-    assert grace_seconds_from_env({}) == 10.0
-    assert grace_seconds_from_env({"PREEMPTION_GRACE_SECONDS": "4.5"}) == 4.5
-    with pytest.raises(ValueError, match="PREEMPTION_GRACE_SECONDS"):
-        grace_seconds_from_env({"PREEMPTION_GRACE_SECONDS": "soon"})

@@ -19,7 +19,7 @@ from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, Wor
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal  # noqa: F401
 from gpu_resilience_worker.files import METRICS, read_json
 from gpu_resilience_worker.logs import StructuredLogger
-from gpu_resilience_worker.preemption import PreemptionWatcher, exit_now, set_task_deadline
+from gpu_resilience_worker.preemption import PreemptionWatcher, exit_now
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 
@@ -66,8 +66,7 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
         os.environ.setdefault(name, value)
     from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
 
-    watcher.grace_seconds = config.grace_seconds
-    set_task_deadline(watcher, config.task_timeout_seconds)
+    config.timing.apply(watcher)
     return Trainer(config, logger, watcher, storage).run()
 
 

@@ -39,28 +39,12 @@ from gpu_resilience_worker.fastio import file_chunk_digests
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
-from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher
+from gpu_resilience_worker.config import StopTiming
+from gpu_resilience_worker.preemption import CONTINUE, EXIT, NO_TIME_TO_SAVE, PreemptionWatcher, decide_stop
 from gpu_resilience_worker.storage import LocalStorage
 from gpu_resilience_worker.task_folder import DIGEST_CHUNK, RECORD_SUFFIX, CommitRecord, FileEntry
 
 _SAFE_AFFIX = re.compile(r"[A-Za-z0-9._=-]*")
-
-
-def grace_seconds_from_env(env: dict[str, str] | None = None) -> float:
-    """:return: ``PREEMPTION_GRACE_SECONDS`` from ``env`` (default ``os.environ``), or 10.
-
-    :raises ValueError: when it is set but not a number > 0.
-    """
-    raw = (os.environ if env is None else env).get("PREEMPTION_GRACE_SECONDS", "").strip()
-    if not raw:
-        return DEFAULT_GRACE_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"PREEMPTION_GRACE_SECONDS must be a number of seconds > 0, got {raw!r}")
-    return value
 
 
 class ArtifactCheckpoints:
@@ -71,10 +55,12 @@ class ArtifactCheckpoints:
     :param suffix: the artifact name after the step, e.g. ``".ckpt"``; default none.
     :param keep_latest_k: committed artifacts to keep (>= 2); default 2.
     :param grace_seconds: SIGTERM to SIGKILL, in seconds; default ``PREEMPTION_GRACE_SECONDS`` or 10.
+        The attempt's deadline is ``TASK_TIMEOUT_SECONDS``'s (:class:`~gpu_resilience_worker.config.StopTiming`).
     :param logger: structured logger; default one on stdout.
     :param clock: monotonic clock in seconds (save durations).
     :raises ValueError: for an empty folder, a prefix or suffix with other characters than
-        letters, digits and ``._=-`` (or an empty prefix), or ``keep_latest_k`` < 2.
+        letters, digits and ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` <= 0.
+    :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
     """
 
     def __init__(self, folder: str, *, prefix: str, suffix: str = "", keep_latest_k: int = 2,
@@ -95,7 +81,8 @@ class ArtifactCheckpoints:
         self._name_re = re.compile(rf"^{re.escape(prefix)}(\d+){re.escape(suffix)}$")
         self.keep = KeepLatestN(keep_latest_k)
         self.log = logger or StructuredLogger()
-        self.watcher = PreemptionWatcher(grace_seconds_from_env() if grace_seconds is None else grace_seconds)
+        self.watcher = PreemptionWatcher()
+        StopTiming.from_env(grace_seconds=grace_seconds).apply(self.watcher)
         self.stats = SaveStats()
         self.last_committed: int | None = None
         self._storage = LocalStorage()
@@ -297,29 +284,28 @@ class ArtifactCheckpoints:
 
     # SIGTERM at a step boundary ---------------------------------------------------------------
     def stop_action(self, step: int) -> str | None:
-        """The decision at a step boundary.
+        """The decision at a step boundary (:func:`~gpu_resilience_worker.preemption.decide_stop`;
+        1 s is assumed for a save before the first measured one).
 
         :param step: the step just finished.
         :return: ``None`` (no stop requested: go on), ``"exit"`` (stop now: ``step`` is already
             committed, or a save would not fit the grace left) or ``"save"`` (save ``step``,
-            commit it, then stop). A save fits when the median measured save time, x1.5 plus
-            0.5 s, is below the grace left (1 s is assumed before the first measured save).
+            commit it, then stop).
         """
-        if not self.watcher.requested:
-            return None
-        if self.last_committed == step:
-            return "exit"
         estimate = self.stats.cost()
-        if self.watcher.final_save_fits(estimate):
-            self.log.info("preempted: saving at the step boundary", step=step, signal=self.watcher.signal_name,
-                          estimated_save_seconds=round(estimate, 4),
-                          remaining_grace_seconds=round(self.watcher.remaining_grace(), 3))
-            return "save"
-        self.log.warning("preempted: final save skipped, it would not fit the grace period", step=step,
-                         estimated_save_seconds=round(estimate, 4),
-                         remaining_grace_seconds=round(self.watcher.remaining_grace(), 3),
-                         last_committed=self.last_committed)
-        return "exit"
+        decision = decide_stop(requested=self.watcher.requested, step=step, last_committed=self.last_committed,
+                               estimated_save_seconds=estimate, remaining_grace=self.watcher.remaining_grace())
+        if decision.action == CONTINUE:
+            return None
+        fields = {"step": step, "signal": self.watcher.signal_name, "estimated_save_seconds": round(estimate, 4),
+                  "remaining_grace_seconds": round(self.watcher.remaining_grace(), 3),
+                  "last_committed": self.last_committed, "reason": decision.reason}
+        if decision.reason == NO_TIME_TO_SAVE:
+            self.log.warning("preempted: final save skipped, it would not fit the grace period", **fields)
+        else:
+            self.log.info(f"preempted: {'saving at the step boundary' if decision.action != EXIT else 'stopping'}",
+                          **fields)
+        return decision.action
 
     def exit_preempted(self, step: int) -> None:
         """Log the stop and raise ``SystemExit(143)``, the exit code of a resumable interruption.

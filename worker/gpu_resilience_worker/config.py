@@ -9,9 +9,9 @@ import os
 import re
 from typing import Mapping, Sequence
 
-from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.errors import ConfigError
-from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS
+from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
+from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PREEMPTION_SAVES, PreemptionWatcher, set_task_deadline
 
 #: Hyper-parameter sweep of multi-task executions: with ``CLOUD_RUN_TASK_COUNT`` > 1 (and
 #: ``--sweep auto``), task ``i`` trains member ``i mod len(SWEEP)``, replacing ``--lr`` and
@@ -22,9 +22,6 @@ SWEEP: tuple[dict[str, float | int], ...] = (
     {"lr": 3e-3, "hidden": 256},
     {"lr": 1e-3, "hidden": 256},
 )
-#: ``--preemption-save`` choices: save at the stop only when the measured throughput says it
-#: commits before the kill (``deadline``), always (``always``, the common recipe), or never.
-PREEMPTION_SAVES = ("deadline", "always", "never")
 DEFAULT_ROOT = "/checkpoints"
 DEFAULT_DATA = "data/digits.npz"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -64,6 +61,43 @@ def _env_float(env: Mapping[str, str], name: str, default: float | None, *, posi
         raise ConfigError(f"{name}={raw!r} must be a number of seconds {'>' if positive else '>='} 0 "
                           f"and <= {MAX_SECONDS:g}")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StopTiming:
+    """The grace period and the attempt's timeout: the one parse of ``PREEMPTION_GRACE_SECONDS``
+    and ``TASK_TIMEOUT_SECONDS`` (the worker <-> platform contract), for every way in.
+
+    :param grace_seconds: SIGTERM to SIGKILL, seconds; default 10.
+    :param task_timeout_seconds: the attempt's timeout, seconds, counted from the process's start;
+        ``None``: no deadline.
+    """
+
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    task_timeout_seconds: float | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, grace_seconds: float | None = None,
+                 task_timeout_seconds: float | None = None) -> StopTiming:
+        """A value given here wins over the environment's.
+
+        :param env: the environment; default ``os.environ``.
+        :param grace_seconds: the grace period, when the caller fixes it (already checked).
+        :param task_timeout_seconds: the timeout, when the caller fixes it (already checked).
+        :raises ConfigError: ``PREEMPTION_GRACE_SECONDS`` not a number of seconds in
+            [0, :data:`MAX_SECONDS`], or ``TASK_TIMEOUT_SECONDS`` set but not in (0, :data:`MAX_SECONDS`].
+        """
+        env = os.environ if env is None else env
+        grace = _env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS) if grace_seconds is None \
+            else grace_seconds
+        timeout = _env_float(env, "TASK_TIMEOUT_SECONDS", None, positive=True) if task_timeout_seconds is None \
+            else task_timeout_seconds
+        return cls(float(grace), None if timeout is None else float(timeout))
+
+    def apply(self, watcher: PreemptionWatcher) -> None:
+        """Give ``watcher`` this grace period and deadline (:func:`set_task_deadline`)."""
+        watcher.grace_seconds = self.grace_seconds
+        set_task_deadline(watcher, self.task_timeout_seconds)
 
 
 def _safe_name(value: str, what: str) -> str:
@@ -164,8 +198,7 @@ class WorkerConfig:
     :param checkpoint: checkpoint manager settings (``folder`` is the namespace).
     :param identity: the Cloud Run task identity.
     :param data_path: the ``.npz`` input file (absolute).
-    :param grace_seconds: ``PREEMPTION_GRACE_SECONDS``, SIGTERM to SIGKILL; default 10.
-    :param task_timeout_seconds: ``TASK_TIMEOUT_SECONDS``, the attempt deadline; default none.
+    :param timing: the grace period and the attempt's timeout (:class:`StopTiming`).
     :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
     :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``. With
         checkpointing off (``--checkpoint-every 0``) nothing is saved at a stop either.
@@ -176,8 +209,7 @@ class WorkerConfig:
     checkpoint: CheckpointConfig
     identity: TaskIdentity
     data_path: str
-    grace_seconds: float = DEFAULT_GRACE_SECONDS
-    task_timeout_seconds: float | None = None
+    timing: StopTiming = StopTiming()
     progress_interval: float = 1.0
     preemption_save: str = "deadline"
     sweep_member: int | None = None
@@ -326,8 +358,7 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfi
     return WorkerConfig(
         train=train, checkpoint=checkpoint, identity=identity,
         data_path=os.path.join(root, args.data),
-        grace_seconds=_env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS),
-        task_timeout_seconds=_env_float(env, "TASK_TIMEOUT_SECONDS", None, positive=True),
+        timing=StopTiming.from_env(env),
         progress_interval=args.progress_interval, preemption_save=args.preemption_save,
         sweep_member=member,
     )

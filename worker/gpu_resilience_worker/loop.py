@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
-from gpu_resilience_worker.config import TaskIdentity, _env_float, _root_and_namespace
+from gpu_resilience_worker.config import StopTiming, TaskIdentity, _root_and_namespace
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
 from gpu_resilience_worker.files import (
@@ -47,14 +47,10 @@ from gpu_resilience_worker.files import (
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
-    DEFAULT_GRACE_SECONDS, PreemptionWatcher, set_task_deadline, stopped_during_startup,
+    PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop, stopped_during_startup,
 )
 from gpu_resilience_worker.state import TrainState
 from gpu_resilience_worker.storage import LocalStorage, Storage
-
-#: ``preemption_save`` choices: save at the stop only when it fits in the grace period
-#: (``deadline``, the default), always, or never.
-PREEMPTION_SAVES = ("deadline", "always", "never")
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
 #: before the expected kill); an ``os.fork()`` waiting for a save gives way this long plus the
@@ -270,19 +266,12 @@ class ResilientLoop:
             return TaskIdentity()
 
     def _configure_watcher(self) -> None:
-        """Grace and deadline from the parameters, else the environment.
+        """Grace and deadline from the parameters, else the environment (:class:`StopTiming`).
 
         :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
         """
-        watcher = self.watcher
-        assert watcher is not None
-        grace = self._grace if self._grace is not None else _env_float(
-            self._env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS)
-        watcher.grace_seconds = float(grace)
-        timeout = self._timeout if self._timeout is not None else _env_float(self._env, "TASK_TIMEOUT_SECONDS", None)
-        if timeout == 0:  # TASK_TIMEOUT_SECONDS=0: no deadline
-            timeout = None
-        set_task_deadline(watcher, timeout)
+        assert self.watcher is not None
+        StopTiming.from_env(self._env, grace_seconds=self._grace, task_timeout_seconds=self._timeout).apply(self.watcher)
 
     def _path(self, name: str) -> str:
         assert self.namespace is not None
@@ -398,19 +387,16 @@ class ResilientLoop:
         if not settled:
             self._log.warning("abandoning the checkpoint save in flight: no time left", step=step)
             manager.abandon()
-        elif step_torn:
-            self._log.warning("no checkpoint at the stop: the interrupted step may have changed the state",
-                              step=step, last_checkpoint_step=manager.last_saved_step)
-        elif manager.last_saved_step == step or step == 0:
-            self._log.info("nothing new to checkpoint", step=step)
-        elif self.preemption_save == "never":
-            self._log.info("no checkpoint at the stop (preemption_save never)", step=step)
-        elif self.preemption_save == "always" or watcher.final_save_fits(manager.estimated_save_seconds):
+        decision = decide_stop(requested=True, step=step, last_committed=manager.last_saved_step,
+                               estimated_save_seconds=manager.estimated_save_seconds,
+                               remaining_grace=watcher.remaining_grace(), mode=self.preemption_save,
+                               step_torn=step_torn, save_abandoned=not settled)
+        self._log.info(decision.reason, step=step, action=decision.action,
+                       last_checkpoint_step=manager.last_saved_step,
+                       estimated_save_seconds=round(manager.estimated_save_seconds, 4),
+                       remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        if decision.action == SAVE:
             self._save(manager, force=True)
-        else:
-            self._log.warning("final checkpoint skipped: it would not fit in the grace period", step=step,
-                              estimated_save_seconds=manager.estimated_save_seconds,
-                              remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         progress.update(step, self.state.loss_ema, status="preempted", force=True,
                         max_wait=watcher.remaining_grace() - EXIT_RESERVE_SECONDS)
         self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,

@@ -1,11 +1,14 @@
-"""Preemption notice: SIGTERM/SIGINT handling and the attempt deadline.
+"""Preemption notice: SIGTERM/SIGINT handling, the attempt deadline and the stop decision.
 
 The signal handler only records the time and sets a :class:`threading.Event`; the training loop
-checks :attr:`PreemptionWatcher.requested` at every step boundary and does the rest.
+checks :attr:`PreemptionWatcher.requested` at every step boundary and asks :func:`decide_stop`
+(pure) what to do: go on, save then exit, or exit. Every way in (the bundled worker,
+:class:`~gpu_resilience_worker.loop.ResilientLoop`, the framework adapters) asks it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -19,6 +22,18 @@ from gpu_resilience_worker import forkguard
 from gpu_resilience_worker.errors import EXIT_PREEMPTED
 
 DEFAULT_GRACE_SECONDS = 10.0
+
+#: ``preemption_save`` choices: save at the stop only when it fits in the grace period
+#: (``deadline``, the default), always (the common recipe), or never.
+PREEMPTION_SAVES = ("deadline", "always", "never")
+#: :func:`decide_stop`'s answers: go on training, save the step then exit, exit without saving.
+CONTINUE, SAVE, EXIT = "continue", "save", "exit"
+#: A save fits when its estimate times this factor, plus :data:`SAVE_MARGIN_SECONDS`, is below the
+#: grace left: a save after SIGTERM competes with the rest of the shutdown for the machine.
+SAVE_ESTIMATE_FACTOR = 1.5
+SAVE_MARGIN_SECONDS = 0.5
+#: :func:`decide_stop`'s reason when a save would not fit in the grace left.
+NO_TIME_TO_SAVE = "final checkpoint skipped: it would not fit in the grace period"
 
 #: Seconds before the expected SIGKILL at which an ``os.fork()`` waiting for a checkpoint write
 #: gives way after a stop request (see ``PreemptionWatcher.fork_reserve_seconds``).
@@ -140,9 +155,71 @@ class PreemptionWatcher:
             return self.timeout_at - self._clock()
         return self.grace_seconds - (self._clock() - self.received_at)
 
-    def final_save_fits(self, estimated_save_seconds: float, margin: float = 0.5) -> bool:
-        """:return: whether a save taking ``estimated_save_seconds`` (x1.5 + ``margin`` s) fits."""
-        return estimated_save_seconds * 1.5 + margin < self.remaining_grace()
+    def final_save_fits(self, estimated_save_seconds: float, margin: float = SAVE_MARGIN_SECONDS) -> bool:
+        """:return: whether a save taking ``estimated_save_seconds`` fits in the grace left (:func:`save_fits`)."""
+        return save_fits(estimated_save_seconds, self.remaining_grace(), margin)
+
+
+def save_fits(estimated_save_seconds: float, remaining_seconds: float, margin: float = SAVE_MARGIN_SECONDS) -> bool:
+    """:return: whether ``estimated_save_seconds`` x :data:`SAVE_ESTIMATE_FACTOR` + ``margin`` is
+    below ``remaining_seconds`` (all in seconds)."""
+    return estimated_save_seconds * SAVE_ESTIMATE_FACTOR + margin < remaining_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class StopDecision:
+    """What to do at a step boundary, and why.
+
+    :param action: :data:`CONTINUE`, :data:`SAVE` (save the step, then exit 143) or :data:`EXIT`
+        (exit 143 with the last committed checkpoint in force).
+    :param reason: the why, in words, as the drivers log it.
+    """
+
+    action: str
+    reason: str
+
+
+def decide_stop(*, requested: bool, step: int, last_committed: int | None, estimated_save_seconds: float,
+                remaining_grace: float, mode: str = "deadline", step_torn: bool = False,
+                save_abandoned: bool = False, checkpointing: bool = True) -> StopDecision:
+    """The one stop decision after SIGTERM/SIGINT or the task deadline (pure; table-tested).
+
+    In this order: no stop requested -> continue; the save in flight was abandoned (no time
+    left), the step was torn by the stop (the state may hold part of it), checkpointing is off,
+    or ``step`` is committed already or is 0 -> exit; ``mode`` ``never`` -> exit, ``always`` ->
+    save; else save when :func:`save_fits` (``deadline``), exit when not.
+
+    :param requested: whether a stop was requested.
+    :param step: steps done (the step a save would write).
+    :param last_committed: the newest committed step of this attempt, or ``None``.
+    :param estimated_save_seconds: a synchronous save's expected duration, seconds.
+    :param remaining_grace: seconds left before the expected SIGKILL.
+    :param mode: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
+    :param step_torn: the step after ``step`` raised midway after the stop request.
+    :param save_abandoned: the background save in flight was abandoned for want of time.
+    :param checkpointing: whether this run writes checkpoints at all.
+    :return: the decision.
+    :raises ValueError: ``mode`` not in :data:`PREEMPTION_SAVES`.
+    """
+    if mode not in PREEMPTION_SAVES:
+        raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {mode!r}")
+    if not requested:
+        return StopDecision(CONTINUE, "no stop requested")
+    exits = (
+        (save_abandoned, "no checkpoint at the stop: the save in flight was abandoned, no time left"),
+        (step_torn, "no checkpoint at the stop: the interrupted step may have changed the state"),
+        (not checkpointing, "no checkpoint at the stop (checkpointing off)"),
+        (last_committed == step or step == 0, "nothing new to checkpoint"),
+        (mode == "never", "no checkpoint at the stop (preemption_save never)"),
+    )
+    for applies, reason in exits:
+        if applies:
+            return StopDecision(EXIT, reason)
+    if mode == "always":
+        return StopDecision(SAVE, "saving at the stop (preemption_save always)")
+    if save_fits(estimated_save_seconds, remaining_grace):
+        return StopDecision(SAVE, "saving at the stop: it fits in the grace period")
+    return StopDecision(EXIT, NO_TIME_TO_SAVE)
 
 
 def ignore_termination_signals(worker_id: int | None = None) -> None:

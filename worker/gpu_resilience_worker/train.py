@@ -20,7 +20,7 @@ from gpu_resilience_worker.files import (
     METRICS, PROGRESS, ProgressReporter, highest_reported_step, read_json, record_attempt, write_json,
 )
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
-from gpu_resilience_worker.preemption import PreemptionWatcher, stopped_during_startup
+from gpu_resilience_worker.preemption import SAVE, PreemptionWatcher, decide_stop, stopped_during_startup
 from gpu_resilience_worker.state import TrainState, state_digest
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -332,19 +332,17 @@ class Trainer:
         return EXIT_PREEMPTED
 
     def _final_save(self, manager: ckpt.CheckpointManager, parts: Components, step: int) -> None:
-        """Best-effort synchronous save at ``step`` if it fits in the rest of the grace period."""
-        watcher, policy = self._watcher, self.config.preemption_save
-        if not self.config.checkpoint.enabled or policy == "never":
-            self._log.info("no checkpoint at the stop (checkpointing off)", step=step,
-                           preemption_save=policy)
-        elif manager.last_saved_step == step or step == 0:
-            self._log.info("nothing new to checkpoint", step=step)
-        elif policy == "always" or watcher.final_save_fits(manager.estimated_save_seconds):
+        """Best-effort synchronous save at ``step`` where :func:`decide_stop` says so."""
+        watcher = self._watcher
+        decision = decide_stop(requested=True, step=step, last_committed=manager.last_saved_step,
+                               estimated_save_seconds=manager.estimated_save_seconds,
+                               remaining_grace=watcher.remaining_grace(), mode=self.config.preemption_save,
+                               checkpointing=self.config.checkpoint.enabled)
+        self._log.info(decision.reason, step=step, action=decision.action,
+                       estimated_save_seconds=round(manager.estimated_save_seconds, 4),
+                       remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        if decision.action == SAVE:
             self._save(manager, parts, step, force=True)
-        else:
-            self._log.warning("final checkpoint skipped: it would not fit in the grace period",
-                              step=step, estimated_save_seconds=manager.estimated_save_seconds,
-                              remaining_grace_seconds=round(watcher.remaining_grace(), 3))
 
     def _finish(self, manager: ckpt.CheckpointManager, parts: Components, data: Dataset,
                 progress: ProgressReporter) -> None:
