@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 from .mount_options import mount_key, parse_mount_options
 from .gcs import bucket_path
@@ -75,14 +75,21 @@ class EmulatorProcess:
         checking that it stays within Cloud Run's quotas passes ``None`` or a limit.
     :param write_quota_per_minute: Admin API writes likewise (default 0, off; ``None``: Cloud Run's).
     :param quota_window_seconds: the quotas' window (``None``, the default: 60 s).
+    :param program: the command that runs the emulator, before ``serve`` (default this
+        interpreter's ``python -m cloud_run_emulator``; e.g. an installed ``cloud-run-emulator``
+        console script).
+    :param env: the server's environment (default: this process's).
     """
 
     def __init__(self, data_dir, images_file=None, grace_seconds: float = 10.0, extra_args=(),
                  start_timeout: float = 30.0, max_task_processes: Optional[int] = None,
                  read_quota_per_minute: Optional[int] = 0, write_quota_per_minute: Optional[int] = 0,
-                 quota_window_seconds: Optional[float] = None) -> None:
+                 quota_window_seconds: Optional[float] = None,
+                 program: Sequence[str] = (sys.executable, "-m", "cloud_run_emulator"),
+                 env: Optional[Mapping[str, str]] = None) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self._argv = [sys.executable, "-m", "cloud_run_emulator", "serve", "--port", "0",
+        self._env = None if env is None else dict(env)
+        self._argv = [*program, "serve", "--port", "0",
                       "--grpc-port", "0", "--gcs-port", "0", "--data-dir", str(self.data_dir),
                       "--grace-seconds", str(grace_seconds)]
         for flag, value in (("--read-quota-per-minute", read_quota_per_minute),
@@ -105,7 +112,8 @@ class EmulatorProcess:
     def __enter__(self) -> "EmulatorProcess":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "emulator.log", "ab")
-        self._popen = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+        self._popen = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                       env=self._env)
         log.close()
         readable, _, _ = select.select([self._popen.stdout], [], [], self._start_timeout)
         line = self._popen.stdout.readline() if readable else b""  # the ready line, or EOF
@@ -198,7 +206,7 @@ class EmulatorProcess:
 
         :raises RuntimeError: if a descendant process survived the server.
         """
-        import psutil  # an Airflow dependency; only needed to check for leftovers
+        import psutil  # only needed to check for leftovers
 
         if self._popen is None or self._popen.poll() is not None:
             return
