@@ -15,7 +15,8 @@ cross-origin requests and non-JSON bodies, and reads at most 4 MiB of a body (se
 its gRPC server speaks HTTP/2 gRPC only, which no browser page can send (see :mod:`.grpc_server`).
 It prints one JSON ready line, ``{"ready": true, "endpoint": "http://127.0.0.1:PORT",
 "grpcEndpoint": "127.0.0.1:PORT3", "gcsEndpoint": "http://127.0.0.1:PORT2", "dataDir": ...,
-"pid": ...}`` (port 0 picks a free one). SIGTERM or SIGINT stops it and every task process it
+"pid": ..., "env": {"CLOUD_RUN_EMULATOR_HOST": "127.0.0.1:PORT3", "STORAGE_EMULATOR_HOST":
+"http://127.0.0.1:PORT2"}}`` (port 0 picks a free one). SIGTERM or SIGINT stops it and every task process it
 started; a hard-killed emulator takes them along (Linux). From Python use
 :class:`~.process.EmulatorProcess`. Point clients at it with::
 

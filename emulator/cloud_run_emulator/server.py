@@ -4,9 +4,12 @@ Everything binds to 127.0.0.1; both HTTP servers apply the checks of :mod:`.guar
 ``Host``, no foreign ``Origin``, JSON bodies, a body limit), and the gRPC server, which serves
 the same backends, speaks HTTP/2 gRPC only (see :mod:`.grpc_server`). Once all accept
 connections one JSON line is printed to stdout: ``{"ready": true, "endpoint", "grpcEndpoint",
-"gcsEndpoint", "dataDir", "pid"}`` (``endpoint`` is REST, ``http://127.0.0.1:PORT``;
-``grpcEndpoint`` is ``127.0.0.1:PORT``, the value of ``CLOUD_RUN_EMULATOR_HOST``; with
-``--google-endpoint`` also ``googleEndpointEnv``, see :mod:`.google_endpoint`). On SIGTERM or
+"gcsEndpoint", "dataDir", "pid", "env"}`` (``endpoint`` is REST, ``http://127.0.0.1:PORT``;
+``grpcEndpoint`` is ``127.0.0.1:PORT``; ``env`` the variables that lead clients here:
+``CLOUD_RUN_EMULATOR_HOST``, the gRPC address, which a plain ``google-cloud-run`` client reads into
+an insecure channel, and ``STORAGE_EMULATOR_HOST``, the GCS emulator, which
+``google-cloud-storage`` reads itself; with ``--google-endpoint`` also ``googleEndpointEnv``, see
+:mod:`.google_endpoint`). On SIGTERM or
 SIGINT uvicorn stops, then the gRPC server, then every task attempt's process group gets SIGTERM,
 and SIGKILL after a short grace, before the process exits.
 """
@@ -118,7 +121,8 @@ def serve(config: ServeConfig) -> None:
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
     ready = {"ready": True, "endpoint": endpoint, "grpcEndpoint": grpc_endpoint, "gcsEndpoint": gcs.endpoint,
-             "dataDir": str(data_dir), "pid": os.getpid()}
+             "dataDir": str(data_dir), "pid": os.getpid(),
+             "env": {"CLOUD_RUN_EMULATOR_HOST": grpc_endpoint, "STORAGE_EMULATOR_HOST": gcs.endpoint}}
     if proxy is not None:
         ready["googleEndpointEnv"] = google_endpoint.client_env(proxy, identity[2])
     gcs.start()

@@ -66,6 +66,9 @@ def test_serve_prints_one_ready_line_fast(tmp_path):
         assert time.monotonic() - started < 5  # < 2 s on an idle machine; CI is busier
         assert ready["ready"] and ready["endpoint"].startswith("http://127.0.0.1:")
         assert ready["gcsEndpoint"].startswith("http://127.0.0.1:")
+        # the variables a plain client reads (see emulator/README.md)
+        assert ready["env"] == {"CLOUD_RUN_EMULATOR_HOST": ready["grpcEndpoint"],
+                                "STORAGE_EMULATOR_HOST": ready["gcsEndpoint"]}
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
