@@ -3,12 +3,14 @@
 The API keeps only the last attempt's result per task: :func:`observe_attempts` turns what each
 poll shows into :class:`AttemptRecord` entries (an attempt retried between two polls is recorded
 as ``UNOBSERVED``), and :class:`AttemptLog` accumulates them for the hook's blocking wait, the
-trigger and the operator's final look at the tasks. Pure: no I/O, no clocks.
+trigger and the operator's final look at the tasks. Where the worker recorded how an unobserved
+attempt ended (its goodput events file), :func:`worker_attempt` makes its record from that.
+Pure: no I/O, no clocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from google.cloud import run_v2
@@ -24,7 +26,7 @@ from airflow_gpu_resilience.classification import (
     task_timeout_seconds,
 )
 
-__all__ = ["AttemptLog", "AttemptRecord", "observe_attempts"]
+__all__ = ["AttemptLog", "AttemptRecord", "observe_attempts", "worker_attempt"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,10 @@ class AttemptRecord:
         that of its latest attempt); ``None`` otherwise.
     :param timeout_seconds: the task timeout in seconds, when known (see :func:`classify_attempt`).
     :param observed: ``False`` for an attempt whose result no poll saw (a later attempt's result
-        had replaced it): its result fields are unset and it classes as ``UNOBSERVED``.
+        had replaced it) and that no worker record told: its result fields are unset and it
+        classes as ``UNOBSERVED``.
+    :param source: where the result comes from: ``"api"`` (a poll of Cloud Run's API, default)
+        or ``"worker"`` (the worker's own record of an attempt no poll saw, :func:`worker_attempt`).
     """
 
     task_index: int
@@ -54,6 +59,7 @@ class AttemptRecord:
     duration_seconds: float | None = None
     timeout_seconds: float | None = None
     observed: bool = True
+    source: str = "api"
 
     @classmethod
     def unobserved(cls, task_index: int, attempt: int) -> AttemptRecord:
@@ -92,6 +98,7 @@ class AttemptRecord:
             "duration_seconds": self.duration_seconds,
             "timeout_seconds": self.timeout_seconds,
             "observed": self.observed,
+            "source": self.source,
         }
 
     @classmethod
@@ -134,6 +141,40 @@ def observe_attempts(tasks: Iterable[run_v2.Task], seen: Collection[tuple[int, i
     return sorted(records, key=lambda r: r.key)
 
 
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def worker_attempt(task_index: int, attempt: int, events: Mapping[str, object],
+                   timeout_seconds: float | None = None) -> AttemptRecord | None:
+    """The record of an attempt no poll saw, from the worker's own goodput events file of it.
+
+    The bundled worker (and every way into the worker library) writes, per attempt, a file with
+    its ``status`` (``preempted``, ``completed``, ``failed``), the ``exit_code`` it exits with,
+    ``process_start`` and ``ended_at`` (epoch seconds). Cloud Run's exit code of such an attempt
+    is the worker's own (it exits 143 after a SIGTERM), so the attempt classes as a poll would
+    have classed it (:func:`~airflow_gpu_resilience.classification.classify_attempt`: a
+    preemption, or a task timeout when it ended within the deadline window), with status code 2
+    (unknown) and no maintenance message.
+
+    :param task_index: the attempt's task index.
+    :param attempt: its 0-based attempt number.
+    :param events: the parsed events file (a JSON object).
+    :param timeout_seconds: the task timeout in seconds, when known.
+    :return: the record (``source`` ``"worker"``), or ``None`` when the file gives no integer
+        ``exit_code`` (a process killed before it recorded its end).
+    """
+    code = events.get("exit_code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        return None
+    start, end = _number(events.get("process_start")), _number(events.get("ended_at"))
+    duration = end - start if start is not None and end is not None and end >= start else None
+    # the status word stays out of the message: "preempted" would read as a maintenance message
+    message = f"not seen by a poll (Cloud Run keeps a task's latest result only); the worker recorded exit code {code}"
+    return AttemptRecord(task_index, attempt, code, None, CODE_UNKNOWN, message, duration, timeout_seconds,
+                         source="worker")
+
+
 class AttemptLog:
     """The finished attempts of one execution, each recorded once, in the order they were seen.
 
@@ -163,6 +204,23 @@ class AttemptLog:
         new = observe_attempts(tasks, self._seen)
         self._add(new)
         return new
+
+    def unobserved(self) -> list[AttemptRecord]:
+        """The records of attempts that ended unseen (``observed`` false), in order."""
+        return [record for record in self.records if not record.observed]
+
+    def tell(self, found: Mapping[tuple[int, int], AttemptRecord]) -> int:
+        """Replace unobserved records by ``found`` ones of the same ``(task_index, attempt)``.
+
+        :param found: records by key, e.g. from :func:`worker_attempt`; others are ignored.
+        :return: how many were replaced.
+        """
+        replaced = 0
+        for position, record in enumerate(self.records):
+            if not record.observed and record.key in found:
+                self.records[position] = found[record.key]
+                replaced += 1
+        return replaced
 
     def to_dicts(self, limit: int | None = None) -> list[dict[str, object]]:
         """JSON-able records (:meth:`AttemptRecord.to_dict`), the first ``limit`` when given."""

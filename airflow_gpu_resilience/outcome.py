@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_gpu_resilience.attempt_log import AttemptLog, AttemptRecord, observe_attempts
+from airflow_gpu_resilience.attempt_log import AttemptLog, AttemptRecord, observe_attempts, worker_attempt
 from airflow_gpu_resilience.classification import (
     DEADLINE_WINDOW_SECONDS,
     DEFAULT_FATAL_EXIT_CODES,
@@ -48,7 +48,7 @@ __all__ = [
     "DEADLINE_WINDOW_SECONDS", "DEFAULT_FATAL_EXIT_CODES", "PREEMPTION_EXIT_CODES", "PREEMPTION_SIGNALS", "RESUMABLE",
     "Action", "AttemptLog", "AttemptRecord", "Decision", "ExecutionState", "OutcomeClass", "TaskOutcome",
     "classify_attempt", "classify_attempt_result", "classify_task", "completed_condition", "completion_message",
-    "deadline_window", "decide", "describe_task", "elapsed_seconds", "execution_state", "observe_attempts",
+    "deadline_window", "decide", "describe_task", "elapsed_seconds", "execution_state", "observe_attempts", "worker_attempt",
     "task_timeout_seconds", "REFUSAL_EXIT_CODE", "WORKER_FATAL_EXIT_CODES", "wants_worker_reason",
     "with_worker_reason",
 ]

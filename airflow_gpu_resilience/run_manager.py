@@ -314,8 +314,9 @@ class CloudRunGpuRunManager:
         tasks = self.hook.list_tasks(execution=execution)
         attempts.observe(tasks)
         outcomes = [classify_task(t, self.settings.fatal_exit_codes) for t in tasks]
-        if self.progress is not None:  # the worker's own reason for a non-retryable stop, from its files
+        if self.progress is not None:  # from the worker's files: a non-retryable stop's reason, unseen attempts
             outcomes = self.progress.worker_reasons(outcomes, timeout=self.settings.progress_read_timeout)
+            self.progress.tell_unobserved(execution, attempts, tasks)
         reruns_used = self.reruns_used(run)
         run.classes[execution] = _execution_class(outcomes, execution_state(finished)).value
         history, now = self.history(run)

@@ -4,8 +4,9 @@ The run manager's reads of the bucket, through
 :class:`~airflow_gpu_resilience.hooks.progress.CheckpointFilesHook` (best effort: an unreadable
 file never fails the task): the newest committed checkpoint step of every task, the progress
 history of the task instance's executions built from it, the tasks' ``progress.json`` lines, the
-work each preemption lost, and the worker's reason for a task it stopped for good (its ``FATAL``
-marker, a newer release's commit record).
+work each preemption lost, the worker's reason for a task it stopped for good (its ``FATAL``
+marker, a newer release's commit record), and how an attempt that no poll saw ended (its goodput
+events file).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from google.cloud import run_v2
 from google.cloud.storage.retry import DEFAULT_RETRY
 
+from airflow_gpu_resilience.attempt_log import AttemptLog, AttemptRecord, worker_attempt
+from airflow_gpu_resilience.classification import task_timeout_seconds
 from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from airflow_gpu_resilience.outcome import (
@@ -147,3 +150,30 @@ class CheckpointProgress:
                     newer[index] = found.newer.reason(index).removeprefix(f"task {index}: ")
         return [with_worker_reason(o, markers.get(o.index), newer.get(o.index)) if o.index in markers else o
                 for o in outcomes]
+
+    def tell_unobserved(self, execution: str, attempts: AttemptLog, tasks: Sequence[run_v2.Task]) -> int:
+        """Fill in the attempts of ``execution`` that no poll saw from the worker's own records.
+
+        Cloud Run keeps each task's latest attempt result only, so an attempt that ended and was
+        retried between two polls (or while the API was unreachable) is ``UNOBSERVED``; the worker
+        wrote how it ended in its goodput events file (:func:`~.attempt_log.worker_attempt`).
+        Reads those files only for tasks with such attempts (the first :data:`MAX_PROGRESS_TASKS`
+        of them); best effort: an unreadable file leaves the attempt unobserved.
+
+        :param execution: the execution's full name.
+        :param attempts: its attempt log (changed in place).
+        :param tasks: its tasks, as ListTasks returns them (for each task's timeout).
+        :return: how many attempts were filled in.
+        """
+        indexes = sorted({record.task_index for record in attempts.unobserved()})[:MAX_PROGRESS_TASKS]
+        if not indexes:
+            return 0
+        short = execution.rsplit("/", 1)[-1]
+        timeouts = {task.index: task_timeout_seconds(task) for task in tasks}
+        found: dict[tuple[int, int], AttemptRecord] = {}
+        for index in indexes:
+            for (name, number), events in self.files.goodput_events(index).items():
+                record = worker_attempt(index, number, events, timeouts.get(index)) if name == short else None
+                if record is not None:
+                    found[record.key] = record
+        return attempts.tell(found)

@@ -12,6 +12,7 @@ from airflow_gpu_resilience.outcome import (
     AttemptLog,
     AttemptRecord,
     observe_attempts,
+    worker_attempt,
     Action,
     ExecutionState,
     OutcomeClass,
@@ -352,3 +353,45 @@ class TestObserveAttempts:
         record = AttemptRecord(0, 1, 143, None, 2, ERROR)
         assert AttemptRecord.from_dict(record.to_dict()) == record
         assert record.classify(fatal_exit_codes={143}) is C.FATAL
+
+
+# --- an attempt no poll saw, from the worker's goodput events file ---------------------------
+WORKER_EVENTS = {"status": "preempted", "exit_code": 143, "process_start": 1000.0, "ended_at": 1040.5}
+
+
+@pytest.mark.parametrize(
+    ("events", "timeout", "expected", "duration"),
+    [
+        (WORKER_EVENTS, None, C.PREEMPTED, 40.5),
+        (WORKER_EVENTS, 3600.0, C.PREEMPTED, 40.5),
+        # the worker's deadline stop: exit 143 within the window before the task timeout
+        ({**WORKER_EVENTS, "ended_at": 1055.0}, 60.0, C.TIMED_OUT, 55.0),
+        ({**WORKER_EVENTS, "status": "failed", "exit_code": 74}, None, C.FATAL, 40.5),
+        ({**WORKER_EVENTS, "process_start": "x"}, None, C.PREEMPTED, None),
+        ({**WORKER_EVENTS, "ended_at": 900.0}, None, C.PREEMPTED, None),
+        # no exit code: killed before it recorded its end, or not the worker's file
+        ({"status": "running", "process_start": 1000.0}, None, None, None),
+        ({**WORKER_EVENTS, "exit_code": True}, None, None, None),
+        ({**WORKER_EVENTS, "exit_code": "143"}, None, None, None),
+    ],
+)
+def test_worker_attempt_classes_an_unseen_attempt_from_the_workers_record(events, timeout, expected, duration):
+    record = worker_attempt(0, 1, events, timeout)
+    if expected is None:
+        assert record is None
+        return
+    assert (record.key, record.source, record.observed, record.duration_seconds) == ((0, 1), "worker", True, duration)
+    assert record.classify() is expected
+    assert "not seen by a poll" in record.message and f"exit code {events['exit_code']}" in record.message
+    assert AttemptRecord.from_dict(record.to_dict()) == record
+
+
+def test_tell_replaces_only_unobserved_records_of_the_same_attempt():
+    log = AttemptLog([AttemptRecord.unobserved(0, 0), AttemptRecord.unobserved(1, 0),
+                      AttemptRecord(0, 1, 143, None, 2, MAINTENANCE)])
+    told = worker_attempt(0, 0, WORKER_EVENTS)
+    other = worker_attempt(0, 1, {**WORKER_EVENTS, "exit_code": 0})  # an observed attempt: kept as polled
+    assert log.tell({(0, 0): told, (0, 1): other, (5, 5): told}) == 1
+    assert [r.classify() for r in log.records] == [C.PREEMPTED, C.UNOBSERVED, C.PREEMPTED]
+    assert log.records[0] is told and log.records[2].message == MAINTENANCE
+    assert log.unobserved() == [log.records[1]]
