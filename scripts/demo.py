@@ -348,45 +348,16 @@ def _execute_summary(workdir: Path) -> dict:
     return {}
 
 
-class AttemptWatcher(threading.Thread):
-    """Keeps the emulator's record of every ended attempt of the job's executions (its admin
-    endpoint ``/_emulator/attempts``), polled every half second, since the DAG's cleanup deletes
-    the job and its executions at the end."""
-
-    def __init__(self, emulator: EmulatorProcess) -> None:
-        super().__init__(daemon=True, name="attempt-watcher")
-        self.emulator, self.stop = emulator, threading.Event()
-        self.attempts: dict[str, list[dict]] = {}
-
-    def run(self) -> None:
-        import urllib.error
-        import urllib.request
-
-        client = _run_client(self.emulator, run_v2.ExecutionsClient)
-        parent = f"projects/{PROJECT}/locations/{REGION}/jobs/{JOB}"
-        while not self.stop.wait(0.5):
-            try:
-                names = [e.name for e in client.list_executions(parent=parent)]
-            except Exception:  # the job is not there (yet, or any more)
-                continue
-            for name in names:
-                try:
-                    with urllib.request.urlopen(f"{self.emulator.endpoint}/_emulator/attempts/{name}",
-                                                timeout=10) as answer:
-                        self.attempts[name] = json.loads(answer.read())["attempts"]
-                except (urllib.error.URLError, OSError, ValueError):
-                    continue
-
-
-def _goodput(workdir: Path, watcher: AttemptWatcher) -> dict | None:
-    """The summary's goodput report, with the emulator's own attempt times beside it."""
+def _goodput(workdir: Path, emulator: EmulatorProcess) -> dict | None:
+    """The summary's goodput report, with the emulator's own attempt times beside it (its attempt
+    records outlive the job, which the DAG's cleanup deleted)."""
     summary = _execute_summary(workdir)
     report = summary.get("goodput") or None
     if report is None:
         return None
     from datetime import datetime
 
-    attempts = [a for e in summary.get("executions", []) for a in watcher.attempts.get(e["name"], [])]
+    attempts = [a for e in summary.get("executions", []) for a in emulator.attempts(e["name"])]
     starts = [datetime.fromisoformat(a["startTime"]).timestamp() for a in attempts if a.get("startTime")]
     ends = [datetime.fromisoformat(a["endTime"]).timestamp() for a in attempts]
     report["platform"] = {"attempts": len(attempts), "attempt_seconds": round(sum(a["seconds"] for a in attempts), 3),
@@ -506,18 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] Cloud Run emulator at {emulator.endpoint}, GCS emulator at {emulator.gcs_endpoint}")
         preempter = Preempter(emulator, args.preemptions, args.steps)
         preempter.start()
-        watcher = AttemptWatcher(emulator)
-        watcher.start()
         try:
             rc = run_dag(airflow_env(workdir, emulator), conf, log_path)
         finally:
             preempter.stop.set()
-            watcher.stop.set()
             preempter.join(timeout=30)
-            watcher.join(timeout=30)
         dataset = emulator.bucket_dir(BUCKET) / "data" / "digits.npz"
         reference = _reference_run(workdir, dataset, args) if args.verify and rc == 0 else None
-        summary = _summary(emulator, rc, preempter, reference, _goodput(workdir, watcher) if rc == 0 else None)
+        summary = _summary(emulator, rc, preempter, reference, _goodput(workdir, emulator) if rc == 0 else None)
         summary["logging_requests"] = _logging_requests(emulator)
     _print_report(summary, log_path)
     report_path = args.report or workdir / "report.json"
