@@ -1,9 +1,10 @@
 """Cloud Storage FUSE mount options of a ``cloud-storage`` volume: which ones, and their values.
 
-Pure functions, no I/O: the job spec (:class:`~airflow_gpu_resilience.job_spec.GpuJobSpec`), the
-emulator's request validation and its FUSE mounts all validate through :func:`parse_mount_options`,
-so that an option the spec accepts is one the emulator accepts, with the same value, and a bad one
-gets the same single error everywhere, before anything is deployed or mounted.
+Pure functions, no I/O: the job spec (:class:`~airflow_gpu_resilience.job_spec.GpuJobSpec`)
+validates through :func:`parse_mount_options`, so that a bad option gets one error naming it and
+the allowed values before anything is deployed. These are Cloud Run's and gcsfuse's rules; the
+emulator (the ``cloud-run-emulator`` distribution) checks requests against a table of its own,
+and the repository's tests run one table of options through both and require the same verdicts.
 
 An option is a gcsfuse flag without the leading ``--`` (Cloud Run's ``mountOptions``), ``name`` or
 ``name=value``. The value rules follow gcsfuse's own flag checks (its ``cfg`` validation and the
@@ -36,9 +37,6 @@ GCSFUSE_MOUNT_OPTIONS = {
     "type-cache-max-size-mb": "limit", "kernel-list-cache-ttl-secs": "limit", "max-conns-per-host": "int",
     "log-severity": "severity",
 }
-#: Options only the emulator accepts (Cloud Run refuses them): ``x-emulator-strict`` turns a
-#: staged-write fallback on that volume into ``EIO``.
-EMULATOR_MOUNT_OPTIONS = {"x-emulator-strict": "bool"}
 #: Values of a boolean flag (Go's ``strconv.ParseBool``, which gcsfuse's flags use) -> value.
 BOOL_VALUES = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
                **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False)}
@@ -107,14 +105,13 @@ def _convert(kind: str, has_value: bool, value: str) -> Any:
     return value.strip("/")
 
 
-def parse_mount_options(options: Iterable[Any], field: str = "mount_options", emulator: bool = False) -> dict:
+def parse_mount_options(options: Iterable[Any], field: str = "mount_options") -> dict:
     """Validate gcsfuse mount options and return their values.
 
     :param options: iterable of strings, ``name`` or ``name=value`` without the leading ``--``
         (:data:`GCSFUSE_MOUNT_OPTIONS`); ``None`` is no options.
     :param field: the parameter or request field named in errors, e.g. ``mount_options`` or
         ``template.template.volumes[0].gcs.mount_options``.
-    :param emulator: also accept :data:`EMULATOR_MOUNT_OPTIONS` (the emulator's own requests).
     :returns: ``{name: value}``: ``bool`` for booleans, ``int`` for integers and modes (-1 for
         unlimited), lower-case ``str`` for ``log-severity``, ``only-dir`` without outer slashes.
     :raises ValueError: one message naming ``field[i]``, the option and what is allowed: a value
@@ -124,7 +121,6 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
     if isinstance(options, (str, bytes, Mapping)):
         raise ValueError(f"{field}={options!r} must be a list of strings, name or name=value, "
                          "e.g. ['implicit-dirs', 'rename-dir-limit=100'].")
-    allowed = dict(GCSFUSE_MOUNT_OPTIONS, **(EMULATOR_MOUNT_OPTIONS if emulator else {}))
     parsed: dict = {}
     first: dict = {}
     for i, raw in enumerate(options or ()):
@@ -134,14 +130,10 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
         name, has_value, value = raw.partition("=")
         if name.startswith("-"):
             raise ValueError(f"{where}: '{raw}' must be written without the leading '--'.")
-        if name in EMULATOR_MOUNT_OPTIONS and not emulator:
-            raise ValueError(f"{where}: '{raw}' is the emulator's own option and Cloud Run refuses it; for the "
-                             f"emulator's strict mode start it with --fuse-strict (EMULATOR_FUSE_STRICT=1), "
-                             f"or put the option on the job through the Cloud Run client against the emulator.")
-        kind = allowed.get(name)
+        kind = GCSFUSE_MOUNT_OPTIONS.get(name)
         if kind is None:
             raise ValueError(f"{where}: '{raw}' is not a Cloud Storage FUSE option Cloud Run accepts; "
-                             f"allowed: {', '.join(sorted(allowed))}.")
+                             f"allowed: {', '.join(sorted(GCSFUSE_MOUNT_OPTIONS))}.")
         problem = _value_problem(name, kind, bool(has_value), value)
         if problem:
             raise ValueError(f"{where}: '{raw}': {name} {problem}.")
@@ -151,8 +143,3 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
         parsed[name] = _convert(kind, bool(has_value), value)
     return parsed
 
-
-def mount_key(parsed: dict) -> tuple:
-    """A hashable key of parsed options: two option lists with the same meaning (order, ``name``
-    against ``name=true``, ``log-severity`` letter case) give the same key."""
-    return tuple(sorted((name, str(value)) for name, value in parsed.items()))

@@ -114,7 +114,9 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
         (:data:`GCSFUSE_MOUNT_OPTIONS`); ``None`` is no options.
     :param field: the parameter or request field named in errors, e.g. ``mount_options`` or
         ``template.template.volumes[0].gcs.mount_options``.
-    :param emulator: also accept :data:`EMULATOR_MOUNT_OPTIONS` (the emulator's own requests).
+    :param emulator: also accept :data:`EMULATOR_MOUNT_OPTIONS`, as the emulator's request
+        validation and its mounts do (default ``False``: Cloud Run's options alone, which refuse
+        them as unknown).
     :returns: ``{name: value}``: ``bool`` for booleans, ``int`` for integers and modes (-1 for
         unlimited), lower-case ``str`` for ``log-severity``, ``only-dir`` without outer slashes.
     :raises ValueError: one message naming ``field[i]``, the option and what is allowed: a value
@@ -134,10 +136,6 @@ def parse_mount_options(options: Iterable[Any], field: str = "mount_options", em
         name, has_value, value = raw.partition("=")
         if name.startswith("-"):
             raise ValueError(f"{where}: '{raw}' must be written without the leading '--'.")
-        if name in EMULATOR_MOUNT_OPTIONS and not emulator:
-            raise ValueError(f"{where}: '{raw}' is the emulator's own option and Cloud Run refuses it; for the "
-                             f"emulator's strict mode start it with --fuse-strict (EMULATOR_FUSE_STRICT=1), "
-                             f"or put the option on the job through the Cloud Run client against the emulator.")
         kind = allowed.get(name)
         if kind is None:
             raise ValueError(f"{where}: '{raw}' is not a Cloud Storage FUSE option Cloud Run accepts; "

@@ -230,7 +230,7 @@ def test_mount_options_reach_the_volume_and_bad_ones_are_refused_naming_the_para
     assert not template_matches(job, spec().to_job())  # a change of options updates the job
     for bad, says in (("--implicit-dirs", "without the leading '--'"), ("cache-all", "allowed: dir-mode, "),
                       ("rename-dir-limit=x", "non-negative integer"), ("file-mode=9", "octal"),
-                      ("implicit-dirs=yes", "=true / =false"), ("x-emulator-strict", "--fuse-strict")):
+                      ("implicit-dirs=yes", "=true / =false"), ("x-emulator-strict", "not a Cloud Storage FUSE option")):
         with pytest.raises(ValueError, match=r"^mount_options\[0\]: ") as err:
             spec(mount_options=[bad])
         assert says in str(err.value)

@@ -1,7 +1,9 @@
 """Cloud Storage FUSE mount options: one table of what is accepted with which value, what is
 refused with which words, and the same answer from the provider's rules
 (:mod:`airflow_gpu_resilience.mount_options`, the job spec) and the emulator's own
-(:mod:`cloud_run_emulator.mount_options`: its request validation and its FUSE mounts)."""
+(:mod:`cloud_run_emulator.mount_options`: its request validation and its FUSE mounts, which also
+accept the emulator's own ``x-emulator-strict``; Cloud Run's rules, and so the provider's, refuse
+it as an unknown option)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import pytest
 
 import cloud_run_emulator.mount_options as emulator_rules
 from airflow_gpu_resilience import mount_options as provider_rules
-from airflow_gpu_resilience.mount_options import mount_key, parse_mount_options
 
 #: The two rule tables, the provider's and the emulator's: every verdict must be the same.
 RULES = pytest.mark.parametrize("rules", [provider_rules, emulator_rules], ids=["provider", "emulator"])
@@ -80,8 +81,8 @@ REFUSED = [
     (["implicit-dirs", "rename-dir-limit=1", "implicit-dirs=true"],
      "mount_options[2]: 'implicit-dirs=true' repeats implicit-dirs (already mount_options[0]); give each option once"),
     (["rename-dir-limit=1", "rename-dir-limit=5"], "repeats rename-dir-limit"),
-    (["x-emulator-strict"], "is the emulator's own option and Cloud Run refuses it; for the emulator's strict "
-                            "mode start it with --fuse-strict (EMULATOR_FUSE_STRICT=1)"),
+    (["x-emulator-strict"], "mount_options[0]: 'x-emulator-strict' is not a Cloud Storage FUSE option Cloud Run "
+                            "accepts; allowed: dir-mode, "),
 ]
 
 
@@ -89,7 +90,11 @@ REFUSED = [
 @pytest.mark.parametrize(("options", "expected"), ACCEPTED)
 def test_accepted_options_and_their_values(options, expected, rules):
     assert rules.parse_mount_options(options) == expected
-    assert rules.parse_mount_options(options, emulator=True) == expected
+
+
+@pytest.mark.parametrize(("options", "expected"), ACCEPTED)
+def test_the_emulators_requests_accept_cloud_runs_options_alike(options, expected):
+    assert emulator_rules.parse_mount_options(options, emulator=True) == expected
 
 
 @RULES
@@ -102,9 +107,11 @@ def test_refused_options_get_one_error_naming_the_field_and_the_allowed_values(o
 
 
 def test_the_emulator_alone_accepts_its_strict_option_and_names_its_request_field():
-    assert parse_mount_options(["x-emulator-strict"], emulator=True) == {"x-emulator-strict": True}
+    assert emulator_rules.parse_mount_options(["x-emulator-strict"], emulator=True) == {"x-emulator-strict": True}
+    assert not hasattr(provider_rules, "EMULATOR_MOUNT_OPTIONS")  # the provider knows Cloud Run's options only
+    field = "template.template.volumes[0].gcs.mount_options"
     with pytest.raises(ValueError, match=r"^template.template.volumes\[0\].gcs.mount_options\[0\]: 'log-severity=x'"):
-        parse_mount_options(["log-severity=x"], "template.template.volumes[0].gcs.mount_options", emulator=True)
+        emulator_rules.parse_mount_options(["log-severity=x"], field, emulator=True)
 
 
 @pytest.mark.parametrize(("options", "expected"), ACCEPTED + [(o, None) for o, _ in REFUSED])
@@ -128,12 +135,14 @@ def test_the_job_spec_and_the_emulator_volumes_agree(options, expected, tmp_path
 
 
 def test_options_with_one_meaning_share_one_mount_key():
-    assert mount_key(parse_mount_options(["implicit-dirs", "log-severity=INFO"])) == mount_key(
-        parse_mount_options(["log-severity=info", "implicit-dirs=true"]))
-    assert mount_key(parse_mount_options(["implicit-dirs=false"])) != mount_key(parse_mount_options(["implicit-dirs"]))
+    """The emulator's mounts: one FUSE mount per meaning of the options."""
+    key, parse = emulator_rules.mount_key, emulator_rules.parse_mount_options
+    assert key(parse(["implicit-dirs", "log-severity=INFO"])) == key(parse(["log-severity=info", "implicit-dirs=true"]))
+    assert key(parse(["implicit-dirs=false"])) != key(parse(["implicit-dirs"]))
 
 
+@RULES
 @pytest.mark.parametrize("options", ["implicit-dirs", b"implicit-dirs", {"implicit-dirs": True}])
-def test_a_single_string_or_a_mapping_is_not_walked_as_a_list(options):
+def test_a_single_string_or_a_mapping_is_not_walked_as_a_list(options, rules):
     with pytest.raises(ValueError, match=r"^mount_options=.* must be a list of strings"):
-        parse_mount_options(options)
+        rules.parse_mount_options(options)
