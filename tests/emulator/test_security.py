@@ -44,6 +44,20 @@ def job_body(image: str = "local/exit:latest") -> bytes:
     return json.dumps({"template": {"template": {"containers": [{"image": image}]}}}).encode()
 
 
+def test_every_port_of_the_emulator_listens_on_loopback_only(emulator):
+    """REST, gRPC (``CLOUD_RUN_EMULATOR_HOST``), the GCS emulator and ``--google-endpoint``'s TLS
+    port and proxy: every listening socket of the emulator's process is on 127.0.0.1, so no other
+    machine reaches any of them."""
+    import psutil
+
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(emulator.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    ports = {int(e.rsplit(":", 1)[1]) for e in (emulator.endpoint, emulator.grpc_endpoint, emulator.gcs_endpoint)}
+    assert ports <= {port for _, port in listening} and len(listening) >= 5, listening  # 3 + the TLS port and proxy
+    # gRPC's sockets are IPv6 ones bound to the v4-mapped 127.0.0.1: loopback all the same
+    assert {ip.removeprefix("::ffff:") for ip, _ in listening} == {"127.0.0.1"}, listening
+
+
 # --- item 4: requests a web page could send --------------------------------------------------
 
 def test_a_page_cannot_create_a_job_with_a_simple_cross_site_post(emulator, jobs, job_id):
