@@ -53,7 +53,7 @@ from google.cloud import run_v2
 from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
-from tests.deployment.conftest import record_timing
+from tests.deployment.conftest import record_timing, unpause_when_parsed, wait_for
 from tests.logs import worker_records
 
 # serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with wall-clock waits on its components.
@@ -90,18 +90,6 @@ def _job(scenario: str) -> str:
     return "dep-" + scenario.replace("_", "-")
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    """:return: ``predicate()``'s first truthy value; :raises AssertionError: after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 class Campaign:
     """The DAG runs of every scenario on one stack, and what the REST API and emulator said."""
 
@@ -123,16 +111,7 @@ class Campaign:
 
     # --- REST API ------------------------------------------------------------------------
     def wait_for_dag(self) -> None:
-        dags = self.client_module.DAGApi(self.api)
-
-        def parsed():
-            try:
-                return dags.get_dag(DAG_ID)
-            except self.client_module.ApiException:
-                return None
-
-        wait_for(parsed, 180, f"the DAG processor to parse {DAG_ID}")
-        dags.patch_dag(DAG_ID, self.client_module.DAGPatchBody(is_paused=False))
+        unpause_when_parsed(self.api, DAG_ID)
 
     def trigger(self, scenario: str, conf: dict) -> str:
         run_id = f"deploy-{scenario}"

@@ -1,0 +1,237 @@
+"""Twenty deferred executions under a low Cloud Run read quota, the triggerer SIGKILLed midway.
+
+Issue 36, must-show 2 and 4, on the deployment of ``tests/deployment/conftest.py`` (the stack the
+other deployment tests use, started once). One DAG run of ``cloud_run_quota_sweep``
+(``tests/deployment/dags/``): one execute task mapped over twenty existing jobs, deferrable, so
+twenty executions of one project and region are watched by triggers in one triggerer. The
+emulator admits 60 reads a minute in that region (Cloud Run's default is 600), and each job's
+task is a tiny command that runs until the test releases it, so the test, not the clock,
+decides when each execution ends:
+
+1. all twenty execute tasks deferred, their triggers in the triggerer, every task running;
+2. three executions' tasks preempted (Cloud Run retries them within the execution);
+3. half the jobs released, and at once the triggerer SIGKILLed: those executions end while no
+   triggerer runs; two more tasks preempted while it is down; the triggerer restarted;
+4. once the restarted triggerer runs the remaining triggers, the other half released.
+
+Asserted: the DAG run and every mapped task succeed in their first try (no try failed, from a
+429 or anything else), each job ran exactly one execution (the emulator's own record), the
+emulator answered 429 at least once (the quota was reached), and the preempted tasks were
+retried within their execution. Apart from the run, the triggerer's log (every start of it, over
+every deployment test of the session) holds no warning that its event loop was blocked.
+
+Executions are counted from the emulator's log folders and its admin endpoints, which the quota
+does not count; the test's own Cloud Run API requests (creating the jobs) happen before the
+quota is set.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from google.api_core.client_options import ClientOptions
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import run_v2
+
+from tests.deployment.conftest import record_timing, unpause_when_parsed, wait_for
+from tests.deployment.dags.cloud_run_quota_sweep import DAG_ID, JOBS, PROJECT, REGION
+
+# serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with wall-clock waits on its components.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+
+#: Admin API reads admitted per minute in the sweep's project and region.
+READ_QUOTA_PER_MINUTE = 60
+#: Any image of the bundled worker's table; each job's container command replaces its entrypoint.
+IMAGE = "us-central1-docker.pkg.dev/local-project/ml/airflow-gpu-resilience-worker:latest"
+#: Jobs (by map index) whose task is preempted while every trigger runs, and while none does.
+PREEMPT_WHILE_WATCHED = (0, 5, 12)
+PREEMPT_WHILE_DOWN = (3, 15)
+#: Jobs released just before the triggerer is killed: their executions end while it is down.
+RELEASED_BEFORE_KILL = tuple(range(10, 20))
+RELEASED_AFTER_RESTART = tuple(range(0, 10))
+PAUSE_S = 5.0  # the triggerer stays down this long
+#: The message of Airflow 3's triggerer when its event loop did not run for longer than
+#: ``[triggerer] blocked_main_thread_warning_threshold`` (0.2 s): ``TriggerRunner.block_watchdog``.
+BLOCKED_LOOP_MESSAGE = "Triggerer's async thread was blocked"
+
+
+def _state(value) -> str | None:
+    return None if value is None else str(getattr(value, "value", value))
+
+
+class Sweep:
+    """The sweep's DAG run on the stack, and what the REST API and the emulator said of it."""
+
+    def __init__(self, stack) -> None:
+        import airflow_client.client as client
+
+        self.stack, self.emulator = stack, stack.emulator
+        self.api = stack.api_client()
+        self.runs, self.tis = client.DagRunApi(self.api), client.TaskInstanceApi(self.api)
+        self.client_module = client
+        self.release_dir = stack.workdir / "sweep-release"
+        self.run_id = "quota-sweep"
+        self.results: dict = {}
+
+    def deploy_jobs(self) -> None:
+        """Create the twenty jobs: one task, three retries, a command that waits for its release file."""
+        self.release_dir.mkdir(exist_ok=True)
+        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
+                                 client_options=ClientOptions(api_endpoint=self.emulator.endpoint))
+        operations = []
+        for job in JOBS:
+            script = f'until [ -e "{self.release_dir / job}" ]; do sleep 1; done'
+            container = run_v2.Container(image=IMAGE, command=["/bin/sh", "-c", script])
+            template = run_v2.ExecutionTemplate(task_count=1, template=run_v2.TaskTemplate(
+                containers=[container], max_retries=3, timeout="1800s"))
+            operations.append(jobs.create_job(parent=f"projects/{PROJECT}/locations/{REGION}",
+                                              job=run_v2.Job(template=template), job_id=job))
+        for operation in operations:
+            operation.result(timeout=60)
+
+    def release(self, indexes) -> None:
+        for index in indexes:
+            (self.release_dir / JOBS[index]).touch()
+
+    def mapped(self) -> list:
+        """The execute task's twenty mapped task instances, by map index."""
+        found = self.tis.get_mapped_task_instances(DAG_ID, self.run_id, "execute_job", limit=100).task_instances
+        return sorted(found, key=lambda ti: ti.map_index)
+
+    def execution_folders(self, job: str) -> list[str]:
+        """The ids of the job's executions, from the emulator's log folders (kept after the run)."""
+        pattern = re.compile(re.escape(job) + r"-[a-z0-9]{5}")
+        logs = self.emulator.data_dir / "logs"
+        return sorted(p.name for p in logs.iterdir() if pattern.fullmatch(p.name)) if logs.is_dir() else []
+
+    def execution(self, index: int) -> str:
+        job = JOBS[index]
+        [execution] = wait_for(lambda: self.execution_folders(job), 60, f"the execution of {job}")
+        return f"projects/{PROJECT}/locations/{REGION}/jobs/{job}/executions/{execution}"
+
+    def preempt(self, indexes) -> None:
+        for index in indexes:
+            answer = self.emulator.preempt(self.execution(index), task_index=0, grace_seconds=1.0)
+            self.results.setdefault("preempted", {})[index] = answer
+
+    def all_deferred_and_running(self) -> bool:
+        """Every mapped task deferred with its trigger in a triggerer, every job's task running."""
+        tis = self.mapped()
+        if len(tis) != len(JOBS) or any(_state(ti.state) != "deferred" or ti.triggerer_job is None for ti in tis):
+            return False
+        running = self.emulator.task_processes()["running"]
+        return running >= len(JOBS)
+
+    def taken_over(self, before: set[int]) -> bool:
+        """The restarted triggerer runs the triggers of every execution still waiting for its release."""
+        tis = {ti.map_index: ti for ti in self.mapped()}
+        return all(_state(tis[i].state) == "deferred" and tis[i].triggerer_job is not None
+                   and tis[i].triggerer_job.id not in before for i in RELEASED_AFTER_RESTART)
+
+    def run_state(self) -> str:
+        return _state(self.runs.get_dag_run(DAG_ID, self.run_id).state)
+
+
+def _configure_emulator(emulator) -> dict:
+    """Room for twenty task processes at once, the read quota on, the counters zeroed; :return:
+    the settings to restore."""
+    before = {"transitions": emulator._admin("POST", "/_emulator/transitions", {}),
+              "quota": emulator._admin("GET", "/_emulator/quota", None)}
+    emulator._admin("POST", "/_emulator/transitions", {"maxTaskProcesses": len(JOBS) + 4})
+    emulator._admin("POST", "/_emulator/quota", {"readRequestsPerMinute": READ_QUOTA_PER_MINUTE})
+    emulator.requests(reset=True)
+    return before
+
+
+def _restore_emulator(emulator, before: dict) -> None:
+    emulator._admin("POST", "/_emulator/quota",
+                    {"readRequestsPerMinute": before["quota"]["readRequestsPerMinute"]})
+    emulator._admin("POST", "/_emulator/transitions",
+                    {"maxTaskProcesses": before["transitions"]["maxTaskProcesses"]})
+
+
+def _kill_and_restart_triggerer(s: Sweep) -> None:
+    """Release half the jobs and SIGKILL the triggerer at once; preempt two tasks while it is
+    down; restart it and wait until it runs the triggers of the jobs not yet released."""
+    before = {ti.triggerer_job.id for ti in s.mapped() if ti.triggerer_job is not None}
+    s.release(RELEASED_BEFORE_KILL)
+    mark = time.monotonic()
+    s.stack.kill_component("triggerer", signal.SIGKILL)
+    s.preempt(PREEMPT_WHILE_DOWN)
+    time.sleep(PAUSE_S)
+    s.stack.start_component("triggerer")
+    wait_for(lambda: s.taken_over(before), 180, "the restarted triggerer to run the waiting jobs' triggers",
+             interval=1.0)
+    s.results["takeover_seconds"] = round(time.monotonic() - mark, 1)
+    record_timing("sweep: triggerer SIGKILL -> its triggers running again",
+                  fault_to_recovery_s=s.results["takeover_seconds"], down_s=PAUSE_S)
+
+
+def _drive(s: Sweep) -> None:
+    s.runs.trigger_dag_run(DAG_ID, s.client_module.TriggerDAGRunPostBody(dag_run_id=s.run_id, logical_date=None))
+    begin = time.monotonic()
+    wait_for(s.all_deferred_and_running, 600, "all twenty execute tasks deferred with their jobs' tasks running",
+             interval=1.0)
+    record_timing("sweep: trigger -> twenty deferred", seconds=round(time.monotonic() - begin, 1))
+    s.preempt(PREEMPT_WHILE_WATCHED)
+    _kill_and_restart_triggerer(s)
+    s.release(RELEASED_AFTER_RESTART)
+    final = wait_for(lambda: (state := s.run_state()) in ("success", "failed") and state, 600,
+                     "the sweep's DAG run to finish", interval=1.0)
+    record_timing(f"sweep: trigger -> DAG run {final}", seconds=round(time.monotonic() - begin, 1))
+
+
+@pytest.fixture(scope="module")
+def sweep(stack):
+    """The sweep's DAG run, driven to its end (see the module docstring); the emulator's
+    settings restored and every job released afterwards, also after a failure."""
+    s = Sweep(stack)
+    unpause_when_parsed(s.api, DAG_ID)
+    s.deploy_jobs()
+    before = _configure_emulator(stack.emulator)
+    try:
+        _drive(s)
+        s.results["requests"] = stack.emulator.requests(project=PROJECT, region=REGION)
+    finally:
+        s.release(range(len(JOBS)))
+        _restore_emulator(stack.emulator, before)
+    s.results["run_state"] = s.run_state()
+    s.results["tis"] = {ti.map_index: (_state(ti.state), ti.try_number) for ti in s.mapped()}
+    s.results["executions"] = {job: s.execution_folders(job) for job in JOBS}
+    (stack.workdir / "sweep.json").write_text(json.dumps(s.results, indent=2, default=str))
+    return s
+
+
+def test_twenty_deferred_executions_under_a_low_read_quota_each_run_once(sweep) -> None:
+    r = sweep.results
+    assert r["run_state"] == "success", r
+    # no try failed: every mapped task succeeded in its first try (a failed try would be retried)
+    assert r["tis"] == {index: ("success", 1) for index in range(len(JOBS))}, r["tis"]
+    duplicates = {job: found for job, found in r["executions"].items() if len(found) != 1}
+    assert not duplicates, f"jobs without exactly one execution: {duplicates}"
+    rejected = r["requests"]["total"]["quotaExceeded"]
+    assert rejected > 0, f"the {READ_QUOTA_PER_MINUTE}/min read quota was never reached: {r['requests']}"
+
+
+def test_preempted_tasks_were_retried_within_their_execution(sweep) -> None:
+    preempted = sweep.results["preempted"]
+    assert sorted(preempted) == sorted(PREEMPT_WHILE_WATCHED + PREEMPT_WHILE_DOWN)
+    for index in preempted:
+        attempts = sorted(sweep.emulator.attempts(sweep.execution(index)), key=lambda a: a["attempt"])
+        reasons = [a.get("stopReason") for a in attempts]
+        assert reasons[0] == "preempted" and reasons[-1] is None and attempts[-1]["exitCode"] == 0, attempts
+
+
+def test_triggerer_never_logged_a_blocked_event_loop(sweep) -> None:
+    """Issue 36 must-show 4, over the whole triggerer log: every start of the triggerer in this
+    session's deployment tests (the campaign's too, when it ran before) and every trigger start."""
+    log = Path(sweep.stack.workdir / "logs" / "triggerer.log").read_text(errors="replace")
+    starts = log.count("Starting the triggerer")
+    blocked = [line for line in log.splitlines() if BLOCKED_LOOP_MESSAGE in line]
+    assert starts >= 2, "the triggerer's log does not show its restart"
+    assert not blocked, f"{len(blocked)} blocked-event-loop warning(s) in {starts} triggerer starts:\n" + "\n".join(blocked)
