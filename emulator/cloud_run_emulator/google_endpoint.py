@@ -7,9 +7,10 @@ a TLS channel to ``run.googleapis.com:443`` (or ``{region}-run.googleapis.com:44
 that gRPC itself reads, with no code change:
 
 - ``grpc_proxy=http://127.0.0.1:PORT``: gRPC opens every channel through this HTTP ``CONNECT``
-  proxy (:class:`ConnectProxy`), which leads a ``CONNECT`` to a Cloud Run host on port 443 to
-  the emulator's TLS gRPC port and refuses any other target (403), so other Google APIs fail at
-  once instead of reaching the wrong server.
+  proxy (:class:`ConnectProxy`), which leads a ``CONNECT`` to a Cloud Run host on port 443 (or
+  a Cloud Build or Artifact Registry one: the emulator serves them too, see :mod:`.cloud_build`)
+  to the emulator's TLS gRPC port and refuses any other target (403), so other Google APIs fail
+  at once instead of reaching the wrong server.
 - ``no_grpc_proxy=127.0.0.1,localhost``: channels to loopback addresses (``CLOUD_RUN_EMULATOR_HOST``)
   stay direct.
 - ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH=DATA_DIR/google-tls/ca.pem``: gRPC trusts the certificate
@@ -37,8 +38,9 @@ import socket
 import threading
 from pathlib import Path
 
-#: ``CONNECT`` targets led to the emulator: Cloud Run's global and regional endpoints.
-CLOUD_RUN_HOST = re.compile(r"^(?:[a-z0-9-]+-)?run\.googleapis\.com:443$")
+#: ``CONNECT`` targets led to the emulator: the global and regional endpoints of Cloud Run and of
+#: the other APIs it serves on gRPC (Cloud Build, Artifact Registry; see :mod:`.cloud_build`).
+CLOUD_RUN_HOST = re.compile(r"^(?:[a-z0-9-]+-)?(?:run|cloudbuild|artifactregistry)\.googleapis\.com:443$")
 #: The names the emulator's certificate is for (``*.googleapis.com``: the regional endpoints).
 CERTIFICATE_NAMES = ("run.googleapis.com", "*.googleapis.com")
 #: Longest ``CONNECT`` request head read (bytes).

@@ -9,6 +9,8 @@ are the REST side's. An :class:`~.exceptions.EmulatorError` ends the call with i
 (``grpc_code``) and its message, the same code and message the REST side puts in its JSON error,
 and with its details (a quota error's ``ErrorInfo``) in a ``google.rpc.Status`` in the
 ``grpc-status-details-bin`` trailer, as Google's servers send them (see :func:`status_details`).
+It also serves Cloud Build and Artifact Registry (:mod:`.cloud_build`, :mod:`.artifact_registry`)
+over the same lock and operations, outside Cloud Run's request quota and injected faults.
 
 Why grpcio's generic handlers and no generated code: ``google-cloud-run`` ships the message
 classes but no servicer base classes, and generating them would take vendored ``.proto`` files
@@ -32,7 +34,7 @@ RESOURCE_EXHAUSTED from grpcio).
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import grpc
 from google.rpc import status_pb2
@@ -42,7 +44,7 @@ from .backend import Registry
 from .exceptions import EmulatorError
 from .faults import ApiFaults
 from .guards import MAX_BODY_BYTES
-from .quota import RequestQuota
+from .quota import QuotaSettings, RequestQuota
 
 #: Methods running at once (a WaitOperation holds one while it waits); the REST app's thread
 #: pool has as many.
@@ -95,16 +97,24 @@ def _method(registry: Registry, faults: ApiFaults, quota: RequestQuota, rpc: rpc
     return grpc.unary_unary_rpc_method_handler(run, request_deserializer=request_reader(rpc.request))
 
 
-def handlers(registry: Registry, faults: ApiFaults, quota: RequestQuota) -> list:
-    """One generic handler per service, with every method of :data:`~.rpcs.RPCS`."""
+def handlers(registry: Registry, faults: ApiFaults, quota: RequestQuota, others: Sequence = ()) -> list:
+    """One generic handler per service, with every method of :data:`~.rpcs.RPCS` and ``others``.
+
+    :param others: the other emulated APIs' methods (:class:`~.rpcs.Rpc` entries: Cloud Build's
+        and Artifact Registry's, see :func:`~.cloud_build.services`); they are not Cloud Run's, so
+        they are charged to no quota and take no injected fault of Cloud Run's.
+    """
     services: dict = {}
     for rpc in rpcs.RPCS.values():
         services.setdefault(rpc.service, {})[rpc.method] = _method(registry, faults, quota, rpc)
+    unlimited = RequestQuota(QuotaSettings(reads_per_minute=0, writes_per_minute=0))
+    for rpc in others:
+        services.setdefault(rpc.service, {})[rpc.method] = _method(registry, ApiFaults(), unlimited, rpc)
     return [grpc.method_handlers_generic_handler(service, methods) for service, methods in services.items()]
 
 
 def start(registry: Registry, faults: ApiFaults, quota: RequestQuota, port: int = 0,
-          tls: Optional[tuple] = None) -> tuple:
+          tls: Optional[tuple] = None, others: Sequence = ()) -> tuple:
     """Start the gRPC server on ``127.0.0.1:port``, and on a second, TLS port when asked.
 
     :param registry: the backends the REST app serves too.
@@ -113,13 +123,14 @@ def start(registry: Registry, faults: ApiFaults, quota: RequestQuota, port: int 
     :param port: the port; 0 picks a free one.
     :param tls: ``(private_key_pem, certificate_chain_pem)`` to serve the same methods over TLS on
         a free port too (see :mod:`.google_endpoint`), or ``None`` (default).
+    :param others: other emulated APIs' methods to serve too (see :func:`handlers`).
     :return: ``(server, "127.0.0.1:PORT", tls_port)``, ``tls_port`` being ``None`` without
         ``tls``; stop it with ``server.stop(grace)``.
     :raises RuntimeError: when the port cannot be bound (in use: grpcio's port sharing is off).
     """
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc"),
-        handlers=handlers(registry, faults, quota),
+        handlers=handlers(registry, faults, quota, others),
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_BODY_BYTES)],
     )
     try:

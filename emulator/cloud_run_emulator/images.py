@@ -26,6 +26,9 @@ e.g. the bundled worker's and a user image's)::
 - Several files: each file's relative paths resolve against its own directory; an exact match
   in any file wins, then the first matching pattern in file order (earlier files first); for a
   key in two files, the earlier file's entry is used.
+- Entries are also added at run time: an image the Cloud Build emulator built and pushed to the
+  Artifact Registry emulator (see :mod:`.artifact_registry`), under its exact references, until
+  it is deleted there.
 - An image with no entry is accepted at CreateJob (deploy-only tests keep working); at run time
   its task fails at once, without retries, with a message naming the image.
 """
@@ -104,11 +107,23 @@ class ImageTable:
             workdir=str(spec.get("workdir", "")),
         )
 
+    def add(self, reference: str, entry: ImageEntry) -> None:
+        """Map the exact image ``reference`` to ``entry`` (replacing an entry of that key).
+
+        :param reference: an image reference, e.g. ``us-docker.pkg.dev/p/r/trainer@sha256:...``.
+        :param entry: what a container of that image runs.
+        """
+        self._entries[reference] = entry
+
+    def remove(self, reference: str) -> None:
+        """Forget the entry of the exact key ``reference``, if any."""
+        self._entries.pop(reference, None)
+
     def resolve(self, image: str) -> Optional[ImageEntry]:
         """The entry for ``image``, or ``None`` when nothing matches."""
         if image in self._entries:
             return self._entries[image]
-        for pattern, entry in self._entries.items():
+        for pattern, entry in list(self._entries.items()):
             if fnmatch.fnmatchcase(image, pattern):
                 return entry
         return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from google.cloud import run_v2
 from google.longrunning import operations_pb2
@@ -57,6 +57,9 @@ class Rpc:
     :param resource: the request field holding the resource or parent name the request is about
         (``name``, ``parent`` or ``job.name``): its project and location pick the backend, and the
         quota charges them.
+    :param locate: ``locate(request) -> name``, for a method whose request names its resource
+        otherwise than by one field (Cloud Build's GetBuild: a project and a build id); it
+        replaces :attr:`resource` (``None``, the default: the field is read).
     """
 
     service: str
@@ -65,6 +68,7 @@ class Rpc:
     handler: Callable
     mutating: bool = False
     resource: str = "name"
+    locate: Optional[Callable] = None
 
     @property
     def path(self) -> str:
@@ -73,6 +77,8 @@ class Rpc:
 
     def resource_name(self, request) -> str:
         """The resource or parent name in ``request`` (a message of :attr:`request`)."""
+        if self.locate is not None:
+            return self.locate(request)
         value = request
         for field in self.resource.split("."):
             value = getattr(value, field)

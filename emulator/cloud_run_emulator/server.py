@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Union
 
 import uvicorn
 
-from . import google_endpoint, grpc_server
+from . import cloud_build, google_endpoint, grpc_server
 from .app import AppState, create_app
 from .backend import Registry
 from .faults import ApiFaults, PreemptionPlan
@@ -116,7 +116,8 @@ def serve(config: ServeConfig) -> None:
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     identity = google_endpoint.make_identity(data_dir / "google-tls") if config.google_endpoint else None
     rpc_server, grpc_endpoint, tls_port = grpc_server.start(registry, state.faults, state.quota, config.grpc_port,
-                                                            identity[:2] if identity else None)  # first to fail
+                                                            identity[:2] if identity else None,  # first to fail
+                                                            others=cloud_build.services(registry))
     proxy = google_endpoint.ConnectProxy(tls_port).start() if identity else None
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
