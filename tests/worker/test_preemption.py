@@ -272,7 +272,7 @@ def test_sigterm_during_start_up_exits_143_before_the_restore(capsys, monkeypatc
     import signal
 
     from gpu_resilience_worker import __main__ as cli
-    from gpu_resilience_worker import train
+    from gpu_resilience_worker import loop, train
 
     original = train.build_components
 
@@ -283,7 +283,7 @@ def test_sigterm_during_start_up_exits_143_before_the_restore(capsys, monkeypatc
 
     monkeypatch.setattr(train, "build_components", build_then_sigterm)
     restored = []
-    monkeypatch.setattr(train.Trainer, "_resume", lambda self, *a: restored.append(a))
+    monkeypatch.setattr(loop.ResilientLoop, "_resume", lambda self, *a: restored.append(a))
     argv = ["train", "--checkpoint-dir", str(tmp_path), "--data", str(digits_npz), "--steps", "50"]
     code = cli.main(argv, {"CLOUD_RUN_JOB": "job", "CLOUD_RUN_TASK_INDEX": "0", "CLOUD_RUN_TASK_COUNT": "1"})
     messages = [json.loads(line)["message"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -57,7 +57,7 @@ REPRODUCIBILITY_ENV = {"MKL_CBWR": MKL_CBWR_DEFAULT, "MKL_DYNAMIC": "FALSE", "OM
 
 
 def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
-           storage: Storage | None) -> int:
+           storage: Storage | None, argv: Sequence[str], env: Mapping[str, str]) -> int:
     if run_is_complete(config, logger, storage):
         logger.info("run already complete; nothing to do", step=config.train.steps)
         return EXIT_OK
@@ -66,8 +66,8 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
         os.environ.setdefault(name, value)
     from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
 
-    config.timing.apply(watcher)
-    return Trainer(config, logger, watcher, storage).run()
+    config.timing.apply(watcher)  # the deadline counts during the imports and the build too
+    return Trainer(config, logger, watcher, storage, argv=list(argv), env=env).run()
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, *,
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if code is not None:
             return code
         try:
-            return _train(config, logger, watcher, storage)
+            return _train(config, logger, watcher, storage, argv, env)
         except WorkerError as exc:
             return write_fatal(config.namespace, exc, logger, called_as)
         except Exception as exc:  # noqa: BLE001 - the retryable catch-all

@@ -101,9 +101,11 @@ class GoodputRecorder:
                            resumed_from_step=resumed_from_step, steps_recomputed=max(0, steps_recomputed))
         self.flush()
 
-    def first_step(self) -> None:
-        """Record that the training loop begins its first step now (once)."""
-        self.record.setdefault("first_step_at", round(self._clock(), 3))
+    def first_step(self, at: float | None = None) -> None:
+        """Record that the training loop began its first step (once).
+
+        :param at: when, in epoch seconds; default now."""
+        self.record.setdefault("first_step_at", round(self._clock() if at is None else at, 3))
 
     def step(self, seconds: float) -> None:
         """Record one step of ``seconds`` (save stalls excluded); writes when a second has passed."""

@@ -8,12 +8,14 @@ rest, the way ``python -m gpu_resilience_worker train`` does it:
 1. exit at once with the recorded code when a ``FATAL`` marker of the same invocation is there;
 2. resume from the newest committed, verified checkpoint (a torn one is skipped), with the RNG
    states (python ``random``, torch CPU and CUDA) and the step counter, and record the attempt
-   (``attempts.json``: ``resumed_from_step``, ``lost_steps``);
+   (:class:`~gpu_resilience_worker.attempt.Attempt`: ``attempts.json`` with ``resumed_from_step``
+   and ``lost_steps``, the goodput events file);
 3. call ``step_fn`` until ``total_steps``, saving on the configured interval (steps, seconds or
    Young/Daly, asynchronously by default) and writing ``progress.json``;
 4. on SIGTERM/SIGINT, or at the task deadline (``TASK_TIMEOUT_SECONDS``), stop at the next step
-   boundary, save when the save fits in what is left of the grace period
-   (``PREEMPTION_GRACE_SECONDS``, default 10 s), and return 143;
+   boundary, save where :func:`~gpu_resilience_worker.preemption.decide_stop` says (by default
+   when the save fits in what is left of the grace period, ``PREEMPTION_GRACE_SECONDS``, default
+   10 s), and return 143;
 5. at the end, save the final step, write ``metrics.json`` (with what ``finish()`` returns) and
    return 0; a :class:`~gpu_resilience_worker.errors.WorkerError` (bad configuration, data,
    divergence, no space for checkpoints) writes ``FATAL`` and returns its code; any other error
@@ -37,14 +39,13 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
+from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
 from gpu_resilience_worker.config import StopTiming, TaskIdentity, _root_and_namespace
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
-from gpu_resilience_worker.files import (
-    METRICS, PROGRESS, ProgressReporter, highest_reported_step, read_json, record_attempt, write_json,
-)
-from gpu_resilience_worker.logs import StructuredLogger, utc_now
+from gpu_resilience_worker.files import METRICS, write_json
+from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
     PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop, stopped_during_startup,
@@ -88,8 +89,20 @@ def _check_number(name: str, value: Any, *, minimum: float, integer: bool = Fals
         raise ValueError(f"{name} must be {kind} {'>' if strict else '>='} {minimum:g}, got {value!r}")
 
 
+def _check_states(states: Any) -> None:
+    if not isinstance(states, Mapping) or not states:
+        raise ValueError(f"states must be a non-empty mapping of name -> stateful object, got {states!r}")
+    for name, obj in states.items():
+        if not isinstance(name, str) or not name or name == TRAIN_STATE:
+            raise ValueError(f"states: {name!r} is not allowed as a name (a non-empty str other than {TRAIN_STATE!r})")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ValueError(f"states[{name!r}] has no state_dict()/load_state_dict(): {type(obj).__name__}")
+
+
 class ResilientLoop:
     """Runs a user's ``step_fn`` to ``total_steps`` through preemptions (see the module docs).
+
+    The bundled worker (``python -m gpu_resilience_worker train``) trains through this loop too.
 
     :param states: the objects to checkpoint, keyed by name (e.g. ``{"model": model,
         "optimizer": optimizer}``); each has ``state_dict()`` and ``load_state_dict()``. The name
@@ -106,7 +119,8 @@ class ResilientLoop:
     :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
     :param async_save: interval saves on a background thread (default) or on the training
         thread; saves at a stop and at the end are always synchronous.
-    :param preemption_save: one of :data:`PREEMPTION_SAVES`; default ``deadline``.
+    :param preemption_save: one of :data:`~gpu_resilience_worker.preemption.PREEMPTION_SAVES`;
+        default ``deadline``.
     :param settings: the hyper-parameters a checkpoint must have been written with to be
         resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.
         ``total_steps`` is always part of them.
@@ -119,11 +133,22 @@ class ResilientLoop:
     :param storage: the storage backend; default local files (a mounted bucket is local files).
     :param env: the environment for the defaults above; default ``os.environ``.
     :param argv: what a ``FATAL`` marker is tied to; default ``sys.argv[1:]``.
+    :param input_path: an input file a ``FATAL`` marker is tied to as well (its size and
+        modification time: a retry with a changed file ignores the marker); default none.
     :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
+    :param checkpointing: ``False``: no checkpoint is read or written, not even at a stop or at
+        the end (every attempt starts at step 0); default ``True``.
+    :param threads: the torch intra-op thread count the caller pinned, if any. A resumed attempt
+        trains on with the count its checkpoint was written with (CPU matrix products split their
+        sums by it, outside oneMKL's ``MKL_CBWR=AUTO,STRICT``), unless this is given: then it is
+        kept, with a warning that the result may differ from an uninterrupted run's.
+    :param train_state: the loop's own checkpointed state; default a new
+        :class:`~gpu_resilience_worker.state.TrainState` of ``settings`` (with ``total_steps``).
+        One given keeps its own settings (the bundled worker's, as its checkpoints record them).
     :raises ValueError: a parameter out of range, naming it (nothing is touched before).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - one keyword per documented option
         self,
         states: Mapping[str, Stateful],
         *,
@@ -144,15 +169,13 @@ class ResilientLoop:
         storage: Storage | None = None,
         env: Mapping[str, str] | None = None,
         argv: Sequence[str] | None = None,
+        input_path: str | None = None,
         progress_interval: float = 1.0,
+        checkpointing: bool = True,
+        threads: int | None = None,
+        train_state: TrainState | None = None,
     ) -> None:
-        if not isinstance(states, Mapping) or not states:
-            raise ValueError(f"states must be a non-empty mapping of name -> stateful object, got {states!r}")
-        for name, obj in states.items():
-            if not isinstance(name, str) or not name or name == TRAIN_STATE:
-                raise ValueError(f"states: {name!r} is not allowed as a name (a non-empty str other than {TRAIN_STATE!r})")
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise ValueError(f"states[{name!r}] has no state_dict()/load_state_dict(): {type(obj).__name__}")
+        _check_states(states)
         _check_number("total_steps", total_steps, minimum=1, integer=True)
         _check_number("checkpoint_every", checkpoint_every, minimum=0, integer=True)
         _check_number("checkpoint_every_seconds", checkpoint_every_seconds, minimum=0)
@@ -175,23 +198,22 @@ class ResilientLoop:
             "keep_latest_k": keep_latest_k,
             "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED,
         }
-        self.preemption_save = preemption_save
-        self.settings = {"total_steps": total_steps, **dict(settings or {})}
+        self.preemption_save, self.checkpointing, self._threads = preemption_save, bool(checkpointing), threads
         self._grace, self._timeout = grace_seconds, task_timeout_seconds
         self._env = os.environ if env is None else env
-        self._argv = list(sys.argv[1:] if argv is None else argv)
-        self._given_watcher = watcher
+        self._argv, self._input = list(sys.argv[1:] if argv is None else argv), input_path
         self.watcher: PreemptionWatcher | None = watcher
         self._log = logger or StructuredLogger()
         self._storage = storage or LocalStorage()
         self._progress_interval = progress_interval
-        self._high_water_step = 0
         #: The loop's checkpointed state: ``step``, ``loss_ema``, ``history``... (after :meth:`run`).
-        self.state = TrainState(self.settings)
+        self.state = train_state or TrainState({"total_steps": total_steps, **dict(settings or {})})
+        self.settings = self.state.fingerprint
         #: The checkpoint step this attempt resumed from (0: started afresh).
         self.resumed_from_step = 0
         self.namespace: str | None = self._folder
-        self._attempts: list[dict[str, Any]] = []
+        #: This attempt's account in the task folder (once :meth:`run` got to the restore).
+        self.attempt: Attempt | None = None
         self._started = time.monotonic()
 
     @property
@@ -231,17 +253,21 @@ class ResilientLoop:
             installed = self.watcher = PreemptionWatcher()
             installed.install()
         try:
-            return self._run_guarded(step_fn, finish)
+            code = self._run_guarded(step_fn, finish)
+            if self.attempt is not None:
+                self.attempt.end(code)
+            return code
         finally:
             if installed is not None:
                 installed.uninstall()
 
     def _run_guarded(self, step_fn: Callable[[int], float | None],
                      finish: Callable[[], Mapping[str, Any]] | None) -> int:
-        called_as = invocation(self._argv)
+        called_as = invocation(self._argv, self._input)
         try:
             self.namespace = self._folder or task_namespace(self._env)
-            self._configure_watcher()
+            StopTiming.from_env(self._env, grace_seconds=self._grace, task_timeout_seconds=self._timeout).apply(
+                self.watcher)
         except WorkerError as exc:
             return write_fatal(self.namespace, exc, self._log, called_as)
         identity = self._identity()
@@ -265,120 +291,106 @@ class ResilientLoop:
         except WorkerError:
             return TaskIdentity()
 
-    def _configure_watcher(self) -> None:
-        """Grace and deadline from the parameters, else the environment (:class:`StopTiming`).
-
-        :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
-        """
-        assert self.watcher is not None
-        StopTiming.from_env(self._env, grace_seconds=self._grace, task_timeout_seconds=self._timeout).apply(self.watcher)
-
-    def _path(self, name: str) -> str:
-        assert self.namespace is not None
-        return os.path.join(self.namespace, name)
-
     def _train(self, step_fn: Callable[[int], float | None],
                finish: Callable[[], Mapping[str, Any]] | None) -> int:
         if self.watcher.requested:  # stopped during the start-up: nothing past the last checkpoint exists
             return stopped_during_startup(self.watcher, self._log)
         config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
+        self.attempt = Attempt(self._storage, self.namespace, self.total_steps, self._identity(), self._log,
+                               progress_interval=self._progress_interval)
         with CheckpointManager(config, {TRAIN_STATE: self.state, **self.states}, storage=self._storage,
                                logger=self._log, should_stop=lambda: self.watcher.requested) as manager:
+            restore_started = time.time()
             try:
                 self._resume(manager)
             except RestoreInterrupted:  # a SIGTERM while a checkpoint was read: nothing to save
                 return stopped_during_startup(self.watcher, self._log, during_restore=True)
-            progress = ProgressReporter(self._storage, self.namespace, self.total_steps, self.state.step,
-                                        self._log, min_interval=self._progress_interval,
-                                        high_water_step=self._high_water_step)
-            recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
-            while self.state.step < self.total_steps:
-                if self.watcher.requested:
-                    return self._on_stop(manager, progress)
-                started = time.monotonic()
-                try:
-                    loss = step_fn(self.state.step)
-                except Exception as exc:
-                    if not self.watcher.requested:
-                        raise
-                    # the preemption's signal reached more than this process (Cloud Run signals
-                    # the whole group): a DataLoader worker still starting, before its
-                    # worker_init_fn, dies of it and the next batch raises. The step is torn, so it
-                    # is not saved; the stop goes on from the last whole step
-                    self._log.warning("the step raised after the stop request; answered as the stop, "
-                                      "without saving the interrupted step", error=repr(exc), step=self.state.step)
-                    return self._on_stop(manager, progress, step_torn=True)
-                recent.append(time.monotonic() - started)
-                # a fork in the next step, waiting for a save after a stop request, leaves the
-                # step the time it took lately, and the exit its reserve
-                self.watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS + max(recent)
-                if loss is not None:
-                    loss = float(loss)
-                    if not math.isfinite(loss):
-                        raise DivergedError(f"training diverged: the loss is {loss} at step {self.state.step + 1}")
-                    self.state.observe(loss)
-                self.state.step += 1
-                self._save(manager, force=False)
-                progress.update(self.state.step, self.state.loss_ema)
-            self._finish(manager, progress, finish)
+            self.state.history.append(self.attempt.begin(self.state.step, restore_started))
+            code = self._steps(manager, step_fn)
+            if code == EXIT_OK:
+                self._finish(manager, finish)
+        return code
+
+    def _steps(self, manager: CheckpointManager, step_fn: Callable[[int], float | None]) -> int:
+        """Call ``step_fn`` until ``total_steps`` or a stop. :return: 0, or 143 after a stop."""
+        recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        while self.state.step < self.total_steps:
+            if self.watcher.requested:
+                return self._on_stop(manager)
+            started = time.monotonic()
+            try:
+                loss = step_fn(self.state.step)
+            except Exception as exc:
+                if not self.watcher.requested:
+                    raise
+                # the preemption's signal reached more than this process (Cloud Run signals
+                # the whole group): a DataLoader worker still starting, before its
+                # worker_init_fn, dies of it and the next batch raises. The step is torn, so it
+                # is not saved; the stop goes on from the last whole step
+                self._log.warning("the step raised after the stop request; answered as the stop, "
+                                  "without saving the interrupted step", error=repr(exc), step=self.state.step)
+                return self._on_stop(manager, step_torn=True)
+            seconds = time.monotonic() - started
+            recent.append(seconds)
+            # a fork in the next step, waiting for a save after a stop request, leaves the
+            # step the time it took lately, and the exit its reserve
+            self.watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS + max(recent)
+            if loss is not None:
+                loss = float(loss)
+                if not math.isfinite(loss):
+                    raise DivergedError(f"training diverged: the loss is {loss} at step {self.state.step + 1}")
+                self.state.observe(loss)
+            self.state.step += 1
+            self._save(manager, force=False)
+            self.attempt.stepped(self.state.step, self.state.loss_ema, seconds)
         return EXIT_OK
 
-
     def _resume(self, manager: CheckpointManager) -> None:
-        previous = read_json(self._storage, self._path(PROGRESS)) or {}
-        reported = previous.get("step") if isinstance(previous.get("step"), int) else None
-        self._high_water_step = highest_reported_step(previous) or 0  # kept in progress.json
-        if manager.load():
+        if self.checkpointing and manager.load():
             step = self.resumed_from_step = self.state.step
-            self.state.checkpoints += 1
+            self.state.checkpoints += 1  # the loaded checkpoint itself
             self._log.info(f"resuming from step {step}", resumed_from_step=step, file=manager.path(step))
             self._match_threads(step)
         else:
-            step = 0
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
-        lost = max(0, reported - step) if reported is not None else 0
-        identity = self._identity()
-        entry = {"execution": identity.execution, "attempt": identity.task_attempt,
-                 "task_index": identity.task_index, "resumed_from_step": step, "lost_steps": lost}
-        self.state.history.append(entry)
-        self._attempts = record_attempt(self._storage, self.namespace, {**entry, "started_at": utc_now()})
-        if lost:
-            self._log.warning(f"lost {lost} steps of work since the last checkpoint", lost_steps=lost,
-                              last_reported_step=reported, resumed_from_step=step)
 
     def _match_threads(self, step: int) -> None:
-        """Train on with the torch intra-op thread count the checkpoint was written with (CPU
-        matrix products split their sums by it, outside oneMKL's ``MKL_CBWR=AUTO,STRICT``)."""
+        """Train on with the intra-op thread count the checkpoint was written with, unless the
+        caller pinned one (``threads``): see the class docs."""
         import torch
 
         saved, current = self.state.saved_threads, torch.get_num_threads()
-        if saved is not None and saved != current:
+        if saved is None or saved == current:
+            return
+        if self._threads is None:
             torch.set_num_threads(saved)
             self._log.info(f"using {saved} intra-op threads, as the checkpoint of step {step} was written with",
                            threads=saved, default_threads=current)
+        else:
+            self._log.warning(f"--threads {current} differs from the {saved} threads the checkpoint of step {step} "
+                              "was written with: the result may not be bit-identical to an uninterrupted run",
+                              threads=current, checkpoint_threads=saved)
 
     def _save(self, manager: CheckpointManager, *, force: bool) -> bool:
+        """Save through ``manager`` (the time training was blocked goes to the goodput file); a
+        failed save is logged and training goes on, until the manager ends the attempt."""
+        began = time.monotonic()
         try:
             saved = manager.save(self.state.step, force=force)
         except CheckpointSaveError as exc:  # the manager ends the attempt at too many in a row
+            self.attempt.saved(time.monotonic() - began, saved=False)
             self._log.error("checkpoint save failed; training goes on", step=self.state.step, error=str(exc),
-                            failed_in_a_row=manager.failed_in_a_row)
+                            failed_in_a_row=manager.failed_in_a_row, failed_saves=manager.failed_saves)
             return False
-        if saved:
+        self.attempt.saved(time.monotonic() - began, saved=saved)
+        if saved:  # the previous background save, if any, committed too
             self.state.checkpoints += 1
         return saved
 
-    def _on_stop(self, manager: CheckpointManager, progress: ProgressReporter, step_torn: bool = False) -> int:
-        """Answer a stop request: wait for the save in flight (abandon it when the grace runs out),
-        make the final save where the policy and the time allow, exit 143.
-
-        :param step_torn: the step after ``self.state.step`` raised midway: the model and optimizer
-            may hold part of it, so no final save is made (the last checkpoint stays in force).
-        """
-        step, watcher = self.state.step, self.watcher
-        watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS  # no step left to make room for
-        self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
-                          step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+    def _settle(self, manager: CheckpointManager, step: int) -> bool:
+        """Wait for the save in flight until shortly before the kill; abandon it when out of
+        time. :return: whether it settled (committed or failed)."""
+        watcher, began = self.watcher, time.monotonic()
         settled = True
         try:
             settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - EXIT_RESERVE_SECONDS))
@@ -387,31 +399,45 @@ class ResilientLoop:
         if not settled:
             self._log.warning("abandoning the checkpoint save in flight: no time left", step=step)
             manager.abandon()
+        self.attempt.saved(time.monotonic() - began, saved=False)
+        return settled
+
+    def _on_stop(self, manager: CheckpointManager, step_torn: bool = False) -> int:
+        """Answer a stop request: settle the save in flight, save where :func:`decide_stop` says,
+        exit 143.
+
+        :param step_torn: the step after ``self.state.step`` raised midway: the model and optimizer
+            may hold part of it, so no final save is made (the last checkpoint stays in force).
+        """
+        step, watcher = self.state.step, self.watcher
+        watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS  # no step left to make room for
+        self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
+                          step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        settled = self._settle(manager, step)
         decision = decide_stop(requested=True, step=step, last_committed=manager.last_saved_step,
                                estimated_save_seconds=manager.estimated_save_seconds,
                                remaining_grace=watcher.remaining_grace(), mode=self.preemption_save,
-                               step_torn=step_torn, save_abandoned=not settled)
+                               step_torn=step_torn, save_abandoned=not settled, checkpointing=self.checkpointing)
         self._log.info(decision.reason, step=step, action=decision.action,
                        last_checkpoint_step=manager.last_saved_step,
                        estimated_save_seconds=round(manager.estimated_save_seconds, 4),
                        remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         if decision.action == SAVE:
             self._save(manager, force=True)
-        progress.update(step, self.state.loss_ema, status="preempted", force=True,
-                        max_wait=watcher.remaining_grace() - EXIT_RESERVE_SECONDS)
+        self.attempt.report("preempted", max_wait=watcher.remaining_grace() - EXIT_RESERVE_SECONDS)
         self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=step,
                           last_checkpoint_step=manager.last_saved_step)
         return EXIT_PREEMPTED
 
-    def _finish(self, manager: CheckpointManager, progress: ProgressReporter,
-                finish: Callable[[], Mapping[str, Any]] | None) -> None:
+    def _finish(self, manager: CheckpointManager, finish: Callable[[], Mapping[str, Any]] | None) -> None:
         total = self.total_steps
-        try:
-            manager.wait_until_finished()
-        except CheckpointSaveError as exc:
-            self._log.error("background checkpoint save failed", error=str(exc), step=total)
-        if not self._save(manager, force=True) and manager.last_saved_step != total:
-            raise CheckpointSaveError(f"the final checkpoint of step {total} was not written")
+        if self.checkpointing:
+            try:
+                manager.wait_until_finished()
+            except CheckpointSaveError as exc:
+                self._log.error("background checkpoint save failed", error=str(exc), step=total)
+            if not self._save(manager, force=True) and manager.last_saved_step != total:
+                raise CheckpointSaveError(f"the final checkpoint of step {total} was not written")
         extra = dict(finish() or {}) if finish is not None else {}
         metrics = {
             **extra,
@@ -419,13 +445,13 @@ class ResilientLoop:
             "settings": self.settings, "wall_seconds": round(self.state.elapsed_seconds, 3),
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": self.state.checkpoints, "failed_saves": manager.failed_saves,
-            "history": self.state.history, "attempts": self._attempts,
-            "lost_steps_total": sum(int(a.get("lost_steps", 0)) for a in self._attempts),
+            "history": self.state.history, "attempts": self.attempt.attempts,
+            "lost_steps_total": self.attempt.lost_steps_total,
         }
-        write_json(self._storage, self._path(METRICS), metrics)
-        progress.update(total, self.state.loss_ema, status="completed", force=True)
-        self._log.info("training complete", steps=total, resumed_from_step=self.resumed_from_step,
-                       **{k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))})
+        write_json(self._storage, os.path.join(self.namespace, METRICS), metrics)
+        self.attempt.report("completed")
+        self._log.info("training complete", resumed_from_step=self.resumed_from_step,
+                       **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool, type(None)))})
 
 
 def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, Stateful], *,
