@@ -19,7 +19,10 @@ from google.cloud import run_v2
 from airflow_gpu_resilience.cloud_run_rules import env_var_problem
 from airflow_gpu_resilience.job_spec import MAX_TASK_COUNT, MAX_TASK_TIMEOUT_SECONDS, RESERVED_ENV, TASK_TIMEOUT_ENV
 
-__all__ = ["OVERRIDE_FIELDS", "OVERRIDE_RESERVED_ENV", "check_overrides"]
+__all__ = [
+    "OVERRIDE_FIELDS", "OVERRIDE_RESERVED_ENV", "START_ID_ENV", "check_overrides", "execution_env",
+    "override_timeout_seconds", "with_env_overrides",
+]
 
 #: The fields of ``RunJobRequest.Overrides`` (Cloud Run Admin API v2).
 OVERRIDE_FIELDS = ("container_overrides", "task_count", "timeout")
@@ -87,3 +90,45 @@ def _check_container(where: str, container: run_v2.RunJobRequest.Overrides.Conta
         if "\x00" in arg:
             raise ValueError(f"{where}['args'][{index}]={arg!r} must not contain NUL (a process argument cannot "
                              "carry one)")
+
+
+#: Container env var holding the id of the RunJob request that started an execution.
+START_ID_ENV = "AIRFLOW_GPU_RESILIENCE_START_ID"
+
+def execution_env(execution: run_v2.Execution) -> dict[str, str]:
+    """The env vars of an execution's first container (the job's, with RunJob overrides applied).
+
+    :param execution: the execution as GetExecution or ListExecutions returns it.
+    :return: env var names to values (``value_source`` secrets are left out).
+    """
+    containers = execution.template.containers
+    return {e.name: e.value for e in containers[0].env} if containers else {}
+
+
+def with_env_overrides(overrides: dict | None, env: dict[str, str]) -> dict:
+    """``overrides`` (``RunJobRequest.Overrides`` dict form) with ``env`` added to the first container.
+
+    Pure: the argument is not changed. A name already set there is replaced.
+
+    :param overrides: the user's overrides, or ``None``.
+    :param env: env var names to values.
+    :return: a new overrides dict.
+    """
+    result = dict(overrides or {})
+    containers = [dict(c) for c in result.get("container_overrides", [])] or [{}]
+    kept = [e for e in containers[0].get("env", []) if e.get("name") not in env]
+    containers[0]["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
+    result["container_overrides"] = containers
+    return result
+
+
+def override_timeout_seconds(overrides: Mapping[str, Any] | None) -> float | None:
+    """The per-execution task timeout of ``RunJobRequest.Overrides`` in dict form, in seconds.
+
+    :param overrides: the overrides (``timeout`` as ``"20s"``, ``{"seconds": 20}`` or a
+        ``timedelta``), or ``None``.
+    :return: the timeout, or ``None`` when the overrides do not set one.
+    """
+    if not overrides or overrides.get("timeout") in (None, ""):
+        return None
+    return run_v2.RunJobRequest.Overrides(timeout=overrides["timeout"]).timeout.total_seconds()

@@ -56,7 +56,8 @@ from airflow_gpu_resilience.exceptions import (
     CloudRunGpuWaitTimeout,
 )
 from airflow_gpu_resilience.hooks.cloud_logging import CloudRunLogsHook, ExecutionLogFollower
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env, with_env_overrides
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.overrides import execution_env, with_env_overrides
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from airflow_gpu_resilience.operators.goodput_report import GoodputReport, build_report
 from airflow_gpu_resilience.outcome import (

@@ -20,8 +20,8 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from airflow_gpu_resilience.attempt_log import AttemptLog, AttemptRecord, worker_attempt
 from airflow_gpu_resilience.classification import task_timeout_seconds
-from airflow_gpu_resilience.hooks.cloud_run import execution_env
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
+from airflow_gpu_resilience.overrides import execution_env
 from airflow_gpu_resilience.outcome import (
     REFUSAL_EXIT_CODE,
     OutcomeClass,

@@ -41,7 +41,8 @@ from typing import TypeVar
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.hooks.cloud_run import TRANSIENT_ERRORS, ExecutionWatch, PollState
+from airflow_gpu_resilience.execution_watch import ExecutionWatch, PollState
+from airflow_gpu_resilience.hooks.cloud_run_retry import TRANSIENT_ERRORS
 from airflow_gpu_resilience.hooks.cloud_run_async import CloudRunGpuAsyncHook
 from airflow_gpu_resilience.hooks.cloud_run_clients import emulator_host
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
@@ -111,7 +112,7 @@ class Watched:
 
     :param name: full execution name.
     :param watch: its finished attempts and the finished rule
-        (:class:`~airflow_gpu_resilience.hooks.cloud_run.ExecutionWatch`, no timeout).
+        (:class:`~airflow_gpu_resilience.execution_watch.ExecutionWatch`, no timeout).
     :param done: resolved with the :class:`WatchResult` (never with an exception).
     """
 

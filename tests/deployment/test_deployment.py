@@ -50,7 +50,7 @@ from google.api_core.exceptions import ServiceUnavailable
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.hooks.cloud_run import execution_env
+from airflow_gpu_resilience.overrides import execution_env
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from tests.deployment.conftest import record_timing, unpause_when_parsed, wait_for

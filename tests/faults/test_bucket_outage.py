@@ -20,7 +20,8 @@ import warnings
 
 import pytest
 
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, execution_env
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.overrides import execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRunGpuExecuteJobOperator
 from tests.provider.conftest import BUCKET, PROJECT, REGION, bucket_dir

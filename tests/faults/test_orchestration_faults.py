@@ -23,7 +23,8 @@ import pytest
 from airflow.utils.state import TaskInstanceState
 
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
-from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.overrides import START_ID_ENV, execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV, CloudRunGpuExecuteJobOperator
 from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running

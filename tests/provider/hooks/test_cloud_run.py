@@ -8,16 +8,11 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.hooks.cloud_run import (
-    START_ID_ENV,
-    CloudRunGpuHook,
-    ExecutionWatch,
-    PollState,
-    error_status,
-    execution_env,
-    location_of,
-    with_env_overrides,
-)
+from airflow_gpu_resilience.execution_watch import ExecutionWatch, PollState
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.hooks.cloud_run_executions import location_of
+from airflow_gpu_resilience.hooks.cloud_run_retry import error_status
+from airflow_gpu_resilience.overrides import START_ID_ENV, execution_env, with_env_overrides
 from airflow_gpu_resilience.exceptions import CloudRunJobNotOursError
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import (

@@ -10,7 +10,8 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud.run_v2.services.jobs.transports import JobsGrpcTransport, JobsRestTransport
 
-from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook, error_status
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.hooks.cloud_run_retry import error_status
 from airflow_gpu_resilience.hooks.cloud_run_clients import EMULATOR_HOST_ENV, emulator_host
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE

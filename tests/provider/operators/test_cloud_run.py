@@ -25,7 +25,8 @@ from airflow_gpu_resilience.exceptions import (
     CloudRunGpuFatalError,
     CloudRunGpuTimeoutError,
 )
-from airflow_gpu_resilience.hooks.cloud_run import START_ID_ENV, CloudRunGpuHook, execution_env, with_env_overrides
+from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+from airflow_gpu_resilience.overrides import START_ID_ENV, execution_env, with_env_overrides
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.outcome import ExecutionState, execution_state
 from airflow_gpu_resilience.operators.cloud_run import (
@@ -232,7 +233,7 @@ def test_deploy_operator_validates_templated_values_before_any_api_call():
 
 def test_deploy_operator_takes_every_spec_field_with_the_specs_default():
     """The deploy operator's spec arguments are GpuJobSpec's fields (``name`` is ``job_name``)."""
-    from airflow_gpu_resilience.compat import DAG
+    from airflow.providers.common.compat.sdk import DAG
 
     parameters = inspect.signature(CloudRunGpuDeployJobOperator.__init__).parameters
     for spec_field in dataclasses.fields(GpuJobSpec):
