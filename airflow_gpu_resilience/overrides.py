@@ -7,6 +7,10 @@ not a refused request or a failed execution. The rules are Cloud Run's, kept in
 (https://cloud.google.com/run/docs/configuring/jobs/environment-variables), tasks per execution
 (https://cloud.google.com/run/docs/configuring/jobs/parallelism: 1 to 10000) and the task timeout
 (https://cloud.google.com/run/docs/configuring/task-timeout: at most 168 h).
+
+Also the execution's environment as the hook sets and reads it: :data:`START_ID_ENV` (the id
+that finds an execution whose RunJob answer was lost), :func:`with_env_overrides`,
+:func:`execution_env` and :func:`override_timeout_seconds`.
 """
 
 from __future__ import annotations
