@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_gpu_resilience.hooks.progress import NewerRecord, TaskCheckpoints, record_commits, task_checkpoints
+from airflow_gpu_resilience.commit_records import NewerRecord, TaskCheckpoints, record_commits, task_checkpoints
 from tests.fixtures.task_folders.make_task_folders import fixtures
 
 FIXTURES = fixtures()
