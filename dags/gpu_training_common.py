@@ -145,10 +145,14 @@ def check_job_is_ours(params: dict | None = None) -> str:
     return "ours"
 
 
-def deploy_operator() -> CloudRunGpuDeployJobOperator:
+def deploy_operator(image: str = "{{ params.image }}") -> CloudRunGpuDeployJobOperator:
     """:return: the ``deploy_job`` task: the GPU job from the params (L4 by default, no zonal
     redundancy, task timeout, max retries, service account, the bucket mounted at
-    ``/checkpoints``), labelled ``JOB_LABELS``; deploying an unchanged spec changes nothing."""
+    ``/checkpoints``), labelled ``JOB_LABELS``; deploying an unchanged spec changes nothing.
+
+    :param image: the image (templated): the ``image`` param by default; the build-from-source
+        DAG passes the digest its build pushed.
+    """
     # [START howto_operator_deploy_job]
     return CloudRunGpuDeployJobOperator(
         task_id="deploy_job",
@@ -156,7 +160,7 @@ def deploy_operator() -> CloudRunGpuDeployJobOperator:
         project_id="{{ params.project_id }}",
         region="{{ params.region }}",
         job_name="{{ params.job_name }}",
-        image="{{ params.image }}",
+        image=image,
         args=WORKER_ARGS,
         gpu_type="{{ params.gpu_type }}",
         task_timeout="{{ params.task_timeout_seconds }}",

@@ -151,7 +151,8 @@ class ArtifactRegistryService:
         repo.registry_uri = f"{location['l']}-docker.pkg.dev/{location['p']}/{location['r']}"
         self.repositories[name] = repo
         self.images[name] = {}
-        return service_operations.start(backend, ar.OperationMetadata, lambda: self.repositories.get(name, repo)).to_pb()
+        response = lambda: self.repositories.get(name, repo)  # noqa: E731  (read at each poll)
+        return service_operations.start(backend, ar.OperationMetadata, response).to_pb()
 
     def list_repositories(self, backend, r: ar.ListRepositoriesRequest) -> ar.ListRepositoriesResponse:
         repos = [repo for name, repo in sorted(self.repositories.items()) if name.startswith(f"{r.parent}/")]

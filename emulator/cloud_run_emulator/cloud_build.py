@@ -171,7 +171,8 @@ class CloudBuildService:
             log += [f"ERROR: {failed.detail}", "ERROR", "FAILURE"] if failure == _Failure.USER_BUILD_STEP \
                 else [f"ERROR: {failed.detail}", "FAILURE"]
         except Exception as exc:  # an emulator bug: the build ends, as Cloud Build's internal errors do
-            results, status, failure, detail = cb.Results(), _Status.INTERNAL_ERROR, None, f"{type(exc).__name__}: {exc}"
+            detail = f"{type(exc).__name__}: {exc}"
+            results, status, failure = cb.Results(), _Status.INTERNAL_ERROR, None
             log.append(f"ERROR: internal error: {detail}")
         self._write_log(build, log, logs)
         with self.registry.cond:

@@ -80,7 +80,8 @@ def docker_build(bucket, files: dict, image: str, steps=None, images=None) -> cb
     """A Build of ``files`` (uploaded to ``bucket`` as a source archive), logs in ``bucket``."""
     name = f"source/{uuid.uuid4().hex}.tar.gz"
     bucket.blob(name).upload_from_string(archive(files))
-    steps = steps if steps is not None else [{"name": "gcr.io/cloud-builders/docker", "args": ["build", "-t", image, "."]}]
+    if steps is None:
+        steps = [{"name": "gcr.io/cloud-builders/docker", "args": ["build", "-t", image, "."]}]
     return cb.Build(source={"storage_source": {"bucket": bucket.name, "object_": name}}, steps=steps,
                     images=[image] if images is None else images, logs_bucket=f"gs://{bucket.name}/build-logs")
 
@@ -181,7 +182,8 @@ def test_a_failing_build_fails_its_operation_with_cloud_builds_status_and_log(
     log = bucket.blob(f"build-logs/log-{build.id}.txt").download_as_text()
     assert detail in log and log.rstrip().endswith("FAILURE")
     if failure == cb.Build.FailureInfo.FailureType.USER_BUILD_STEP:  # the step's why is in its log only
-        detail = f'build step {len(build.steps) - 1} "{build.steps[-1].name}" failed: step exited with non-zero status: 1'
+        last = len(build.steps) - 1
+        detail = f'build step {last} "{build.steps[-1].name}" failed: step exited with non-zero status: 1'
         assert build.steps[-1].status == cb.Build.Status.FAILURE and build.steps[-1].exit_code == 1
     assert detail in build.status_detail and build.failure_info.detail == build.status_detail
     assert list(registry.list_docker_images(parent=repository.name)) == []  # nothing pushed

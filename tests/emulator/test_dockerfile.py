@@ -59,13 +59,15 @@ def test_rejected_dockerfiles_name_the_line_and_rule(text, message):
 
 def test_the_worker_dockerfile_gives_the_bundled_workers_command():
     config = parse_dockerfile((REPO / "worker" / "Dockerfile").read_text())
-    assert (config.entrypoint, config.cmd, config.workdir) == (("python", "-m", "gpu_resilience_worker"), ("train",), "/src")
+    assert config.entrypoint == ("python", "-m", "gpu_resilience_worker")
+    assert (config.cmd, config.workdir) == (("train",), "/src")
     assert config.environment["CHECKPOINT_DIR"] == "/checkpoints"
 
 
 @pytest.mark.parametrize("args, tags, dockerfile, context", [
     (["build", "-t", "a:1", "."], ("a:1",), None, "."),
-    (["build", "--tag=a", "--tag", "b", "-f", "docker/Dockerfile", "--no-cache", "src"], ("a", "b"), "docker/Dockerfile", "src"),
+    (["build", "--tag=a", "--tag", "b", "-f", "docker/Dockerfile", "--no-cache", "src"], ("a", "b"),
+     "docker/Dockerfile", "src"),
     (["build", "--network=cloudbuild", "--build-arg", "X=1", "."], (), None, "."),
 ])
 def test_docker_build_args(args, tags, dockerfile, context):

@@ -77,7 +77,8 @@ def test_airflow_lists_no_import_errors_and_every_dag(tmp_path: Path) -> None:
     errors, report = _airflow_cli_parse(tmp_path, DAGS)
     assert errors == []
     dags = sorted(d for f in report for d in f["dags"])
-    assert dags == ["gpu_resilient_training", "gpu_training_sensor", "scheduled_retraining"]
+    assert dags == [
+        "gpu_resilient_training", "gpu_training_from_source", "gpu_training_sensor", "scheduled_retraining"]
 
 
 def test_airflow_cli_parse_reports_a_broken_dag_file(tmp_path: Path) -> None:
