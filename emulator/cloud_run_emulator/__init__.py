@@ -55,6 +55,7 @@ operators reach the emulator.
 Module map (after moto): :mod:`.models` (resources, lifecycles), :mod:`.backend` (state per
 project and location), :mod:`.supervisor` (one thread per execution), :mod:`.runtime` (child
 processes), :mod:`.validation`, :mod:`.rpcs` (the methods, for both transports),
+:mod:`.group_reaper` (attempts' process groups end with the emulator),
 :mod:`.responses` / :mod:`.urls` / :mod:`.app` (REST), :mod:`.grpc_server` (gRPC),
 :mod:`.exceptions`, :mod:`.faults`, :mod:`.quota` (request quotas and counters), :mod:`.gcs`
 (in-process GCS emulator and mounts),
@@ -75,9 +76,11 @@ Known differences from Cloud Run:
 - Preemption is an emulator event only: nothing in the v2 API models it; a preempted attempt
   gets ``status.code`` 14 and a maintenance message (the real text is unconfirmed).
 - Attempts start through ``setpriv --pdeathsig KILL`` (util-linux) when it exists, so they die
-  with a hard-killed emulator; without it a ``preexec_fn`` does the same, more slowly. On two
-  cores 1,000 short tasks at parallelism 50 (``--max-task-processes 50``) run at about 180 per
-  second (``benchmarks/bench_emulator.py``).
+  with a hard-killed emulator; without it a ``preexec_fn`` does the same, more slowly. The
+  processes an attempt started die then too: a helper process SIGKILLs the attempts' process
+  groups when the emulator's process ends (:mod:`.group_reaper`). On two cores 1,000 short
+  tasks at parallelism 50 (``--max-task-processes 50``) run at about 180 per second
+  (``benchmarks/bench_emulator.py``).
 - All tasks share one machine: at most ``--max-task-processes`` task processes run at once over
   all executions (default 8); further tasks stay PENDING, as beyond
   ``parallelism``. ``/_emulator/health`` reports the bound, the processes running and the peak.

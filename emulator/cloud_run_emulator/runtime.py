@@ -8,7 +8,8 @@ container's argv from the :mod:`.images` table, its env plus ``CLOUD_RUN_JOB``,
 ``{data_dir}/logs/{execution}/task{i}-attempt{n}.log``. Each attempt gets the parent-death signal
 SIGKILL (through ``setpriv --pdeathsig KILL`` when util-linux has it, which keeps ``subprocess``
 on its vfork path; else with a ``preexec_fn``), so attempts die with a hard-killed emulator, also
-one being started at that moment (see :func:`_spawn_args`).
+one being started at that moment (see :func:`_spawn_args`), and the processes an attempt
+started die with them (its process group, see :mod:`.group_reaper`).
 :class:`Attempt` is one running attempt: it signals its process group (:meth:`Attempt.stop`:
 SIGTERM now, SIGKILL due after the grace) and translates its return code and stop reason
 (:meth:`Attempt.result`). :class:`RuntimePolicy` holds the settings (grace, pacing, retries).
@@ -50,6 +51,7 @@ from typing import Optional
 
 from google.cloud import run_v2
 
+from .group_reaper import GROUPS
 from .guards import PathEscape, climbs_out, contained, under_mount
 from .images import ImageEntry, ImageTable
 from .models import PREEMPTION_MESSAGE, AttemptResult, Task, utcnow
@@ -314,7 +316,9 @@ class Attempt:
             self.pidfd = None
 
     def close(self) -> None:
-        """Release the process descriptor (after the process was reaped)."""
+        """Release the process descriptor and the group's watch (after the group was SIGKILLed
+        and the process reaped)."""
+        GROUPS.forget(self.popen.pid)
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
@@ -438,4 +442,5 @@ def launch(task: Task, attempt: int, task_count: int, config: RuntimeConfig) -> 
         popen = subprocess.Popen(
             argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=preexec)
+    GROUPS.watch(popen.pid)  # the group, the task's own child processes included, ends with the emulator
     return Attempt(task, attempt, popen, log_path, time.monotonic() + task.timeout_s)

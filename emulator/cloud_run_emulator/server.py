@@ -36,6 +36,7 @@ from .backend import Registry
 from .faults import ApiFaults, PreemptionPlan
 from .gcs import GcsService
 from .gcsfuse import VolumeMounts
+from .group_reaper import GROUPS
 from .images import ImageTable
 from .quota import QuotaSettings, RequestQuota
 from .runtime import RuntimeConfig, RuntimePolicy
@@ -121,6 +122,7 @@ def serve(config: ServeConfig) -> None:
     proxy = google_endpoint.ConnectProxy(tls_port).start() if identity else None
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
+    GROUPS.start()  # ends the attempts' process groups should this process be killed
     ready = {"ready": True, "endpoint": endpoint, "grpcEndpoint": grpc_endpoint, "gcsEndpoint": gcs.endpoint,
              "dataDir": str(data_dir), "pid": os.getpid(),
              "env": {"CLOUD_RUN_EMULATOR_HOST": grpc_endpoint, "STORAGE_EMULATOR_HOST": gcs.endpoint}}
@@ -138,6 +140,7 @@ def serve(config: ServeConfig) -> None:
         rpc_server.stop(0.5)
         state.schedule.stop()
         registry.shutdown(config.shutdown_grace_seconds)
+        GROUPS.close()
         mounts.stop()
         gcs.stop()
         sys.stdout.flush()

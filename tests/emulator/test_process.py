@@ -101,11 +101,23 @@ def _wait_for_exit(pid: int) -> None:
         os.close(fd)
 
 
+# Starts the holdout as its own child (the task's child process, in the attempt's process group),
+# writes that child's pid to the file GRANDCHILD, then waits.
+PARENT_SCRIPT = (
+    "import os,subprocess,sys,time\nchild=subprocess.Popen([sys.executable,'-c',os.environ['HOLDOUT']])\n"
+    "open(os.environ['GRANDCHILD']+'.tmp','w').write(str(child.pid))\n"
+    "os.rename(os.environ['GRANDCHILD']+'.tmp',os.environ['GRANDCHILD'])\ntime.sleep(60)\n"
+)
+
+
 @pytest.fixture
 def holdout(tmp_path, monkeypatch):
-    """``(images file with 'local/holdout', marker path)``; the marker path is in every task's env."""
+    """``(images file with 'local/holdout' and 'local/holdout-parent', marker path)``; the marker
+    path is in every task's env."""
     images = tmp_path / "holdout-images.json"
-    images.write_text(json.dumps({"images": {"local/holdout": {"entrypoint": ["{python}", "-c", HOLDOUT_SCRIPT]}}}))
+    images.write_text(json.dumps({"images": {"local/holdout": {"entrypoint": ["{python}", "-c", HOLDOUT_SCRIPT]},
+                                             "local/holdout-parent": {"entrypoint": ["{python}", "-c", PARENT_SCRIPT]}}}))
+    monkeypatch.setenv("HOLDOUT", HOLDOUT_SCRIPT)
     marker = tmp_path / "ran-to-its-end"
     monkeypatch.setenv("MARKER", str(marker))
     return images, marker
@@ -130,6 +142,24 @@ def test_hard_killed_emulator_takes_its_task_processes_along(tmp_path, holdout):
         os.kill(emu.pid, signal.SIGKILL)
         _wait_for_exit(pid)
     assert not marker.exists(), "the attempt outlived the hard-killed emulator"
+
+
+def test_hard_killed_emulator_takes_the_task_processes_own_children_along(tmp_path, holdout, monkeypatch):
+    """A task's own child process (its grandchild to the emulator, in the attempt's process group,
+    ignoring SIGTERM) dies with a SIGKILLed emulator too, as all of a container's processes end
+    with it: it never runs to its end. The parent-death signal alone ends only the attempt's
+    first process; the child then ran on as init's."""
+    images, marker = holdout
+    grandchild = tmp_path / "grandchild-pid"
+    monkeypatch.setenv("GRANDCHILD", str(grandchild))
+    with EmulatorProcess(tmp_path / "emu", images_file=images) as emu:
+        _jobs(emu).create_job(parent=PARENT, job=make_job("local/holdout-parent", max_retries=0), job_id="kin").result()
+        _jobs(emu).run_job(name=f"{PARENT}/jobs/kin")
+        _wait_for(grandchild.exists, "the task's child process")
+        pid = int(grandchild.read_text())
+        os.kill(emu.pid, signal.SIGKILL)
+        _wait_for_exit(pid)
+    assert not marker.exists(), "the task's own child outlived the hard-killed emulator"
 
 
 def test_attempt_being_started_when_the_emulator_is_hard_killed_dies_too(tmp_path, holdout, monkeypatch):
