@@ -22,6 +22,11 @@ writer only (record first, then the data). A record a newer release wrote (a new
 unknown digest) stops the run instead, before anything is resumed or deleted: ``FATAL`` in the
 folder, and ``SystemExit(78)``.
 
+The adapters also report the attempt through :class:`~gpu_resilience_worker.attempt.Attempt`
+(:meth:`ArtifactCheckpoints.begin_attempt`, :meth:`~ArtifactCheckpoints.step_done`,
+:meth:`~ArtifactCheckpoints.end_attempt`), so the folder holds ``attempts.json``, ``progress.json``
+and the goodput events files like the bundled worker's and an own loop's.
+
 Local (or FUSE-mounted) paths only: the frameworks write with ``open``/``os`` themselves.
 """
 
@@ -33,8 +38,10 @@ import shutil
 import time
 from typing import Callable
 
+from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.commit import read_record
-from gpu_resilience_worker.errors import EXIT_PREEMPTED, NewerCheckpointError
+from gpu_resilience_worker.config import TaskIdentity
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, NewerCheckpointError
 from gpu_resilience_worker.fastio import file_chunk_digests
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
@@ -88,6 +95,10 @@ class ArtifactCheckpoints:
         self._storage = LocalStorage()
         self._clock = clock
         self._save_started: dict[int, float] = {}
+        #: This attempt's account in the folder, from :meth:`begin_attempt` (the writer only).
+        self.attempt: Attempt | None = None
+        self._restore_started: float | None = None
+        self._last_step_end, self._blocked = 0.0, 0.0
 
     # names -----------------------------------------------------------------------------------
     def name(self, step: int) -> str:
@@ -164,6 +175,9 @@ class ArtifactCheckpoints:
         self.stats.durations.append(self.stats.blocking[-1])
         self.stats.sizes.append(size)
         self.last_committed = step
+        self._blocked += self.stats.blocking[-1]
+        if self.attempt is not None:
+            self.attempt.saved(self.stats.blocking[-1])
         self.log.info("checkpoint committed", step=step, checkpoint=self.name(step), bytes=size,
                       files=len(files), save_seconds=round(self.stats.blocking[-1], 4))
         self._apply_keep_policy()
@@ -239,6 +253,8 @@ class ArtifactCheckpoints:
 
         :raises SystemExit: 78, when a newer release wrote a record here (:meth:`refuse_newer_records`).
         """
+        if self._restore_started is None:  # the restore begins with the search for a checkpoint
+            self._restore_started = time.time()
         self.refuse_newer_records()
         for step in self.present_steps():
             ok, reason = self.verify(step)
@@ -307,11 +323,50 @@ class ArtifactCheckpoints:
                           **fields)
         return decision.action
 
+    # the attempt's account -------------------------------------------------------------------
+    def begin_attempt(self, step: int, total_steps: int) -> None:
+        """The framework restored its state and trains from ``step``: record the attempt
+        (``attempts.json``, the goodput restore, ``progress.json``). The restore counts from the
+        first :meth:`latest` (else from now). Call it in the writing process only.
+
+        :param step: the step training starts from (0 when nothing was resumed).
+        :param total_steps: the run's optimizer steps.
+        """
+        try:
+            identity = TaskIdentity.from_env(os.environ)
+        except ConfigError:
+            identity = TaskIdentity()
+        self.attempt = Attempt(self._storage, self.folder, total_steps, identity, self.log)
+        self.attempt.begin(step, time.time() if self._restore_started is None else self._restore_started)
+        self._last_step_end, self._blocked = self._clock(), 0.0
+
+    def step_done(self, step: int, loss: float | None = None) -> None:
+        """A step ended: ``step`` steps done; its time since the last step's end, less the time
+        saves blocked training, goes to the goodput file and ``progress.json`` when due."""
+        now = self._clock()
+        seconds, self._last_step_end, self._blocked = max(0.0, now - self._last_step_end - self._blocked), now, 0.0
+        if self.attempt is not None:
+            self.attempt.stepped(step, loss, seconds)
+
+    def end_attempt(self, step: int, code: int) -> None:
+        """The attempt ends at ``step`` with exit ``code`` (0: training complete, 143: stopped, else
+        failed): ``progress.json`` and the goodput file get their final status."""
+        if self.attempt is None:
+            return
+        self.attempt.step = step
+        if code in (EXIT_OK, EXIT_PREEMPTED):
+            self.attempt.report("completed" if code == EXIT_OK else "preempted",
+                                max_wait=self.watcher.remaining_grace() - 1.0)
+        self.attempt.end(code)
+        self.attempt = None
+
     def exit_preempted(self, step: int) -> None:
-        """Log the stop and raise ``SystemExit(143)``, the exit code of a resumable interruption.
+        """Log the stop, end the attempt's account and raise ``SystemExit(143)``, the exit code of a
+        resumable interruption.
 
         :raises SystemExit: always, with code 143.
         """
         self.log.info("preempted: exiting", step=step, exit_code=EXIT_PREEMPTED, last_committed=self.last_committed,
                       remaining_grace_seconds=round(self.watcher.remaining_grace(), 3))
+        self.end_attempt(step, EXIT_PREEMPTED)
         raise SystemExit(EXIT_PREEMPTED)

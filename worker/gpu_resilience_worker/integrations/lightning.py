@@ -27,6 +27,9 @@ What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoin
   is committed, stop; when a save of the measured duration fits the grace left, save and commit
   it, then stop; otherwise stop without saving. Stopping raises ``SystemExit(143)`` out of
   ``trainer.fit()`` (Lightning runs its ``on_exception`` hooks and teardown first).
+- **The attempt's account.** From ``on_train_start`` (Lightning has restored its checkpoint) to
+  ``on_train_end``, the stop or an exception, ``dirpath`` gets ``attempts.json``,
+  ``progress.json`` and the goodput events file, like the bundled worker's task folder.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from lightning.pytorch import Callback
 
 from gpu_resilience_worker.artifacts import ArtifactCheckpoints
+from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK
 from gpu_resilience_worker.logs import StructuredLogger
 
 PREFIX, SUFFIX = "step-", ".ckpt"
@@ -95,7 +99,8 @@ class CommitCheckpoint(Callback):
         _warm_up_save_path(self.checkpoints.folder)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Put the callback's SIGTERM handler in place of the one Lightning installed at fit start."""
+        """Put the callback's SIGTERM handler in place of the one Lightning installed at fit start;
+        record the attempt (Lightning restored its checkpoint by now)."""
         watcher = self.checkpoints.watcher
         watcher.uninstall()
         watcher.install()
@@ -103,7 +108,13 @@ class CommitCheckpoint(Callback):
         if connector is not None and connector.received_sigterm:  # arrived while Lightning's handler ran alone
             connector.received_sigterm = False
             watcher._handle(15, None)
+        if trainer.is_global_zero:
+            self.checkpoints.begin_attempt(trainer.global_step, _total_steps(trainer))
         self.checkpoints.log.info("training started", step=trainer.global_step, max_steps=trainer.max_steps)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """End the attempt's account as failed (a stop has ended it already)."""
+        self.checkpoints.end_attempt(trainer.global_step, EXIT_FAILURE)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Restore the signal handlers that were there before ``setup``."""
@@ -141,8 +152,9 @@ class CommitCheckpoint(Callback):
             self.checkpoints.commit(step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Save on the interval; after SIGTERM, save if it fits and exit 143."""
+        """Account the step; save on the interval; after SIGTERM, save if it fits and exit 143."""
         step = trainer.global_step
+        self.checkpoints.step_done(step)
         action = self.checkpoints.stop_action(step)
         if action == "exit":
             self.checkpoints.exit_preempted(step)
@@ -152,9 +164,22 @@ class CommitCheckpoint(Callback):
             self.checkpoints.exit_preempted(step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Commit the final step when the interval did not."""
+        """Commit the final step when the interval did not; end the attempt's account as complete."""
         if self.checkpoints.last_committed != trainer.global_step:
             self._save(trainer, trainer.global_step)
+        self.checkpoints.end_attempt(trainer.global_step, EXIT_OK)
+
+
+def _total_steps(trainer: Any) -> int:
+    """:return: the fit's optimizer steps: ``max_steps``, else Lightning's estimate from the epochs
+    (0 when it has none)."""
+    if trainer.max_steps and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    try:
+        estimate = float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 - an estimate for progress.json only
+        return 0
+    return int(estimate) if estimate != float("inf") else 0
 
 
 class ResumableLoader:

@@ -26,6 +26,9 @@ What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoin
   step is already committed, stop; when a save of the measured duration fits the grace left,
   Trainer saves this step and the callback commits it; otherwise stop without saving. Stopping
   raises ``SystemExit(143)`` out of ``trainer.train()``.
+- **The attempt's account.** From ``on_train_begin`` (Trainer has restored its checkpoint) to
+  ``on_train_end`` or the stop, ``output_dir`` gets ``attempts.json``, ``progress.json`` and the
+  goodput events file, like the bundled worker's task folder.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gpu_resilience_worker.artifacts import ArtifactCheckpoints
+from gpu_resilience_worker.errors import EXIT_OK
 from gpu_resilience_worker.logs import StructuredLogger
 
 PREFIX = "checkpoint-"
@@ -102,7 +106,9 @@ class CommitCallback(TrainerCallback):
             checkpoints.begin_save(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Decide on a stop after SIGTERM; clear a stale checkpoint of a step about to be saved."""
+        """Account the step; decide on a stop after SIGTERM; clear a stale checkpoint of a step
+        about to be saved."""
+        self._require().step_done(state.global_step)
         self._before_possible_save(args, state, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -121,10 +127,14 @@ class CommitCallback(TrainerCallback):
             checkpoints.exit_preempted(state.global_step)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Log the step training starts from."""
+        """Record the attempt (Trainer restored its checkpoint by now) and log the step training
+        starts from."""
+        if args.should_save:
+            self._require().begin_attempt(state.global_step, state.max_steps)
         self._require().log.info("training started", step=state.global_step, max_steps=state.max_steps)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Log the end of training (the handlers stay until :meth:`finish`)."""
-        self._require().log.info("training finished", step=state.global_step,
-                                 last_committed=self._require().last_committed)
+        """End the attempt's account as complete and log it (the handlers stay until :meth:`finish`)."""
+        checkpoints = self._require()
+        checkpoints.end_attempt(state.global_step, EXIT_OK)
+        checkpoints.log.info("training finished", step=state.global_step, last_committed=checkpoints.last_committed)
