@@ -1,12 +1,18 @@
 """Fixtures for emulator tests: stand-in images, one emulator subprocess per session, the real
 ``run_v2`` clients pointed at it (REST: ``jobs``, ``executions``, ``tasks``; gRPC on an insecure
 channel: ``grpc_jobs``, ``grpc_executions``, ``grpc_tasks``), and a GCS client on its storage
-emulator."""
+emulator; the helpers the API tests share (:func:`create`, :func:`wait_running`,
+:func:`poll_execution`, :func:`google_status`) and the Cloud Storage FUSE mounts the
+``test_gcsfuse*.py`` files share (``fuse_bucket``, ``mnt``, ``strict``)."""
 
 from __future__ import annotations
 
 import json
+import time
+import urllib.error
+import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +22,7 @@ from google.cloud.run_v2.services.executions.transports import ExecutionsGrpcTra
 from google.cloud.run_v2.services.jobs.transports import JobsGrpcTransport
 from google.cloud.run_v2.services.tasks.transports import TasksGrpcTransport
 
+from cloud_run_emulator.gcsfuse import GcsFuseMount
 from cloud_run_emulator.process import EmulatorProcess
 
 PARENT = "projects/test-project/locations/us-central1"
@@ -172,3 +179,85 @@ def make_job(image, env=None, task_count=1, parallelism=0, max_retries=None, tim
 def task_name(execution_name: str, index: int) -> str:
     short = execution_name.rsplit("/", 1)[-1]
     return f"{execution_name}/tasks/{short}-task{index}"
+
+
+def create(jobs, job_id, job) -> run_v2.Job:
+    """Create ``job`` as ``PARENT/jobs/job_id`` and wait for its operation."""
+    return jobs.create_job(parent=PARENT, job=job, job_id=job_id).result(timeout=10)
+
+
+def wait_running(tasks, name, timeout=10.0) -> run_v2.Task:
+    """Wait until the task's first attempt has printed 'started' (its SIGTERM handler is set)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        task = tasks.get_task(name=name)
+        if task.start_time and task.retried == 0 and b"started" in _read(task.log_uri):
+            return task
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never started")
+
+
+def _read(url: str) -> bytes:
+    """The body behind ``url`` (a task's log URI), empty while it answers an HTTP error."""
+    try:
+        with urllib.request.urlopen(url) as response:
+            return response.read()
+    except urllib.error.HTTPError:
+        return b""
+
+
+def poll_execution(executions, name: str, timeout: float = 30.0) -> run_v2.Execution:
+    """Poll ``get_execution`` until the execution has a completion time."""
+    deadline = time.monotonic() + timeout
+    while not (execution := executions.get_execution(name=name)).completion_time:
+        assert time.monotonic() < deadline, f"{name} did not finish"
+        time.sleep(0.1)
+    return execution
+
+
+def google_status(excinfo) -> str:
+    """The ``error.status`` of the JSON error body (the REST client maps by HTTP code only)."""
+    return excinfo.value.response.json()["error"]["status"]
+
+
+@pytest.fixture(scope="session")
+def fuse_bucket(storage_client):
+    """The bucket the FUSE tests mount (one a session, shared by the ``test_gcsfuse*.py`` files)."""
+    return storage_client.create_bucket(f"fuse-{uuid.uuid4().hex[:10]}")
+
+
+def _mount(emulator, bucket, strict, options=(), name=None):
+    """A (not yet started) FUSE mount of ``bucket`` under the emulator's data folder."""
+    base = Path(emulator.data_dir, "fuse-tests", f"{bucket.name}-{name or ('strict' if strict else 'normal')}")
+    return GcsFuseMount(emulator.bucket_dir(bucket.name), base / "mnt", base / "state", strict=strict,
+                        options=options)
+
+
+@pytest.fixture(scope="session")
+def mnt(emulator, fuse_bucket):
+    """A mount of ``fuse_bucket`` with gcsfuse's default semantics (staged writes fall back)."""
+    with _mount(emulator, fuse_bucket, strict=False) as mount:
+        yield mount
+
+
+@pytest.fixture(scope="session")
+def strict(emulator, fuse_bucket):
+    """A strict mount of ``fuse_bucket`` (a staged write is ``EIO``), ``rename-dir-limit=5``."""
+    with _mount(emulator, fuse_bucket, strict=True, options=["rename-dir-limit=5"]) as mount:
+        yield mount
+
+
+def _name(prefix="f"):
+    """A fresh object name, so that tests sharing a mount never meet."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _events(mount, name, kind=None):
+    """The mount's gcsfuse event records for object ``name`` (of ``kind``, if given)."""
+    return [e for e in mount.events() if e["object"] == name and (kind is None or e["kind"] == kind)]
+
+
+def _put(mount, name, data=b"0123456789"):
+    """Write ``data`` as a new file through ``mount`` (uploaded at its close)."""
+    with open(mount.mountpoint / name, "wb") as f:
+        f.write(data)

@@ -29,8 +29,7 @@ from google.api_core import exceptions as gexc
 from tests.provider.conftest import airflow_db  # noqa: F401  (the fixture: a migrated Airflow DB)
 
 from . import google_provider_dags as dags
-from .conftest import task_name
-from .test_api import wait_running
+from .conftest import task_name, wait_running
 
 pytestmark = pytest.mark.usefixtures("airflow_db")
 

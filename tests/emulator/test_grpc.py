@@ -26,8 +26,7 @@ from google.longrunning import operations_pb2
 from cloud_run_emulator.models import PREEMPTION_MESSAGE
 from cloud_run_emulator.process import post_json
 
-from .conftest import PARENT, make_job, task_name
-from .test_api import create, wait_running
+from .conftest import PARENT, create, make_job, task_name, wait_running
 
 State = run_v2.Condition.State
 

@@ -14,8 +14,7 @@ from google.cloud import run_v2
 from cloud_run_emulator import guards
 from cloud_run_emulator.runtime import rewrite
 
-from .conftest import PARENT, make_job
-from .test_api import create, poll_execution
+from .conftest import PARENT, create, make_job, poll_execution
 
 
 def raw(endpoint: str, method: str, path: str, body: bytes = b"", headers=None) -> tuple:
