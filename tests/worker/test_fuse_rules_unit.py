@@ -22,7 +22,8 @@ import torch
 from gpu_resilience_worker.checkpoint import (
     AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError, CommitRecord,
 )
-from gpu_resilience_worker.fastio import DIGESTS, LocalCopy, chunk_digests, crc32c_available, default_digest
+from gpu_resilience_worker.fastio import DIGESTS, chunk_digests, crc32c_available, default_digest
+from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
 from gpu_resilience_worker.task_folder import NewerRecordError

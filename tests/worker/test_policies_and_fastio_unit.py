@@ -21,10 +21,10 @@ from gpu_resilience_worker.checkpoint import (
 from gpu_resilience_worker.config import SWEEP, config_from_args, parse_interval
 from gpu_resilience_worker.errors import ConfigError
 from gpu_resilience_worker.fastio import (
-    HashingWriter, SnapshotBuffers, chunk_digests, file_chunk_digests, root_digest,
-    start_writeback, stream_chunk_digests,
+    HashingWriter, chunk_digests, file_chunk_digests, root_digest, start_writeback, stream_chunk_digests,
 )
 from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.snapshot import SnapshotBuffers
 
 from tests.worker.test_checkpoint_unit import Box, ListLog
 

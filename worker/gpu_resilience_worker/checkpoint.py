@@ -18,19 +18,16 @@ from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the chec
     ParsedName,
 )
 from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError
-from gpu_resilience_worker.fastio import LocalCopy, SnapshotBuffers
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
     GO_ON, OUT_OF_SPACE, AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN,
     SaveStats, TimeIntervalPolicy, YoungDalyPolicy, failed_save_verdict,
 )
+from gpu_resilience_worker.restore_copy import LocalCopy
+from gpu_resilience_worker.snapshot import SnapshotBuffers
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
-MODEL = "model"
-OPTIMIZER = "optimizer"
-LR_SCHEDULER = "lr_scheduler"
-DATALOADER = "dataloader"
-TRAIN_STATE = "train_state"
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = "model", "optimizer", "lr_scheduler", "dataloader", "train_state"
 #: The item names a checkpoint may hold, in the order they are saved.
 STATE_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 

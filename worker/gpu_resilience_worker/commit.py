@@ -14,7 +14,7 @@ No atomic rename is assumed (GCS FUSE renames by copy and delete). To commit ste
 
 A checkpoint exists only when its commit record parses and matches the data's size and every
 chunk's digest. A restore reads the data once: into one private local copy
-(:class:`~gpu_resilience_worker.fastio.LocalCopy`), verified while it is read, and loads that
+(:class:`~gpu_resilience_worker.restore_copy.LocalCopy`), verified while it is read, and loads that
 copy (:meth:`CommitStore.read_verified`). Anything else (a data file with no record, a truncated or corrupted file, a torn
 or oversized record) is ignored by discovery and skipped, with a warning, on load. Stale files
 (temporary names, data without a record) are removed by :meth:`CommitStore.cleanup_stale`, which
@@ -28,11 +28,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gpu_resilience_worker.errors import NewerCheckpointError
-from gpu_resilience_worker.fastio import (
-    HashingWriter, LocalCopy, default_digest, file_chunk_digests, save_without_crc32, stream_chunk_digests,
-)
+from gpu_resilience_worker.fastio import HashingWriter, default_digest, file_chunk_digests, stream_chunk_digests
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.policies import KeepLatestN
+from gpu_resilience_worker.restore_copy import LocalCopy
+from gpu_resilience_worker.snapshot import save_without_crc32
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import (  # noqa: F401 - re-exported: the layout's names
     COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, NewerRecordError, ParsedName,

@@ -297,6 +297,25 @@ def _root_and_namespace(checkpoint_dir: str | None, run_id: str | None, env: Map
     return root, identity.namespace(root, _safe_name(run_id, "run id") if run_id else None)
 
 
+def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = None,
+                   run_id: str | None = None) -> str:
+    """The task's checkpoint folder, as the bundled worker names it.
+
+    ``{root}/{CLOUD_RUN_JOB}[/{run_id}]/task-{CLOUD_RUN_TASK_INDEX}``, with ``root`` defaulting
+    to ``$CHECKPOINT_DIR``, else ``/checkpoints``, and ``run_id`` to ``$CHECKPOINT_RUN_ID``
+    (none when unset). Outside Cloud Run the job is ``local`` and the index 0.
+
+    :param env: the environment; default ``os.environ``.
+    :param root: the checkpoint root (the mounted bucket); overrides ``CHECKPOINT_DIR``.
+    :param run_id: an extra namespace level (one per DAG run); overrides ``CHECKPOINT_RUN_ID``.
+    :return: the folder path (not created).
+    :raises ConfigError: a malformed ``CLOUD_RUN_*`` variable or an unsafe job name or run id.
+    """
+    env = os.environ if env is None else env
+    # an empty root or run id here means "not given", as it always has for this function
+    return _root_and_namespace(root or None, run_id or None, env, TaskIdentity.from_env(env))[1]
+
+
 def parse_interval(spec: str | None, every: int) -> dict[str, object]:
     """Turn ``--checkpoint-interval`` (or ``--checkpoint-every``) into checkpoint settings.
 

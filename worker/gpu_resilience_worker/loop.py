@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
-from gpu_resilience_worker.config import StopTiming, TaskIdentity, _root_and_namespace
+from gpu_resilience_worker.config import StopTiming, TaskIdentity, task_namespace  # noqa: F401 - re-exported
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
 from gpu_resilience_worker.files import METRICS, write_json
@@ -50,7 +50,7 @@ from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
     PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop, stopped_during_startup,
 )
-from gpu_resilience_worker.state import TrainState
+from gpu_resilience_worker.state import TrainState, match_threads
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
@@ -59,25 +59,6 @@ from gpu_resilience_worker.storage import LocalStorage, Storage
 EXIT_RESERVE_SECONDS = 1.0
 #: How many of the latest step times the fork reserve looks at.
 RECENT_STEPS = 16
-
-
-def task_namespace(env: Mapping[str, str] | None = None, *, root: str | None = None,
-                   run_id: str | None = None) -> str:
-    """The task's checkpoint folder, as the bundled worker names it.
-
-    ``{root}/{CLOUD_RUN_JOB}[/{run_id}]/task-{CLOUD_RUN_TASK_INDEX}``, with ``root`` defaulting
-    to ``$CHECKPOINT_DIR``, else ``/checkpoints``, and ``run_id`` to ``$CHECKPOINT_RUN_ID``
-    (none when unset). Outside Cloud Run the job is ``local`` and the index 0.
-
-    :param env: the environment; default ``os.environ``.
-    :param root: the checkpoint root (the mounted bucket); overrides ``CHECKPOINT_DIR``.
-    :param run_id: an extra namespace level (one per DAG run); overrides ``CHECKPOINT_RUN_ID``.
-    :return: the folder path (not created).
-    :raises ConfigError: a malformed ``CLOUD_RUN_*`` variable or an unsafe job name or run id.
-    """
-    env = os.environ if env is None else env
-    # an empty root or run id here means "not given", as it always has for this function
-    return _root_and_namespace(root or None, run_id or None, env, TaskIdentity.from_env(env))[1]
 
 
 def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
@@ -89,7 +70,17 @@ def _check_number(name: str, value: Any, *, minimum: float, integer: bool = Fals
         raise ValueError(f"{name} must be {kind} {'>' if strict else '>='} {minimum:g}, got {value!r}")
 
 
-def _check_states(states: Any) -> None:
+#: The loop's numeric options: (minimum, an int, strictly above the minimum); ``None`` is allowed
+#: for the last two (then the environment decides).
+_NUMBERS = {
+    "total_steps": (1, True, False), "checkpoint_every": (0, True, False), "checkpoint_every_seconds": (0, False, False),
+    "mtbi_seconds": (0, False, True), "keep_latest_k": (2, True, False), "progress_interval": (0, False, False),
+    "grace_seconds": (0, False, False), "task_timeout_seconds": (0, False, True),
+}
+
+
+def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: Any) -> None:
+    """:raises ValueError: the first option out of range, by name (see :class:`ResilientLoop`)."""
     if not isinstance(states, Mapping) or not states:
         raise ValueError(f"states must be a non-empty mapping of name -> stateful object, got {states!r}")
     for name, obj in states.items():
@@ -97,6 +88,14 @@ def _check_states(states: Any) -> None:
             raise ValueError(f"states: {name!r} is not allowed as a name (a non-empty str other than {TRAIN_STATE!r})")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ValueError(f"states[{name!r}] has no state_dict()/load_state_dict(): {type(obj).__name__}")
+    for name, value in numbers.items():
+        minimum, integer, strict = _NUMBERS[name]
+        if value is not None or name not in ("grace_seconds", "task_timeout_seconds"):
+            _check_number(name, value, minimum=minimum, integer=integer, strict=strict)
+    if preemption_save not in PREEMPTION_SAVES:
+        raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
+    if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):
+        raise ValueError(f"folder must be a non-empty path, got {folder!r}")
 
 
 class ResilientLoop:
@@ -148,7 +147,7 @@ class ResilientLoop:
     :raises ValueError: a parameter out of range, naming it (nothing is touched before).
     """
 
-    def __init__(  # noqa: PLR0913 - one keyword per documented option
+    def __init__(
         self,
         states: Mapping[str, Stateful],
         *,
@@ -175,20 +174,10 @@ class ResilientLoop:
         threads: int | None = None,
         train_state: TrainState | None = None,
     ) -> None:
-        _check_states(states)
-        _check_number("total_steps", total_steps, minimum=1, integer=True)
-        _check_number("checkpoint_every", checkpoint_every, minimum=0, integer=True)
-        _check_number("checkpoint_every_seconds", checkpoint_every_seconds, minimum=0)
-        _check_number("mtbi_seconds", mtbi_seconds, minimum=0, strict=True)
-        _check_number("keep_latest_k", keep_latest_k, minimum=2, integer=True)
-        _check_number("progress_interval", progress_interval, minimum=0)
-        for name, value in (("grace_seconds", grace_seconds), ("task_timeout_seconds", task_timeout_seconds)):
-            if value is not None:
-                _check_number(name, value, minimum=0, strict=name == "task_timeout_seconds")
-        if preemption_save not in PREEMPTION_SAVES:
-            raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
-        if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):
-            raise ValueError(f"folder must be a non-empty path, got {folder!r}")
+        _check_options(states, folder, preemption_save, total_steps=total_steps, checkpoint_every=checkpoint_every,
+                       checkpoint_every_seconds=checkpoint_every_seconds, mtbi_seconds=mtbi_seconds,
+                       keep_latest_k=keep_latest_k, progress_interval=progress_interval, grace_seconds=grace_seconds,
+                       task_timeout_seconds=task_timeout_seconds)
         self.states = dict(states)
         self.total_steps = total_steps
         self._folder = None if folder is None else os.fspath(folder)
@@ -350,26 +339,9 @@ class ResilientLoop:
             step = self.resumed_from_step = self.state.step
             self.state.checkpoints += 1  # the loaded checkpoint itself
             self._log.info(f"resuming from step {step}", resumed_from_step=step, file=manager.path(step))
-            self._match_threads(step)
+            match_threads(self.state.saved_threads, self._threads, step, self._log)
         else:
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
-
-    def _match_threads(self, step: int) -> None:
-        """Train on with the intra-op thread count the checkpoint was written with, unless the
-        caller pinned one (``threads``): see the class docs."""
-        import torch
-
-        saved, current = self.state.saved_threads, torch.get_num_threads()
-        if saved is None or saved == current:
-            return
-        if self._threads is None:
-            torch.set_num_threads(saved)
-            self._log.info(f"using {saved} intra-op threads, as the checkpoint of step {step} was written with",
-                           threads=saved, default_threads=current)
-        else:
-            self._log.warning(f"--threads {current} differs from the {saved} threads the checkpoint of step {step} "
-                              "was written with: the result may not be bit-identical to an uninterrupted run",
-                              threads=current, checkpoint_threads=saved)
 
     def _save(self, manager: CheckpointManager, *, force: bool) -> bool:
         """Save through ``manager`` (the time training was blocked goes to the goodput file); a

@@ -60,6 +60,34 @@ def state_digest(state: Any) -> str:
     return digest.hexdigest()
 
 
+def match_threads(saved: int | None, pinned: int | None, step: int, logger: Any) -> None:
+    """Train on with the torch intra-op thread count a checkpoint was written with.
+
+    On CPU, torch's matrix products split their work by the number of intra-op threads, and
+    outside oneMKL's strict reproducibility mode (``MKL_CBWR=AUTO,STRICT``) the split changes the
+    order of the floating-point sums. The default count comes from the machine and from
+    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a retry may not share; so a resumed attempt uses
+    the recorded count, unless the caller pinned one: that is kept, with a warning that the run
+    may then end with other bits than an uninterrupted one.
+
+    :param saved: the count in the loaded ``train_state`` (``None``: not recorded).
+    :param pinned: the count the caller pinned (``--threads``), or ``None``.
+    :param step: the resumed step, for the log.
+    :param logger: a :class:`~gpu_resilience_worker.logs.StructuredLogger`.
+    """
+    current = torch.get_num_threads()
+    if saved is None or saved == current:
+        return
+    if pinned is None:
+        torch.set_num_threads(saved)
+        logger.info(f"using {saved} intra-op threads, as the checkpoint of step {step} was written with",
+                    threads=saved, default_threads=current)
+    else:
+        logger.warning(f"--threads {current} differs from the {saved} threads the checkpoint of step {step} "
+                       "was written with: the result may not be bit-identical to an uninterrupted run",
+                       threads=current, checkpoint_threads=saved)
+
+
 class TrainState:
     """Step counter, running metrics, per-attempt history and RNG states.
 

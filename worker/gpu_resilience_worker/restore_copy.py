@@ -1,0 +1,173 @@
+"""The restore's private local copy of a checkpoint's bytes, verified while it is filled.
+
+:class:`LocalCopy` reads a checkpoint once (the Cloud Storage FUSE rule: a restore reads a
+checkpoint's bytes once), hashing each chunk on the threads of :mod:`gpu_resilience_worker.fastio`
+as it arrives, into memory that ``torch.load(..., mmap=True)`` maps without another copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, Callable
+
+from gpu_resilience_worker.fastio import CHUNK, DIGEST_CHUNK, ChunkHasher
+
+
+def _never() -> bool:
+    return False
+
+
+def _check_stop(stop: Callable[[], bool], position: int) -> None:
+    if stop():
+        raise InterruptedError(f"reading stopped after {position} bytes: a stop was requested")
+
+
+class LocalCopy:
+    """A private local copy of a file's bytes that ``torch.load(..., mmap=True)`` can map.
+
+    On Linux it is an anonymous memory file (``memfd_create``), opened by path through
+    ``/proc/self/fd``; elsewhere an unnamed-after-use temporary file. Its pages are the one copy of
+    a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
+    when both the copy is closed and those tensors are gone (a mapping outlives its file). It is
+    filled with ``pwrite`` from two reused buffers (:meth:`fill`), not through a mapping: new
+    pages written through a mapping cost a page fault and a zero-fill each.
+
+    Where no such file can be made at that size (a file size limit, a full temporary folder),
+    the copy is anonymous memory instead: :attr:`path` is then ``None`` and :attr:`buffer` holds
+    the bytes (loading it costs one more copy of the state while it is deserialized).
+
+    :param size: bytes of the copy.
+    :raises ValueError: for a negative size.
+    :raises OSError: when not even anonymous memory of that size can be had.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size!r}")
+        self.size = size
+        self._temp: str | None = None
+        self._fd = -1
+        self.path: str | None = None
+        self.buffer: mmap.mmap | None = None
+        try:
+            if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+                self._fd = os.memfd_create("checkpoint-copy", os.MFD_CLOEXEC)
+                self.path = f"/proc/self/fd/{self._fd}"
+            else:
+                self._fd, self._temp = tempfile.mkstemp(prefix="checkpoint-copy-")
+                self.path = self._temp
+            os.ftruncate(self._fd, size)
+        except OSError:
+            self.close()
+            self.path = None
+            self.buffer = mmap.mmap(-1, max(size, 1))
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether :attr:`path` names memory of this process only (a ``memfd``), not a file."""
+        return self.path is not None and self._temp is None
+
+    def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256",
+             stop: Callable[[], bool] | None = None) -> tuple[int, list[str]]:
+        """Read ``handle`` into the copy in one sequential pass, hashing each piece as it lands.
+
+        :param handle: an unbuffered binary file opened for reading, at its start.
+        :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
+        :param digest: one of :data:`DIGESTS`; default ``sha256``.
+        :param stop: asked before each :data:`CHUNK` read; when it returns true the fill ends
+            with :class:`InterruptedError` (a SIGTERM during a restore); default never.
+        :return: ``(bytes read, hex digest per chunk)``; the bytes read stop at ``size``, and
+            one byte more counts (so a file longer than expected does not match).
+        :raises OSError: when reading fails; :class:`InterruptedError` (an ``OSError``) when
+            ``stop`` said so.
+        """
+        hasher = ChunkHasher(chunk_bytes, digest)
+        if self.size == 0:
+            return len(handle.read(1) or b""), []
+        stop = stop or _never
+        if self.buffer is not None:
+            position = self._fill_mapping(handle, hasher, stop)
+        else:
+            position = self._fill_file(handle, hasher, stop)
+        extra = len(handle.read(1) or b"") if position == self.size else 0
+        return position + extra, hasher.digests()
+
+    def _fill_file(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
+        """Read into two reused buffers in turn; a helper thread hashes one and writes it into
+        the file (``pwrite``) while the next is read. The bytes reach the copy's pages through
+        the kernel (no page fault or zero-fill per page, as a write through a mapping of new
+        pages costs), and the buffers stay in the CPU cache for the hash."""
+        buffers = [memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))]
+        pending: Future | None = None
+        position = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copy") as helper:
+            try:
+                while position < self.size:
+                    _check_stop(stop, position)
+                    view = buffers[0][: min(CHUNK, self.size - position)]
+                    count = handle.readinto(view) or 0
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    if count == 0:
+                        break
+                    pending = helper.submit(self._absorb, hasher, view[:count], position)
+                    position += count
+                    buffers.reverse()
+            finally:
+                if pending is not None:
+                    pending.result()
+        return position
+
+    def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
+        hasher.update(view)
+        while view.nbytes:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def _fill_mapping(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
+        """Read straight into the anonymous memory of the copy, hashing each piece as it lands."""
+        assert self.buffer is not None
+        view = memoryview(self.buffer)[: self.size]
+        pending: list[Future] = []
+        position = 0
+        try:
+            while position < self.size:
+                _check_stop(stop, position)
+                count = handle.readinto(view[position : min(position + CHUNK, self.size)]) or 0
+                for future in pending:
+                    future.result()
+                pending = []
+                if count == 0:
+                    break
+                pending = hasher.submit(view[position : position + count])
+                position += count
+        finally:
+            for future in pending:
+                future.result()
+            view.release()
+        return position
+
+    def close(self) -> None:
+        """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._temp is not None:
+            try:
+                os.remove(self._temp)
+            except OSError:
+                pass
+            self._temp = None
+
+    def __enter__(self) -> LocalCopy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
