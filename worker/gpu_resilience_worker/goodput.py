@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from gpu_resilience_worker.files import MIN_REWRITE_SECONDS, AdvisoryFile
 from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.preemption import process_age_seconds
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import GOODPUT_PREFIX, goodput_file_name  # noqa: F401 - re-exported
 
@@ -45,20 +46,10 @@ _IMPORTED_AT = time.time()
 
 
 def process_start_time() -> float:
-    """:return: the epoch time this process started (Linux ``/proc``, to 10 ms), else this module's import time.
-
-    The process's age is ``/proc/uptime`` less its start in clock ticks since boot
-    (``/proc/self/stat``); ``btime`` is not used, it has one-second resolution.
-    """
-    try:
-        with open("/proc/self/stat", encoding="ascii") as handle:
-            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as handle:
-            uptime = float(handle.read().split()[0])
-        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED_AT
-    return min(started, _IMPORTED_AT)
+    """:return: the epoch time this process started (:func:`~gpu_resilience_worker.preemption.process_age_seconds`,
+    to 10 ms), else this module's import time (where ``/proc`` is unreadable)."""
+    age = process_age_seconds()
+    return min(time.time() - age, _IMPORTED_AT) if age > 0 else _IMPORTED_AT
 
 
 class GoodputRecorder:
