@@ -34,7 +34,6 @@ from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRunGpuExecuteJobOperator
 from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir
 from tests.provider.operators.dag_factory import CAPTURED
-from tests.provider.operators.test_cloud_run import _clear_captured, run_dag, run_execute  # noqa: F401 - fixtures
 from tests.logs import worker_records
 
 # serial (scripts/run_tests.sh runs it alone): real worker attempts chained through 20 s task timeouts: another test beside them slowed the worker's start-up past them.
