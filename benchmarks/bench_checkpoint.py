@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
+from common import drop_cache, timed  # noqa: E402
 
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager  # noqa: E402
 from gpu_resilience_worker.logs import StructuredLogger  # noqa: E402
@@ -85,22 +86,6 @@ def empty_like_state(states: dict[str, TensorBag]) -> dict[str, TensorBag]:
 def state_bytes(states: dict[str, TensorBag]) -> int:
     """:return: the tensor bytes of all bags."""
     return sum(t.numel() * t.element_size() for bag in states.values() for t in bag.tensors.values())
-
-
-def timed(action: Callable[[], Any]) -> float:
-    """:return: seconds ``action`` took."""
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
-
-
-def drop_cache(path: Path) -> None:
-    """Ask the kernel to drop the clean cached pages of ``path`` (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def bench_copy(states: dict[str, TensorBag], repeats: int) -> list[float]:

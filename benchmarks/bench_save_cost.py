@@ -36,147 +36,23 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "worker"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-MIB = 1 << 20
-CHUNK = 8 << 20
-
-
-def _rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
-    """:return: ``model`` and ``optimizer`` stateful bags of float32 tensors, ``size_bytes`` in all."""
-    import torch
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_checkpoint import make_state
-
-    torch.manual_seed(seed)
-    return make_state(size_bytes, seed)
-
-
-def _torch_state(size_bytes: int, seed: int | None = 0) -> dict[str, Any]:
-    """:return: ``model`` (an ``nn.Module`` of 64 MiB float32 parameters, a third of
-    ``size_bytes``) and ``optimizer`` (``torch.optim.Adam`` over it). With a ``seed`` the
-    parameters are random and the optimizer has taken one step (its two moments hold the other
-    two thirds); without, the model is built zero-filled (its pages touched, as a constructor
-    does) with a fresh optimizer: what a restarted process has before its restore."""
-    import torch
-
-    per = (64 << 20) // 4
-    count = max(1, round(size_bytes / 3 / (per * 4)))
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(per)) for _ in range(count)])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if seed is not None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.randn(per, generator=generator))
-        _optimizer_step(model, optimizer)
-    return {"model": model, "optimizer": optimizer}
-
-
-def _optimizer_step(model: Any, optimizer: Any) -> None:
-    """One optimizer step with a constant gradient: it reads and writes every byte of the state."""
-    import torch
-
-    for param in model.parameters():
-        param.grad = torch.full_like(param, 1e-3)
-    optimizer.step()
-
-
-def _compute(steps: int, hidden: int) -> Any:
-    """:return: a function doing one 'training step' (a fixed amount of matrix products)."""
-    import torch
-
-    a = torch.randn(hidden, hidden)
-    b = torch.randn(hidden, hidden)
-
-    def step() -> None:
-        c = a
-        for _ in range(4):
-            c = torch.tanh(c @ b)
-
-    return step
-
-
-def child_train(args: argparse.Namespace) -> dict[str, Any]:
-    """One end-to-end run in this process: build the state, train, save on the interval.
-
-    ``--mode raw`` saves nothing: at each save step it writes the state's bytes as one raw
-    sequential write + fsync of a new file (:func:`raw_write`), keeping the newest two files as
-    the checkpoint runs keep two checkpoints. Its writes meet what a checkpoint write meets in
-    the same run (the memory that retention freed, the training beside it), and their own
-    seconds give the raw write bandwidth in place (``raw_write_seconds``). ``--mode raw-wb`` is
-    the same with each chunk's writeback started as it is written, as the checkpoint writer
-    does."""
-    import torch
-
-    from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
-    from gpu_resilience_worker.logs import StructuredLogger
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    states = _state(args.size_mib * MIB)
-    step = _compute(args.steps, args.hidden)
-    folder = Path(args.dir) / f"run-{args.mode}-{args.digest}-{os.getpid()}"
-    logger = StructuredLogger(open(os.devnull, "w"))
-    extra: dict[str, Any] = {}
-    started = time.perf_counter()
-    if args.mode in ("none", "raw", "raw-wb"):
-        from bench_checkpoint import state_bytes  # importable: _state put benchmarks/ on the path
-
-        size = state_bytes(states)
-        kept: list[Path] = []
-        seconds: list[float] = []
-        if args.mode != "none":
-            folder.mkdir()
-        for number in range(1, args.steps + 1):
-            step()
-            for bag in states.values():  # the optimizer touches its state every step
-                next(iter(bag.tensors.values())).add_(1e-6)
-            if args.mode != "none" and number % args.every == 0:
-                kept.append(folder / f"raw-{number:08d}.bin")
-                seconds.append(raw_write(kept[-1], size, writeback=args.mode == "raw-wb"))
-                while len(kept) > 2:
-                    kept.pop(0).unlink()
-        saves, written = len(seconds), size * len(seconds)
-        if seconds:
-            extra["raw_write_seconds"] = seconds
-    else:
-        mode = {"sync": AsyncMode.DISABLED, "async": AsyncMode.ASYNC}[args.mode]
-        config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
-        with CheckpointManager(config, states, logger=logger) as manager:
-            if args.digest != "default":
-                manager._store.digest = args.digest
-            for number in range(1, args.steps + 1):
-                step()
-                for bag in states.values():
-                    next(iter(bag.tensors.values())).add_(1e-6)
-                manager.save(number)
-        saves, written = len(manager.stats.sizes), sum(manager.stats.sizes)
-        extra["save_seconds"] = list(manager.stats.durations)
-        extra["blocking_seconds"] = list(manager.stats.blocking)
-    wall = time.perf_counter() - started
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-    return {"wall_s": wall, "saves": saves, "bytes_written": written, "peak_rss_bytes": _rss_peak_bytes(),
-            "threads": torch.get_num_threads(), **extra}
+import common  # noqa: E402
+from common import CHUNK, MIB, drop_cache, raw_read, raw_write, timed  # noqa: E402
+from save_cost_children import _torch_state, child_restart, child_train  # noqa: E402
+from save_cost_report import RAW_MODES, _ratios, in_place_bandwidth, raw_run_bandwidth, render  # noqa: E402,F401 - the tests and the docs read them here
 
 
 #: The end-to-end runs, by name: (save mode, chunk digest); ``default`` is the writer's own digest.
@@ -191,66 +67,6 @@ E2E_MODES: dict[str, tuple[str, str]] = {
 }
 
 
-def raw_write(path: Path, size: int, writeback: bool = False) -> float:
-    """:return: seconds of a sequential write + fsync of ``size`` bytes to the new file ``path``,
-    in :data:`CHUNK` writes from one buffer.
-
-    :param writeback: start the writeback of each chunk as it is written
-        (:func:`~gpu_resilience_worker.fastio.start_writeback`, as the checkpoint writer does),
-        so that the closing fsync has little left; without it the whole flush waits for the fsync.
-    """
-    from gpu_resilience_worker.fastio import start_writeback
-
-    buffer = memoryview(os.urandom(CHUNK))
-    started = time.perf_counter()
-    with open(path, "xb", buffering=0) as handle:
-        offset = 0
-        while offset < size:
-            take = min(size - offset, CHUNK)
-            handle.write(buffer[:take])
-            if writeback:
-                start_writeback(handle.fileno(), offset, take)
-            offset += take
-        os.fsync(handle.fileno())
-    return time.perf_counter() - started
-
-
-def raw_read(path: Path, into_new_memory: bool = False) -> tuple[float, int]:
-    """:return: (seconds, bytes) of one sequential read of ``path`` into one reused buffer, or,
-    with ``into_new_memory``, into new memory of its size (an anonymous mapping, its pages first
-    touched by the read): the least any loader that keeps the bytes must do."""
-    import mmap
-
-    size = path.stat().st_size
-    memory = mmap.mmap(-1, max(size, 1)) if into_new_memory else bytearray(CHUNK)
-    view = memoryview(memory)
-    started, total = time.perf_counter(), 0
-    try:
-        with open(path, "rb", buffering=0) as handle:
-            while True:
-                with (view[total : total + CHUNK] if into_new_memory else view[:]) as target:
-                    count = handle.readinto(target)
-                if not count:
-                    break
-                total += count
-        return time.perf_counter() - started, total
-    finally:
-        view.release()
-        if into_new_memory:
-            memory.close()
-
-
-def _drop(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def bench_digests(size: int) -> dict[str, float]:
     """:return: GB/s of each chunk digest over ``size`` random bytes (best of 3)."""
     from gpu_resilience_worker.fastio import ChunkHasher, crc32c_available, new_hasher
@@ -259,7 +75,7 @@ def bench_digests(size: int) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def best(action: Any) -> float:
-        seconds = min(_timed(action) for _ in range(3))
+        seconds = min(timed(action) for _ in range(3))
         return round(size / seconds / 1e9, 3)
 
     def one(kind: str) -> Any:
@@ -285,12 +101,6 @@ def bench_digests(size: int) -> dict[str, float]:
     return out
 
 
-def _timed(action: Any) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
-
-
 def _child(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--size-mib", str(args.size_mib), "--steps", str(args.steps),
                "--every", str(args.every), "--hidden", str(args.hidden), "--dir", args.dir,
@@ -299,73 +109,6 @@ def _child(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
     if result.returncode != 0:
         raise RuntimeError(f"child {extra} failed: {result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-class _Counting:
-    """Wraps a file opened for reading and counts the bytes read."""
-
-    def __init__(self, handle: BinaryIO, counter: list[int]) -> None:
-        self._handle, self._counter = handle, counter
-
-    def readinto(self, buffer: Any) -> int:
-        count = self._handle.readinto(buffer) or 0
-        self._counter[0] += count
-        return count
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._handle.read(size)
-        self._counter[0] += len(data)
-        return data
-
-    def __enter__(self) -> _Counting:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.close()
-
-
-def child_restart(args: argparse.Namespace) -> dict[str, Any]:
-    """A restarted worker: import, build the model and optimizer, restore the newest checkpoint,
-    one training step (matrix products and an optimizer step over the whole state). With
-    ``--raw``: the same, but one raw read of the checkpoint file instead of the restore."""
-    from gpu_resilience_worker.checkpoint import CheckpointConfig, CheckpointManager
-    from gpu_resilience_worker.logs import StructuredLogger
-    from gpu_resilience_worker.storage import LocalStorage
-
-    counter = [0]
-
-    class CountingStorage(LocalStorage):
-        def open_read(self, path: str) -> BinaryIO:
-            handle = super().open_read(path)
-            return _Counting(handle, counter) if path.endswith(".pt") else handle  # type: ignore[return-value]
-
-        def read(self, path: str) -> bytes:
-            data = super().read(path)
-            if path.endswith(".pt"):
-                counter[0] += len(data)
-            return data
-
-    import torch  # noqa: F401 - imported here, so that the first phase holds the interpreter and torch
-
-    phases = {"imported": time.time()}
-    states = _torch_state(args.size_mib * MIB, seed=None)
-    step = _compute(1, args.hidden)
-    phases["built"] = time.time()
-    folder = Path(args.dir) / "restore"
-    if args.raw:
-        data = sorted(folder.glob("ckpt-*.pt"))[-1]
-        _, counter[0] = raw_read(data)
-    else:
-        config = CheckpointConfig(folder=str(folder), interval=0)
-        with CheckpointManager(config, states, storage=CountingStorage(),
-                               logger=StructuredLogger(open(os.devnull, "w"))) as manager:
-            assert manager.load(), "no checkpoint restored"
-    phases["restored"] = time.time()
-    step()
-    _optimizer_step(states["model"], states["optimizer"])
-    phases["first_step"] = time.time()
-    return {"first_step_at": phases["first_step"], "phases": phases, "bytes_read": counter[0],
-            "peak_rss_bytes": _rss_peak_bytes()}
 
 
 def _phase_seconds(started: float, phases: dict[str, float]) -> dict[str, float]:
@@ -381,7 +124,8 @@ def _phase_seconds(started: float, phases: dict[str, float]) -> dict[str, float]
 
 
 def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
-    """Checkpoint write/restore in ``--dir`` against raw sequential I/O of the same bytes there.
+    """Checkpoint write/restore in ``--dir`` against raw sequential I/O of the same bytes there,
+    and a restarted worker's first step against a start plus a raw read (:func:`bench_restarts`).
 
     The state is a real model and Adam optimizer (:func:`_torch_state`); a restore loads into a
     freshly built model and optimizer, as a restarted worker does. Raw read and restore alternate
@@ -396,7 +140,7 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     logger = StructuredLogger(open(os.devnull, "w"))
     config = CheckpointConfig(folder=str(folder), interval=1, keep_latest_k=2, async_mode=AsyncMode.DISABLED)
     with CheckpointManager(config, states, logger=logger) as manager:
-        write_s = _timed(lambda: manager.save(1, force=True))
+        write_s = timed(lambda: manager.save(1, force=True))
         size = manager.stats.sizes[-1]
     del states
     raw_file = Path(args.dir) / "raw.bin"
@@ -406,170 +150,59 @@ def bench_io(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     data_object = os.path.relpath(data_file, mount.mountpoint) if mount is not None else None
     raw_reads, memory_reads, restores, fuse_reads = [], [], [], []
     for _ in range(args.repeats):
-        _drop(raw_file)
+        drop_cache(raw_file, ignore_errors=True)
         raw_reads.append(raw_read(raw_file)[0])
-        _drop(raw_file)
+        drop_cache(raw_file, ignore_errors=True)
         memory_reads.append(raw_read(raw_file, into_new_memory=True)[0])
         fresh = _torch_state(args.size_mib * MIB, seed=None)
-        _drop(data_file)
+        drop_cache(data_file, ignore_errors=True)
         before = mount.stats()["bytesRead"].get(data_object, 0) if mount is not None else 0
         with CheckpointManager(CheckpointConfig(folder=str(folder), interval=0), fresh, logger=logger) as manager:
-            restores.append(_timed(manager.load))
+            restores.append(timed(manager.load))
         if mount is not None:
             fuse_reads.append(mount.stats()["bytesRead"].get(data_object, 0) - before)
         del fresh
     raw_file.unlink()
-    restarts, raw_starts, phases = [], [], {"restore": [], "raw": []}
-    for _ in range(args.repeats):
-        _drop(data_file)
-        started = time.time()
-        restored = _child(["--child", "restart"], args)
-        restarts.append(restored["first_step_at"] - started)
-        phases["restore"].append(_phase_seconds(started, restored["phases"]))
-        _drop(data_file)
-        started = time.time()
-        raw = _child(["--child", "restart", "--raw"], args)
-        raw_starts.append(raw["first_step_at"] - started)
-        phases["raw"].append(_phase_seconds(started, raw["phases"]))
     restore_s, raw_read_s = min(restores), min(raw_reads)
-    restart_s, raw_start_s = min(restarts), min(raw_starts)
     return {
         "bytes": size, "checkpoint_write_s": write_s, "raw_write_s": raw_write_s,
         "write_ratio": raw_write_s / write_s, "restore_s": restore_s, "raw_read_s": raw_read_s,
         "restore_all_s": restores, "raw_read_all_s": raw_reads,
         "raw_read_to_memory_s": min(memory_reads), "raw_read_to_memory_all_s": memory_reads,
         "restore_ratio_to_memory_read": min(memory_reads) / restore_s,
-        "restore_ratio": raw_read_s / restore_s, "bytes_read_per_restore": restored["bytes_read"],
-        "restart_to_first_step_s": restart_s, "start_plus_raw_read_s": raw_start_s,
-        "restart_all_s": restarts, "start_plus_raw_read_all_s": raw_starts, "restart_phases_s": phases,
-        "restart_ratio": restart_s / raw_start_s, "restart_peak_rss_bytes": restored["peak_rss_bytes"],
-        "raw_start_peak_rss_bytes": raw["peak_rss_bytes"],
+        "restore_ratio": raw_read_s / restore_s, **bench_restarts(args, data_file),
         "fuse_bytes_read_per_restore": max(fuse_reads) if fuse_reads else None,
         "fuse_events": mount.stats() if mount is not None else None,
     }
 
 
-def _ratios(overhead: float, written: int, probe: float, in_place: float | None,
-            in_run: float | None = None) -> str:
-    """:return: ``overhead / (written / bandwidth)`` against the probe and, when measured, in place
-    and by the raw run's cost (``"1.20 / 0.95 / 1.05"``), or ``"-"`` for a run that wrote nothing."""
-    if not written:
-        return "-"
-    bandwidths = [probe, in_place, in_run] if in_run else [probe, in_place] if in_place else [probe]
-    return " / ".join(f"{overhead / (written / bandwidth):.2f}" if bandwidth else "-" for bandwidth in bandwidths)
+def bench_restarts(args: argparse.Namespace, data_file: Path) -> dict[str, Any]:
+    """A restarted worker's start to its first step after a restore (:func:`child_restart`)
+    against a start plus one raw read of ``data_file``, alternating ``--repeats`` times, each
+    from a dropped page cache; the fastest of each counts (all are kept, with their phases).
 
-
-def render(result: dict[str, Any]) -> str:
-    import common
-
-    lines = common.machine_lines(result["machine"])
-    lines.append(f"state {result['size_mib']} MiB, {result['steps']} steps, a save every {result['every']} steps; "
-                 f"folder {result['dir']} ({result['dir_kind']}); nice {result['nice']}")
-    lines.append("")
-    lines.append("chunk digests (GB/s, best of 3)")
-    for name, rate in result["digests"].items():
-        lines.append(f"  {name:36s} {rate:8.3f}")
-    bandwidth = result["raw_write_bytes_per_s"]
-    if result["runs"]:  # none with --skip-e2e
-        lines.append("")
-        lines.extend(_e2e_lines(result, bandwidth))
-    lines.extend(_grid_lines(result))
-    lines.extend(_io_lines(result.get("io")))
-    return "\n".join(lines)
-
-
-def _e2e_lines(result: dict[str, Any], bandwidth: float) -> list[str]:
-    lines = [f"end to end (raw write bandwidth {bandwidth / 1e6:.0f} MB/s)"]
-    lines.append(f"  (wall: the fastest of {result['repeats']} interleaved runs, the one least slowed by other load;"
-                 " median: of all of them)")
-    in_place, in_run = in_place_bandwidth(result["runs"]), raw_run_bandwidth(result["runs"])
-    if in_place:
-        lines.append(f"  (in place, by the raw runs' own writes: {in_place / 1e6:.0f} MB/s"
-                     + (f"; by the raw run's cost: {in_run / 1e6:.0f} MB/s" if in_run else "")
-                     + "; ratio: against the probe / in place" + (" / the raw run's cost)" if in_run else ")"))
-    lines.append(f"  {'mode':22s} {'wall s':>8s} {'median s':>8s} {'overhead s':>10s} {'bytes/raw bw s':>14s} {'ratio':>18s}"
-                 f" {'peak RSS GB':>11s}")
-    for name, run in result["runs"].items():
-        ideal = run["bytes_written"] / bandwidth
-        overhead = run["wall_s"] - result["runs"]["none"]["wall_s"]
-        ratio = _ratios(overhead, run["bytes_written"], bandwidth, in_place, in_run)
-        median = statistics.median(run.get("wall_all_s") or [run["wall_s"]])
-        lines.append(f"  {name:22s} {run['wall_s']:8.2f} {median:8.2f} {overhead:10.2f} {ideal:14.2f} {ratio:>18s} "
-                     f"{run['peak_rss_bytes'] / 1e9:11.2f}")
-    return lines
-
-
-def _grid_lines(result: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    if result.get("grid"):
-        lines.append("")
-        lines.append("sweep: wall s, the fastest / the median of the interleaved runs; ratio = (fastest - none) /"
-                     " (bytes / raw write bandwidth), target <= 1.2, against the probe (one write between runs,"
-                     " the median of one a round), in place (the raw runs' own writes, the median run) and by the raw run's"
-                     " cost (the fastest raw run's bytes over its wall time beyond none: a checkpoint's cost against"
-                     " a raw writer's in the same loop)")
-        modes = [name for name in (*RAW_MODES, "sync", "async") if any(name in p["runs"] for p in result["grid"])]
-        lines.append(f"  {'MiB':>5s} {'every':>5s} {'threads':>7s} {'probe MB/s':>10s} {'in place':>8s} {'none':>13s} "
-                     + " ".join(f"{name:>13s}" for name in modes) + " "
-                     + " ".join(f"{name + ' ratio':>20s}" for name in modes) + "  async <= sync (fastest, median)")
-        for point in result["grid"]:
-            runs, bandwidth = point["runs"], point["raw_write_bytes_per_s"]
-            in_place, in_run = in_place_bandwidth(runs), raw_run_bandwidth(runs)
-            none = runs["none"]["wall_s"]
-
-            def median(name: str) -> float:
-                return statistics.median(runs[name].get("wall_all_s") or [runs[name]["wall_s"]])
-
-            def walls(name: str) -> str:
-                return f"{runs[name]['wall_s']:.2f} / {median(name):.2f}" if name in runs else "-"
-
-            def ratio(name: str) -> str:
-                run = runs.get(name)
-                if not run:
-                    return "-"
-                return _ratios(run["wall_s"] - none, run["bytes_written"], bandwidth, in_place, in_run)
-
-            def verdict(first: str, second: str) -> str:
-                if first not in runs or second not in runs:
-                    return "-"
-                fastest = runs[first]["wall_s"] <= runs[second]["wall_s"]
-                return f"{'yes' if fastest else 'NO'}, {'yes' if median(first) <= median(second) else 'NO'}"
-
-            place = f"{in_place / 1e6:8.0f}" if in_place else f"{'-':>8s}"
-            lines.append(f"  {point['size_mib']:5d} {point['every']:5d} {point['threads'] or 'dflt':>7} {bandwidth / 1e6:10.0f} "
-                         f"{place} {walls('none'):>13s} " + " ".join(f"{walls(name):>13s}" for name in modes) + " "
-                         + " ".join(f"{ratio(name):>20s}" for name in modes) + f"  {verdict('async', 'sync')}")
-    return lines
-
-
-def _io_lines(io: dict[str, Any] | None) -> list[str]:
-    lines: list[str] = []
-    if io:
-        lines.append("")
-        lines.append(f"I/O in the folder ({io['bytes'] / 1e6:.0f} MB checkpoint)")
-        lines.append(f"  checkpoint write {io['checkpoint_write_s']:.2f} s vs raw write {io['raw_write_s']:.2f} s: "
-                     f"{100 * io['write_ratio']:.0f} % of raw (target >= 80 %)")
-        lines.append(f"  restore {io['restore_s']:.2f} s vs raw read {io['raw_read_s']:.2f} s: "
-                     f"{100 * io['restore_ratio']:.0f} % of raw (target >= 80 %)"
-                     + (f"; fastest of {len(io['restore_all_s'])} each, all: restore "
-                        + ", ".join(f"{x:.2f}" for x in io["restore_all_s"]) + "; raw read "
-                        + ", ".join(f"{x:.2f}" for x in io["raw_read_all_s"]) if io.get("restore_all_s") else ""))
-        if io.get("raw_read_to_memory_s") is not None:
-            lines.append(f"  restore vs a raw read into new memory of the file's size {io['raw_read_to_memory_s']:.2f} s "
-                         f"(the least a loader that keeps the bytes does): {100 * io['restore_ratio_to_memory_read']:.0f} %")
-        lines.append(f"  bytes read per restore {io['bytes_read_per_restore']} = "
-                     f"{io['bytes_read_per_restore'] / io['bytes']:.2f} x the checkpoint (target 1)")
-        if io.get("fuse_bytes_read_per_restore") is not None:
-            events = io["fuse_events"]
-            lines.append(f"  FUSE volume's count of bytes read per restore {io['fuse_bytes_read_per_restore']}; "
-                         f"staged writes {events['staged']}, throttled rewrites {events['throttled']}, "
-                         f"non-atomic renames {events['nonAtomicRenames']}")
-        lines.append(f"  restart to first step {io['restart_to_first_step_s']:.2f} s vs start + raw read "
-                     f"{io['start_plus_raw_read_s']:.2f} s: {io['restart_ratio']:.2f} x (target <= 1.5)")
-        for kind, runs in (io.get("restart_phases_s") or {}).items():
-            for phases in runs:
-                lines.append(f"    {kind:7s} " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items()))
-    return lines
+    :return: the I/O table's restart figures and the bytes the last restore read.
+    """
+    restarts, raw_starts, phases = [], [], {"restore": [], "raw": []}
+    for _ in range(args.repeats):
+        drop_cache(data_file, ignore_errors=True)
+        started = time.time()
+        restored = _child(["--child", "restart"], args)
+        restarts.append(restored["first_step_at"] - started)
+        phases["restore"].append(_phase_seconds(started, restored["phases"]))
+        drop_cache(data_file, ignore_errors=True)
+        started = time.time()
+        raw = _child(["--child", "restart", "--raw"], args)
+        raw_starts.append(raw["first_step_at"] - started)
+        phases["raw"].append(_phase_seconds(started, raw["phases"]))
+    restart_s, raw_start_s = min(restarts), min(raw_starts)
+    return {
+        "bytes_read_per_restore": restored["bytes_read"],
+        "restart_to_first_step_s": restart_s, "start_plus_raw_read_s": raw_start_s,
+        "restart_all_s": restarts, "start_plus_raw_read_all_s": raw_starts, "restart_phases_s": phases,
+        "restart_ratio": restart_s / raw_start_s, "restart_peak_rss_bytes": restored["peak_rss_bytes"],
+        "raw_start_peak_rss_bytes": raw["peak_rss_bytes"],
+    }
 
 
 def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
@@ -606,34 +239,6 @@ def run_e2e(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
             if key in got[0]:
                 runs[name][key + "_all"] = [r[key] for r in got]
     return runs, probes
-
-
-#: The end-to-end modes that write raw bytes instead of checkpoints.
-RAW_MODES = ("raw", "raw-wb")
-
-
-def in_place_bandwidth(runs: dict[str, Any]) -> float | None:
-    """:return: the raw write bandwidth in place (bytes/s): of each raw mode that ran (``raw``,
-    ``raw-wb``), the median over its runs, and of those the higher (the best a plain writer did:
-    the fair baseline); ``None`` when no raw mode ran."""
-    medians = [statistics.median(rates) for name in RAW_MODES
-               if (rates := (runs.get(name) or {}).get("in_place_bytes_per_s_all"))]
-    return max(medians) if medians else None
-
-
-def raw_run_bandwidth(runs: dict[str, Any]) -> float | None:
-    """:return: the raw write bandwidth by its cost to the run (bytes/s): of each raw mode that ran,
-    its bytes over its wall time beyond the run with no saves (the fastest of each), and of those
-    the higher. It is what writing the state's bytes raw at the same steps costs the same training
-    loop, so ``overhead / (bytes / this)`` is a checkpoint's cost against a raw writer's in the same
-    run (1.0: the same). ``None`` when no raw mode ran, no ``none`` run is there, or every raw run
-    was no slower than ``none`` (a cost of zero or less gives no bandwidth)."""
-    if "none" not in runs:
-        return None
-    none = runs["none"]["wall_s"]
-    rates = [run["bytes_written"] / (run["wall_s"] - none) for name in RAW_MODES
-             if (run := runs.get(name)) and run.get("bytes_written") and run["wall_s"] > none]
-    return max(rates) if rates else None
 
 
 def raw_bandwidth(folder: str, size: int) -> float:
@@ -679,7 +284,6 @@ def parse_grid_point(spec: str) -> tuple[int, int, int]:
 
 def measure(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     """:return: every table's figures, measured in ``args.dir`` (``mount``: the FUSE mount there)."""
-    import common
     from gpu_resilience_worker.fastio import default_digest
 
     result: dict[str, Any] = {"machine": common.machine_info(), "size_mib": args.size_mib, "steps": args.steps,
@@ -702,7 +306,8 @@ def measure(args: argparse.Namespace, mount: Any = None) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """:return: the command line's parser (the ``--child`` options are the runs' own, hidden)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256,
                         help="state size in MiB (default 256); the I/O table's model and Adam state is made of "
@@ -727,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--digest", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the tables, write the JSON (``--out``); or, with ``--child``, one measured
+    process (:mod:`save_cost_children`), its figures printed as JSON. :return: 0."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.size_mib <= 0 or args.steps <= 0 or args.every <= 0:
         parser.error("--size-mib, --steps and --every must be > 0")
@@ -741,8 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         result = child_train(args) if args.child == "train" else child_restart(args)
         print(json.dumps(result))
         return 0
-    import common
-
     temp = None
     if args.dir is None:
         temp = tempfile.TemporaryDirectory(prefix="bench-save-cost-", dir=str(REPO / ".bench") if (REPO / ".bench").is_dir() else None)

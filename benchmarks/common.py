@@ -1,8 +1,10 @@
-"""Helpers shared by ``bench_goodput.py`` and ``bench_orchestration.py``.
+"""Helpers shared by the benchmarks.
 
 Machine description and load, the offline google-auth environment, ``run_v2`` / Storage
 clients on the emulator, the digits dataset, worker log parsing, a counting HTTP proxy (the
-emulator keeps no request counts), text tables and result files. Nothing here imports Airflow.
+emulator keeps no request counts), text tables and result files, and the raw I/O the checkpoint
+benchmarks measure against (:func:`timed`, :func:`drop_cache`, :func:`raw_write`,
+:func:`raw_read`). Nothing here imports Airflow.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = "bench-project"
 REGION = "us-central1"
 PARENT = f"projects/{PROJECT}/locations/{REGION}"
+MIB = 1 << 20
+#: The size of each write and read of the raw I/O (:func:`raw_write`, :func:`raw_read`).
+CHUNK = 8 << 20
 
 
 def apply_offline_env() -> None:
@@ -256,3 +261,77 @@ def classify_path(path: str) -> str:
     else:
         kind = parts[-2].rstrip("s")
     return f"{kind}:{verb}" if verb else kind
+
+
+def timed(action) -> float:
+    """:return: seconds ``action()`` took (``time.perf_counter``)."""
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def drop_cache(path: Path, ignore_errors: bool = False) -> None:
+    """Ask the kernel to drop the clean cached pages of ``path`` (``POSIX_FADV_DONTNEED``; no root
+    needed), so that the next read comes from the disk or the volume.
+
+    :param ignore_errors: leave an :class:`OSError` unraised (a file gone, a file system that
+        refuses the advice); by default it is raised.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+def raw_write(path: Path, size: int, writeback: bool = False) -> float:
+    """:return: seconds of a sequential write + fsync of ``size`` bytes to the new file ``path``,
+    in :data:`CHUNK` writes from one buffer.
+
+    :param writeback: start the writeback of each chunk as it is written
+        (:func:`~gpu_resilience_worker.fastio.start_writeback`, as the checkpoint writer does),
+        so that the closing fsync has little left; without it the whole flush waits for the fsync.
+    """
+    from gpu_resilience_worker.fastio import start_writeback
+
+    buffer = memoryview(os.urandom(CHUNK))
+    started = time.perf_counter()
+    with open(path, "xb", buffering=0) as handle:
+        offset = 0
+        while offset < size:
+            take = min(size - offset, CHUNK)
+            handle.write(buffer[:take])
+            if writeback:
+                start_writeback(handle.fileno(), offset, take)
+            offset += take
+        os.fsync(handle.fileno())
+    return time.perf_counter() - started
+
+
+def raw_read(path: Path, into_new_memory: bool = False) -> tuple[float, int]:
+    """:return: (seconds, bytes) of one sequential read of ``path`` into one reused buffer, or,
+    with ``into_new_memory``, into new memory of its size (an anonymous mapping, its pages first
+    touched by the read): the least any loader that keeps the bytes must do."""
+    import mmap
+
+    size = path.stat().st_size
+    memory = mmap.mmap(-1, max(size, 1)) if into_new_memory else bytearray(CHUNK)
+    view = memoryview(memory)
+    started, total = time.perf_counter(), 0
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            while True:
+                with (view[total : total + CHUNK] if into_new_memory else view[:]) as target:
+                    count = handle.readinto(target)
+                if not count:
+                    break
+                total += count
+        return time.perf_counter() - started, total
+    finally:
+        view.release()
+        if into_new_memory:
+            memory.close()
