@@ -1,10 +1,7 @@
 """The emulator's FUSE mounts themselves: bytes read counted, the folder fallback where FUSE is
-unavailable, a job's attempt records and logs showing the events, refused mount options, no
-mount left after a hard kill, odd mount points and state folders, ``only-dir``.
-
-See :mod:`cloud_run_emulator.gcsfuse` for the semantics. Objects are checked through the real
-google-cloud-storage client on the emulator's GCS endpoint; the mounts (``mnt``, ``strict``)
-and their bucket are shared fixtures (``conftest.py``).
+unavailable, a job's attempt records and logs showing the events, refused mount options, no mount
+left after a hard kill, odd mount points and state folders, ``only-dir``. The mounts and the helpers
+are in ``conftest.py``; see ``test_gcsfuse.py`` for the rest.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Renames on the emulator's FUSE volume as in Cloud Storage FUSE: copy then delete, directory
-renames (``rename-dir-limit``), a file renamed while open for writing, refused rename flags, a
-rename on a full disk, and rewrites of one name within a second recorded as throttled.
-
-See :mod:`cloud_run_emulator.gcsfuse` for the semantics. Objects are checked through the real
-google-cloud-storage client on the emulator's GCS endpoint; the mounts (``mnt``, ``strict``)
-and their bucket are shared fixtures (``conftest.py``).
+"""Renames on the emulator's FUSE volume as in Cloud Storage FUSE: copy then delete, directory renames
+(``rename-dir-limit``), a file renamed while open for writing, refused rename flags, a rename on a
+full disk, and rewrites of one name within a second recorded as throttled. The mounts and the
+helpers are in ``conftest.py``; see ``test_gcsfuse.py`` for the rest.
 """
 
 from __future__ import annotations

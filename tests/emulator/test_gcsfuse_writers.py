@@ -1,10 +1,7 @@
-"""Several writers of one object on the emulator's FUSE volume: two mounts or two tasks (the
-second close gets ``ESTALE``), the handles of one task sharing its file, another task's writes
-invisible until closed, and the streaming limit counted per task.
-
-See :mod:`cloud_run_emulator.gcsfuse` for the semantics. Objects are checked through the real
-google-cloud-storage client on the emulator's GCS endpoint; the mounts (``mnt``, ``strict``)
-and their bucket are shared fixtures (``conftest.py``).
+"""Several writers of one object on the emulator's FUSE volume: two mounts or two tasks (the second
+close gets ``ESTALE``), the handles of one task sharing its file, another task's writes invisible
+until closed, and the streaming limit counted per task. The mounts and the helpers are in
+``conftest.py``; see ``test_gcsfuse.py`` for the rest.
 """
 
 from __future__ import annotations
