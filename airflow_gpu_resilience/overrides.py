@@ -15,6 +15,7 @@ that finds an execution whose RunJob answer was lost), :func:`with_env_overrides
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,8 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
         ``{name, args, env, clear_args}``), ``task_count`` (an integer from 1 to 10000, Cloud Run's
         most tasks per execution; 0 keeps the job's) and ``timeout`` (``"20s"``, ``{"seconds": 20}``
         or a ``timedelta``: whole seconds from 1 to 604800, the job spec's ``task_timeout`` range),
-        or ``None``. An env var's name is not empty and holds no ``=`` or NUL, and is not
+        or ``None``. A container's ``name`` is empty (the job's first container) or a DNS label; an
+        env var's name is not empty and holds no ``=`` or NUL, and is not
         ``CLOUD_RUN_*`` (Cloud Run's) or ``TASK_TIMEOUT_SECONDS`` (set from ``timeout``); its value
         and every arg hold no NUL (a process's environment and arguments cannot carry one).
     :raises ValueError: one error naming ``overrides``, the field and the allowed values.
@@ -75,11 +77,21 @@ def check_overrides(overrides: Mapping[str, Any] | None) -> None:
                 _check_container(f"overrides['container_overrides'][{index}]", container)
 
 
-def _check_container(where: str, container: run_v2.RunJobRequest.Overrides.ContainerOverride) -> None:
-    """Check one container override's env and args; ``where`` is how the user wrote it.
+#: A container name: Cloud Run's ``Container.name`` is a DNS label (RFC 1123), at most 63 characters
+#: (https://cloud.google.com/run/docs/reference/rest/v2/Container).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
-    :raises ValueError: naming the env var's ``name`` or ``value``, or the arg, and the rule.
+
+def _check_container(where: str, container: run_v2.RunJobRequest.Overrides.ContainerOverride) -> None:
+    """Check one container override's name, env and args; ``where`` is how the user wrote it.
+
+    :raises ValueError: naming the container's ``name``, the env var's ``name`` or ``value``, or the
+        arg, and the rule.
     """
+    if container.name and not _DNS_LABEL.fullmatch(container.name):
+        raise ValueError(f"{where}['name']={container.name!r} is not a container name: a DNS label (RFC 1123) of 1 "
+                         "to 63 lowercase letters, digits and '-', starting and ending with a letter or digit, "
+                         "as Cloud Run names containers; or empty for the job's first container")
     taken = sorted({e.name for e in container.env} & OVERRIDE_RESERVED_ENV)
     if taken:
         raise ValueError(f"{where} sets {', '.join(taken)}: reserved (Cloud Run sets CLOUD_RUN_*; "

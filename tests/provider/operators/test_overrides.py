@@ -25,6 +25,8 @@ from airflow_gpu_resilience.overrides import check_overrides
     {"container_overrides": [{"env": [{"name": "S", "value_source": {"secret_key_ref": {"secret": "s"}}}]}]},
     {"container_overrides": [{"env": [{"name": "A", "value": ""}]}]},
     {"container_overrides": [{"args": ["--steps", "10"], "env": [{"name": "A", "value": "1"}]}]},
+    {"container_overrides": [{"name": "worker", "args": ["train"]}]},
+    {"container_overrides": [{"name": "a" * 63}, {"name": "0-sidecar-1"}]},
 ])
 def test_valid_overrides_pass(overrides):
     check_overrides(overrides)
@@ -57,6 +59,11 @@ def test_valid_overrides_pass(overrides):
      r"^overrides\['container_overrides'\]\[0\]\['env'\]\[0\]\['value'\]: value of 'A' must not contain NUL"),
     ({"container_overrides": [{"args": ["--steps", "1\x00"]}]},
      r"^overrides\['container_overrides'\]\[0\]\['args'\]\[1\]='1\\x00' must not contain NUL"),
+    ({"container_overrides": [{"name": "work\x00er"}]},
+     r"^overrides\['container_overrides'\]\[0\]\['name'\]='work\\x00er' is not a container name: a DNS label"),
+    ({"container_overrides": [{"name": "Worker"}]}, r"^overrides\['container_overrides'\]\[0\]\['name'\]='Worker' is not a"),
+    ({"container_overrides": [{}, {"name": "-w"}]}, r"^overrides\['container_overrides'\]\[1\]\['name'\]='-w' is not a"),
+    ({"container_overrides": [{"name": "a" * 64}]}, r"^overrides\['container_overrides'\]\[0\]\['name'\]='a{64}' is not a"),
     ({"task_count": "two"}, r"^overrides\['task_count'\]='two' is not valid: "),
     ({"taskCount": 2, "tiemout": "5s"}, r"^overrides has unknown field\(s\) taskCount, tiemout; allowed: "),
     ({"container_overrides": [{"argz": ["x"]}]}, r"^overrides\['container_overrides'\]=.* is not valid: .*argz"),
