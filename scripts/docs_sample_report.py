@@ -32,7 +32,7 @@ LOG_PLACEHOLDER = Path("/path/to/clone/demo-output/demo-.../airflow-dags-test.lo
 
 
 def _demo():
-    spec = importlib.util.spec_from_file_location("agr_demo_report", REPO / "scripts" / "demo.py")
+    spec = importlib.util.spec_from_file_location("agr_demo_report", REPO / "scripts" / "demo_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,7 +46,7 @@ def render(report: dict) -> str:
     """
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        _demo()._print_report(report, LOG_PLACEHOLDER)
+        _demo().print_report(report, LOG_PLACEHOLDER)
     return printed.getvalue().lstrip("\n")
 
 
