@@ -29,8 +29,10 @@ from gpu_resilience_worker.storage import Storage
 
 
 def status_of(code: int) -> str:
-    """:return: the attempt's end status for its exit code: ``completed`` (0), ``preempted`` (143),
-    else ``failed``."""
+    """The attempt's end status for its exit code.
+
+    :return: ``completed`` (0), ``preempted`` (143), else ``failed``.
+    """
     return {EXIT_OK: "completed", EXIT_PREEMPTED: "preempted"}.get(code, "failed")
 
 

@@ -46,8 +46,11 @@ _IMPORTED_AT = time.time()
 
 
 def process_start_time() -> float:
-    """:return: the epoch time this process started (:func:`~gpu_resilience_worker.preemption.process_age_seconds`,
-    to 10 ms), else this module's import time (where ``/proc`` is unreadable)."""
+    """The epoch time this process started.
+
+    :return: from :func:`~gpu_resilience_worker.preemption.process_age_seconds` (to 10 ms), else
+        this module's import time (where ``/proc`` is unreadable).
+    """
     age = process_age_seconds()
     return min(time.time() - age, _IMPORTED_AT) if age > 0 else _IMPORTED_AT
 

@@ -31,6 +31,7 @@ CONTINUE, SAVE, EXIT = "continue", "save", "exit"
 #: A save fits when its estimate times this factor, plus :data:`SAVE_MARGIN_SECONDS`, is below the
 #: grace left: a save after SIGTERM competes with the rest of the shutdown for the machine.
 SAVE_ESTIMATE_FACTOR = 1.5
+#: Seconds added to a save's estimate before comparing it with the time left.
 SAVE_MARGIN_SECONDS = 0.5
 #: :func:`decide_stop`'s reason when a save would not fit in the grace left.
 NO_TIME_TO_SAVE = "final checkpoint skipped: it would not fit in the grace period"
@@ -161,8 +162,11 @@ class PreemptionWatcher:
 
 
 def save_fits(estimated_save_seconds: float, remaining_seconds: float, margin: float = SAVE_MARGIN_SECONDS) -> bool:
-    """:return: whether ``estimated_save_seconds`` x :data:`SAVE_ESTIMATE_FACTOR` + ``margin`` is
-    below ``remaining_seconds`` (all in seconds)."""
+    """Whether a save fits in the time left.
+
+    :return: whether ``estimated_save_seconds`` x :data:`SAVE_ESTIMATE_FACTOR` + ``margin`` is
+        below ``remaining_seconds`` (all in seconds).
+    """
     return estimated_save_seconds * SAVE_ESTIMATE_FACTOR + margin < remaining_seconds
 
 

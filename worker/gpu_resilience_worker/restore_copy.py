@@ -36,7 +36,7 @@ class LocalCopy:
     pages written through a mapping cost a page fault and a zero-fill each.
 
     Where no such file can be made at that size (a file size limit, a full temporary folder),
-    the copy is anonymous memory instead: :attr:`path` is then ``None`` and :attr:`buffer` holds
+    the copy is anonymous memory instead: ``path`` is then ``None`` and ``buffer`` holds
     the bytes (loading it costs one more copy of the state while it is deserialized).
 
     :param size: bytes of the copy.
@@ -67,7 +67,7 @@ class LocalCopy:
 
     @property
     def in_memory(self) -> bool:
-        """Whether :attr:`path` names memory of this process only (a ``memfd``), not a file."""
+        """Whether ``path`` names memory of this process only (a ``memfd``), not a file."""
         return self.path is not None and self._temp is None
 
     def fill(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256",

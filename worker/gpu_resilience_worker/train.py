@@ -184,8 +184,10 @@ class Trainer:
         return value
 
     def final_metrics(self, parts: Components, data: Dataset) -> dict[str, Any]:
-        """:return: what the bundled worker adds to the loop's ``metrics.json``: the held-out
-        accuracy and the digests of the final model and optimizer states."""
+        """What the bundled worker adds to the loop's ``metrics.json``.
+
+        :return: the held-out accuracy and the digests of the final model and optimizer states.
+        """
         return {
             "accuracy": evaluate(parts.model, data.x_test, data.y_test),
             "test_samples": int(data.y_test.shape[0]),
