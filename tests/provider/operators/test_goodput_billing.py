@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -34,10 +35,13 @@ PREEMPTIONS = 20
 IN_STARTUP = 0.2
 
 
-def preempt_every_startup(emulator, job_name: str, count: int, answers: list,
-                          stop: threading.Event) -> threading.Thread:
+def preempt_every_startup(emulator, job_name: str, count: int, answers: list, stop: threading.Event,
+                          ready: Callable[[str], bool] | None = None) -> threading.Thread:
     """In the background: preempt task 0's attempts one after another, each :data:`IN_STARTUP`
-    seconds after it was seen running, ``count`` times, in whichever execution is the newest."""
+    seconds after it was seen running, ``count`` times, in whichever execution is the newest.
+
+    :param ready: instead of waiting :data:`IN_STARTUP`, preempt a running attempt once
+        ``ready(its execution's name)`` is true (asked every 0.05 s while it runs)."""
     hook = CloudRunGpuHook()
 
     def newest_attempt() -> tuple[str, int] | None:
@@ -52,10 +56,11 @@ def preempt_every_startup(emulator, job_name: str, count: int, answers: list,
         done: set[tuple[str, int]] = set()
         while len(answers) < count and not stop.is_set():
             current = newest_attempt()
-            if current is None or current in done:
+            if current is None or current in done or (ready is not None and not ready(current[0])):
                 time.sleep(0.05)
                 continue
-            time.sleep(IN_STARTUP)
+            if ready is None:
+                time.sleep(IN_STARTUP)
             try:
                 answer = emulator.preempt(current[0], task_index=0)
             except RuntimeError:  # it ended meanwhile: look again

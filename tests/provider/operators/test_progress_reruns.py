@@ -16,10 +16,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,11 +56,12 @@ CHAIN_STEPS = int(os.environ.get("CHAIN_STEPS", "275"))
 CHAIN_TASK_TIMEOUT = int(os.environ.get("CHAIN_TASK_TIMEOUT", "20"))
 
 
-@pytest.fixture
-def worker_emulator(tmp_path, monkeypatch):
-    """An emulator of its own with Cloud Run's 10 s SIGTERM-to-SIGKILL grace (the session's has
-    1 s) and the bundled worker as ``WORKER_IMAGE``; the connection and ``STORAGE_EMULATOR_HOST``
-    point at it. About 3 s to start."""
+@contextlib.contextmanager
+def emulator_with_images(folder: Path, monkeypatch, images: dict) -> Iterator:
+    """An emulator of its own in ``folder`` with Cloud Run's 10 s SIGTERM-to-SIGKILL grace (the
+    session's has 1 s), the bundled worker as ``WORKER_IMAGE`` and ``images`` (more image-table
+    entries, see ``cloud_run_emulator.images``); the connection and ``STORAGE_EMULATOR_HOST``
+    point at it, the bucket holds the digits data set. About 3 s to start."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
@@ -67,9 +70,9 @@ def worker_emulator(tmp_path, monkeypatch):
 
     worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"], "cwd": str(REPO),
               "env": {"PYTHONPATH": f"{REPO / 'worker'}{os.pathsep}{REPO}"}}
-    table = tmp_path / "images.json"
-    table.write_text(json.dumps({"images": {WORKER_IMAGE: worker}}))
-    with EmulatorProcess(tmp_path / "state", images_file=table, grace_seconds=10.0) as emu:
+    table = folder / "images.json"
+    table.write_text(json.dumps({"images": {WORKER_IMAGE: worker, **images}}))
+    with EmulatorProcess(folder / "state", images_file=table, grace_seconds=10.0) as emu:
         storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                        client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
         write_digits(bucket_dir(emu) / "data" / "digits.npz")
@@ -77,6 +80,13 @@ def worker_emulator(tmp_path, monkeypatch):
         monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT",
                            json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.gcs_endpoint)
+        yield emu
+
+
+@pytest.fixture
+def worker_emulator(tmp_path, monkeypatch):
+    """:func:`emulator_with_images` with the bundled worker alone."""
+    with emulator_with_images(tmp_path, monkeypatch, {}) as emu:
         yield emu
 
 
