@@ -6,6 +6,8 @@ import io
 import json
 import time
 
+import pytest
+
 from gpu_resilience_worker.goodput import GoodputRecorder, goodput_file_name, process_start_time
 from gpu_resilience_worker.storage import LocalStorage
 
@@ -37,6 +39,19 @@ def test_events_are_recorded_and_the_file_is_rewritten_at_most_once_a_second(tmp
     assert data["step_seconds"] == 0.01 and data["save_blocking_seconds"] == 0.26
     assert (data["status"], data["exit_code"]) == ("preempted", 143) and data["ended_at"] >= data["first_step_at"]
     assert data["process_start"] <= data["first_step_at"]
+
+
+def test_the_end_is_recorded_after_the_wait_just_before_the_last_write(tmp_path):
+    """The process ends right after the last write: ``ended_at`` taken before the wait for the
+    one-second rule would leave up to a second of the attempt unbilled when its Cloud Run times
+    are unknown."""
+    storage = CountingStorage()
+    recorder = GoodputRecorder(storage, str(tmp_path), "job-abcde", 0, 1)
+    recorder.restore(10.0, 11.5, resumed_from_step=0, steps_recomputed=0)
+    asked = time.time()
+    recorder.end("preempted", 143)
+    data = json.loads((tmp_path / "goodput-job-abcde-1.json").read_text())
+    assert data["ended_at"] >= asked + 0.9 and data["ended_at"] <= data["updated_at"]
 
 
 def test_an_attempt_that_fails_before_its_restore_writes_nothing(tmp_path):
@@ -107,3 +122,36 @@ def test_progress_and_goodput_writes_on_a_full_disk_are_logged_once_and_tolerate
     assert all("No space left on device" in r["error"] for r in warnings)
     assert storage.tries <= 2 + 40 // 4 + 2  # a try a second at most, not one a step
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("previous", "total", "expected"), [
+    ({"step": 30}, 40, 30),
+    ({"step": 10**12}, 40, 40),  # a torn or forged progress.json: never more than the run
+    ({"step": 10**12}, None, 10**12),  # no total known: as written
+    ({"step": 5, "high_water_step": 10**12}, 40, 5),  # only the keys asked for
+    ({"step": -3}, 40, None),
+    ({"step": "30"}, 40, None),
+    ({}, 40, None),
+])
+def test_a_reported_step_is_bounded_by_the_runs_steps(previous, total, expected):
+    from gpu_resilience_worker.files import reported_step
+
+    assert reported_step(previous, total_steps=total) == expected
+
+
+def test_a_forged_progress_file_loses_at_most_the_steps_left_in_the_run(tmp_path):
+    """Resumed from step 30 of 40 with a progress.json claiming step 10**12: 10 steps lost and
+    recomputed at most, in attempts.json, the log and the goodput file."""
+    from gpu_resilience_worker.attempt import Attempt
+    from gpu_resilience_worker.config import TaskIdentity
+    from gpu_resilience_worker.logs import StructuredLogger
+
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 10**12, "high_water_step": 10**12, "total_steps": 40}))
+    out = io.StringIO()
+    attempt = Attempt(LocalStorage(), str(tmp_path), 40, TaskIdentity(execution="job-abcde", task_attempt=1),
+                      StructuredLogger(out))
+    entry = attempt.begin(30, time.time())
+    assert entry["lost_steps"] == 10
+    assert json.loads((tmp_path / "attempts.json").read_text())["attempts"][-1]["lost_steps"] == 10
+    assert attempt.goodput.record["steps_recomputed"] == 10
+    assert "lost 10 steps" in out.getvalue() and "999999" not in out.getvalue()

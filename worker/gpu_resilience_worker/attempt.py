@@ -22,7 +22,14 @@ from typing import Any
 
 from gpu_resilience_worker.config import TaskIdentity
 from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED
-from gpu_resilience_worker.files import PROGRESS, ProgressReporter, highest_reported_step, read_json, record_attempt
+from gpu_resilience_worker.files import (
+    PROGRESS,
+    ProgressReporter,
+    highest_reported_step,
+    read_json,
+    record_attempt,
+    reported_step,
+)
 from gpu_resilience_worker.goodput import GoodputRecorder
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import Storage
@@ -72,11 +79,11 @@ class Attempt:
         """
         step = self.step = resumed_from_step
         previous = read_json(self._storage, os.path.join(self._folder, PROGRESS)) or {}
-        reported = previous.get("step") if isinstance(previous.get("step"), int) else None
+        reported = reported_step(previous, total_steps=self.total_steps)
         lost = max(0, reported - step) if reported is not None else 0
         # steps this attempt computes again: up to the highest step any earlier attempt reached
         # (the last one may have been stopped before it got back to an earlier one's step)
-        high_water = max(highest_reported_step(previous) or 0, step)
+        high_water = max(highest_reported_step(previous, self.total_steps) or 0, step)
         ended = time.time() if restore_ended is None else restore_ended
         self.goodput.restore(restore_started, ended, step, high_water - step)
         identity = self.identity

@@ -148,19 +148,32 @@ class ProgressReporter:
         return written
 
 
-def highest_reported_step(previous: Mapping[str, Any]) -> int | None:
-    """The highest step any earlier attempt reached, from the ``progress.json`` it left.
+def reported_step(previous: Mapping[str, Any], keys: tuple[str, ...] = ("step",),
+                  total_steps: int | None = None) -> int | None:
+    """A step an earlier attempt reported in the ``progress.json`` it left, bounded by the run.
 
     ``step`` is the last attempt's; ``high_water_step`` (written since it was added) the highest
     of every attempt's, so that an attempt stopped before it got back to an earlier one's step
-    does not hide the steps that earlier attempt lost: the next resume recomputes those too.
+    does not hide the steps that earlier attempt lost: the next resume recomputes those too. The
+    file is only a report (no commit record vouches for it): a claim beyond the run's
+    ``total_steps`` (a torn or forged file) counts as ``total_steps``.
 
     :param previous: the parsed ``progress.json`` (``{}`` when there is none).
-    :return: the highest of the two that is an integer >= 0, else ``None``.
+    :param keys: the fields to read; the highest is taken (default ``("step",)``).
+    :param total_steps: the run's steps, the bound; ``None`` or 0: unbounded.
+    :return: the highest of ``keys`` that is an integer >= 0, bounded, else ``None``.
     """
-    values = [previous.get(key) for key in ("step", "high_water_step")]
+    values = [previous.get(key) for key in keys]
     steps = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return max(steps) if steps else None
+    if not steps:
+        return None
+    return min(max(steps), total_steps) if total_steps else max(steps)
+
+
+def highest_reported_step(previous: Mapping[str, Any], total_steps: int | None = None) -> int | None:
+    """The highest step any earlier attempt reached: :func:`reported_step` of ``step`` and
+    ``high_water_step``, bounded by ``total_steps`` when given."""
+    return reported_step(previous, ("step", "high_water_step"), total_steps)
 
 
 def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:

@@ -117,12 +117,20 @@ class GoodputRecorder:
     def end(self, status: str, exit_code: int | None = None) -> None:
         """Record the attempt's end (``preempted``, ``completed`` or ``failed``) and write, waiting out the 1 s.
 
+        ``ended_at`` is taken after that wait, just before the last write: the process ends right
+        after it (the CLI exits at once), so the account bills an attempt whose Cloud Run times
+        are unknown up to its real end, not up to a second before it.
+
         An attempt that never got as far as its restore (bad input or settings) writes no file: it
         leaves the namespace untouched, and the account counts it as start-up from the platform's times.
         """
-        self.record.update(status=status, ended_at=round(self._clock(), 3), exit_code=exit_code)
         if self._last_write == float("-inf"):
+            self.record.update(status=status, ended_at=round(self._clock(), 3), exit_code=exit_code)
             return
+        since = time.monotonic() - self._last_write
+        if since < self._min_interval:
+            time.sleep(max(0.0, MIN_REWRITE_SECONDS - since))
+        self.record.update(status=status, ended_at=round(self._clock(), 3), exit_code=exit_code)
         self.flush(force=True)
 
     def flush(self, force: bool = True) -> bool:
