@@ -37,7 +37,7 @@ REQUIRED = {
 }
 #: Extras (name -> requirement names).
 EXTRAS = {
-    "examples": {"numpy", "scikit-learn"},
+    "examples": {"numpy", "scikit-learn", "google-cloud-artifact-registry"},
     "dev": {"pytest", "pytest-xdist", "torch", "matplotlib", "build"},
     "deployment": {"psycopg2-binary", "asyncpg", "apache-airflow-client", "selenium"},
     "docs": {"sphinx", "furo"},
