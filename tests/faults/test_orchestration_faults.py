@@ -44,9 +44,11 @@ def _clear_captured():
 @pytest.fixture
 def fast_retries(monkeypatch):
     """The hook's API retry backoff starts at 50 ms (the storms would otherwise cost minutes)."""
-    from airflow_gpu_resilience.hooks import cloud_run
+    from airflow_gpu_resilience.hooks import cloud_run, cloud_run_executions, cloud_run_retry
 
-    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, initial=0.05))
+    quick = functools.partial(cloud_run_retry.default_retry, initial=0.05)
+    for module in (cloud_run, cloud_run_executions):  # the jobs half and the executions half of the hook
+        monkeypatch.setattr(module, "default_retry", quick)
 
 
 @pytest.fixture

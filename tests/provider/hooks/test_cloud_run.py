@@ -271,11 +271,12 @@ def test_the_shared_poll_step_sleeps_up_to_the_deadline_and_records_attempts_onc
 
 
 def test_wait_for_execution_polls_through_persistent_errors(hook, job_name, faults, monkeypatch):
-    from airflow_gpu_resilience.hooks import cloud_run
+    from airflow_gpu_resilience.hooks import cloud_run_executions
 
     hook.create_job(job_name=job_name, job=spec(job_name, args=["sleep", "1"]), region=REGION)
     _, execution = hook.run_job(job_name=job_name, region=REGION)
-    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, deadline=0.2))
+    monkeypatch.setattr(cloud_run_executions, "default_retry",
+                        functools.partial(cloud_run_executions.default_retry, deadline=0.2))
     faults(failNext=6, codes=[503])
     final = hook.wait_for_execution(execution, poll_interval=0.2, timeout=30)
     assert execution_state(final) is ExecutionState.SUCCEEDED

@@ -102,10 +102,12 @@ def test_wait_timeout_is_retryable_and_the_retry_attaches(gcp_conn, job_name, ru
 
 @pytest.mark.parametrize("deferrable", [True, False])
 def test_preemption_budget_survives_a_retry_that_attaches_to_a_rerun(gcp_conn, job_name, run_execute, deferrable):
-    """Try 1 re-runs once, then times out waiting; try 2 attaches to the re-run and finds the budget used."""
+    """Try 1 re-runs once, then times out waiting; a later try attaches to the re-run and finds the
+    budget used. (Which later try: a try that attaches with less than its 1.5 s wait left of the
+    re-run's 3 s times out too, on a busy machine; the next one attaches again.)"""
     deploy(job_name, ["preempt-then-sleep", "3"], max_retries=0)
-    ti = run_execute(retries=1, wait_timeout=1.5, max_preemption_reruns=1, deferrable=deferrable)
-    assert ti.state == TaskInstanceState.FAILED and ti.try_number == 2
+    ti = run_execute(retries=3, wait_timeout=1.5, max_preemption_reruns=1, deferrable=deferrable)
+    assert ti.state == TaskInstanceState.FAILED and ti.try_number >= 2
     error = CAPTURED["errors"][-1]
     assert isinstance(error, CloudRunGpuFatalError) and error.outcome == "PREEMPTED"
     assert "preemption budget exhausted (1 re-runs used)" in str(error)
@@ -118,9 +120,11 @@ def test_no_duplicate_execution_with_503s_and_a_retry_mid_execution(
     gcp_conn, job_name, run_execute, faults, monkeypatch, args, expected
 ):
     """A quarter of the API calls fail (503/429) and try 1 gives up waiting while the execution runs."""
-    from airflow_gpu_resilience.hooks import cloud_run
+    from airflow_gpu_resilience.hooks import cloud_run, cloud_run_executions, cloud_run_retry
 
-    monkeypatch.setattr(cloud_run, "default_retry", functools.partial(cloud_run.default_retry, initial=0.05))
+    quick = functools.partial(cloud_run_retry.default_retry, initial=0.05)
+    for module in (cloud_run, cloud_run_executions):  # the jobs half and the executions half of the hook
+        monkeypatch.setattr(module, "default_retry", quick)
     deploy(job_name, args, max_retries=0)
     faults(errorRate=0.25, codes=[503, 429], seed=7)
     ti = run_execute(retries=4, wait_timeout=1.5, poll_interval=0.1, max_preemption_reruns=0 if expected == 1 else 1)
