@@ -1,22 +1,22 @@
-"""The Airflow names the provider uses, imported from where each supported version keeps them.
+"""What the provider needs from Airflow beyond ``airflow.providers.common.compat``.
 
-One codebase runs on Airflow 2.11.x and on 3.0 through 3.3. Airflow 3 moved the authoring
-interface into the Task SDK (``airflow.sdk``); Airflow 2.11 keeps it in ``airflow.models``,
-``airflow.sensors``, ``airflow.decorators`` and ``airflow.utils.context``. Every module of the
-provider and the example DAGs import those names from here, and nothing else in the package
-looks at the Airflow version.
+One codebase runs on Airflow 2.11.x and on 3.0 through 3.3. The names whose home moved between
+them (``BaseOperator``, ``BaseSensorOperator``, ``PokeReturnValue``, ``BaseOperatorLink``,
+``Context``, ``DAG``, ``Param``, ``task``, ``XCom``, ``conf``, ``TaskInstanceKey`` and the
+exceptions) come from ``airflow.providers.common.compat.sdk``, Airflow's own compatibility layer
+(the ``apache-airflow-providers-common-compat`` distribution, 1.13.0 or later, the first release
+that has every one of them): it takes each from the Task SDK (``airflow.sdk``) on Airflow 3 and
+from ``airflow.models``, ``airflow.sensors``, ``airflow.decorators`` or ``airflow.exceptions`` on
+2.11. The provider's modules and the example DAGs import them from there. ``BaseTrigger`` and
+``TriggerEvent`` are in ``airflow.triggers.base`` on every version.
 
-Names:
+This module keeps only what that layer does not give:
 
-- authoring: :data:`BaseOperator`, :data:`BaseSensorOperator`, :data:`PokeReturnValue`,
-  :data:`BaseOperatorLink`, :data:`DAG`, :data:`Param`, :data:`task`, :data:`Context` (a class on
-  Airflow 2, a ``TypedDict`` on 3: use it in annotations only);
-- triggers: :data:`BaseTrigger`, :data:`TriggerEvent` (``airflow.triggers.base`` on every version);
-- exceptions: :data:`AirflowException`, :data:`AirflowFailException`, :data:`AirflowSensorTimeout`,
-  :data:`TaskDeferred`;
-- XCom read by the extra links: :func:`xcom_value`;
-- configuration: :func:`default_deferrable`;
-- :data:`AIRFLOW_VERSION` and :data:`AIRFLOW_V_3_0_PLUS`.
+- :data:`AIRFLOW_VERSION` and :data:`AIRFLOW_V_3_0_PLUS`: the provider's own version check (each
+  provider keeps its own, as the common.compat provider asks of them);
+- :class:`BaseOperatorLink`: Airflow's, with Airflow 3's ``xcom_key`` on 2.11 too;
+- :func:`xcom_value`: the XCom value an extra link reads;
+- :func:`default_deferrable`: the operators' default of ``deferrable``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from airflow.providers.common.compat.sdk import BaseOperatorLink as _AirflowOperatorLink
 from packaging.version import Version
 
 from airflow import __version__ as _airflow_version
+
+if TYPE_CHECKING:
+    from airflow.providers.common.compat.sdk import TaskInstanceKey
 
 #: The installed Airflow's release (``Version("2.11.2")``), pre-release and local parts dropped.
 AIRFLOW_VERSION = Version(Version(_airflow_version).base_version)
@@ -34,51 +38,10 @@ AIRFLOW_VERSION = Version(Version(_airflow_version).base_version)
 AIRFLOW_V_3_0_PLUS = AIRFLOW_VERSION >= Version("3.0.0")
 
 if AIRFLOW_V_3_0_PLUS:
-    from airflow.sdk import (
-        DAG,
-        BaseOperator,
-        BaseOperatorLink,
-        BaseSensorOperator,
-        Param,
-        PokeReturnValue,
-        task,
-    )
-    from airflow.sdk import Context
-
-    try:  # the Task SDK's own exceptions (Airflow 3.1 and later)
-        from airflow.sdk.exceptions import (
-            AirflowException,
-            AirflowFailException,
-            AirflowSensorTimeout,
-            TaskDeferred,
-        )
-    except ImportError:  # Airflow 3.0 keeps them in airflow.exceptions
-        from airflow.exceptions import (  # type: ignore[no-redef]
-            AirflowException,
-            AirflowFailException,
-            AirflowSensorTimeout,
-            TaskDeferred,
-        )
+    BaseOperatorLink = _AirflowOperatorLink
 else:  # Airflow 2.11
-    from airflow.decorators import task
-    from airflow.exceptions import (
-        AirflowException,
-        AirflowFailException,
-        AirflowSensorTimeout,
-        TaskDeferred,
-    )
-    from airflow.models.baseoperator import BaseOperator
-    from airflow.models.baseoperatorlink import BaseOperatorLink as _Airflow2OperatorLink
-    from airflow.models.dag import DAG
-    from airflow.models.param import Param
-    from airflow.sensors.base import BaseSensorOperator, PokeReturnValue
-    from airflow.utils.context import Context  # type: ignore[assignment]
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
-
-if not AIRFLOW_V_3_0_PLUS:
-
-    class BaseOperatorLink(_Airflow2OperatorLink):  # type: ignore[no-redef]
+    class BaseOperatorLink(_AirflowOperatorLink):  # type: ignore[no-redef]
         """Airflow 2.11's ``BaseOperatorLink`` with Airflow 3's ``xcom_key``.
 
         Airflow 3 names the XCom that holds a link's URL ``_link_<class name>``; Airflow 2.11's
@@ -91,27 +54,12 @@ if not AIRFLOW_V_3_0_PLUS:
             """XCom key of the stored URL: ``_link_<class name>``."""
             return f"_link_{type(self).__name__}"
 
-if TYPE_CHECKING:
-    from airflow.models.taskinstancekey import TaskInstanceKey
 
 __all__ = [
     "AIRFLOW_VERSION",
     "AIRFLOW_V_3_0_PLUS",
-    "DAG",
-    "AirflowException",
-    "AirflowFailException",
-    "AirflowSensorTimeout",
-    "BaseOperator",
     "BaseOperatorLink",
-    "BaseSensorOperator",
-    "BaseTrigger",
-    "Context",
-    "Param",
-    "PokeReturnValue",
-    "TaskDeferred",
-    "TriggerEvent",
     "default_deferrable",
-    "task",
     "xcom_value",
 ]
 
@@ -122,17 +70,15 @@ DEFAULT_DEFERRABLE_ENV = "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"
 def xcom_value(*, key: str, ti_key: TaskInstanceKey) -> Any:
     """The XCom value a task instance pushed under ``key``, or ``None`` when it pushed none.
 
-    Airflow 3 reads it through the Task SDK's ``XCom``; Airflow 2.11 through
-    ``airflow.models.xcom.XCom`` (the metadata database).
+    ``XCom`` is the Task SDK's on Airflow 3 (the API server serves links from it) and
+    ``airflow.models.xcom.XCom`` (the metadata database) on 2.11, both through common.compat.
 
     :param key: the XCom key.
     :param ti_key: the task instance's key, as Airflow passes it to ``BaseOperatorLink.get_link``.
     :return: the deserialized value, or ``None``.
     """
-    try:  # Airflow 3: the Task SDK's XCom, which the API server serves links from
-        from airflow.sdk.execution_time.xcom import XCom
-    except ImportError:  # Airflow 2.11
-        from airflow.models.xcom import XCom  # type: ignore[no-redef]
+    from airflow.providers.common.compat.sdk import XCom
+
     return XCom.get_value(key=key, ti_key=ti_key)
 
 
@@ -157,7 +103,7 @@ def default_deferrable(fallback: bool) -> bool:
     :param fallback: the default when the deployment does not set the option.
     :return: the value of ``deferrable`` for an operator that is not given one.
     """
-    from airflow.configuration import conf
+    from airflow.providers.common.compat.sdk import conf
 
     value = conf.getboolean("operators", "default_deferrable", fallback=fallback)
     if DEFAULT_DEFERRABLE_ENV in os.environ:

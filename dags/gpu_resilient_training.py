@@ -35,7 +35,7 @@ import logging
 
 import pendulum
 
-from airflow_gpu_resilience.compat import DAG, Param, task
+from airflow.providers.common.compat.sdk import DAG, Param, task
 from gpu_training_common import (
     common_params,
     check_job_is_ours,

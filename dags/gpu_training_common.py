@@ -11,9 +11,8 @@ import io
 import json
 import re
 
+from airflow.providers.common.compat.sdk import Param, task
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
-
-from airflow_gpu_resilience.compat import Param, task
 
 from airflow_gpu_resilience.hooks.gcs import MANAGED_BY_LABEL, MANAGED_BY_VALUE, CheckpointBucketHook
 from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOperator, CloudRunGpuExecuteJobOperator
@@ -121,7 +120,7 @@ def check_job_is_ours(params: dict | None = None) -> str:
     :return: ``"absent"`` (deploy creates it) or ``"ours"`` (deploy updates it).
     :raises AirflowFailException: the job exists without our label; the message says what to do.
     """
-    from airflow_gpu_resilience.compat import AirflowFailException
+    from airflow.providers.common.compat.sdk import AirflowFailException
     from google.api_core.exceptions import NotFound
 
     from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook

@@ -18,7 +18,7 @@ the retries run out: use the execute operator when you want that.
 from __future__ import annotations
 
 import pendulum
-from airflow_gpu_resilience.compat import DAG
+from airflow.providers.common.compat.sdk import DAG
 from gpu_training_common import (
     common_params,
     check_job_is_ours,

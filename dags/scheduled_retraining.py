@@ -23,7 +23,7 @@ touches it.
 from __future__ import annotations
 
 import pendulum
-from airflow_gpu_resilience.compat import DAG
+from airflow.providers.common.compat.sdk import DAG
 from gpu_training_common import (
     WORKER_ARGS,
     common_params,

@@ -12,8 +12,7 @@ from urllib.parse import quote
 from airflow_gpu_resilience.compat import BaseOperatorLink, xcom_value
 
 if TYPE_CHECKING:
-    from airflow.models.taskinstancekey import TaskInstanceKey
-    from airflow_gpu_resilience.compat import BaseOperator, Context
+    from airflow.providers.common.compat.sdk import BaseOperator, Context, TaskInstanceKey
 
 CONSOLE = "https://console.cloud.google.com"
 

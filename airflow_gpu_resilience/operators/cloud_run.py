@@ -18,7 +18,9 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
-from airflow_gpu_resilience.compat import BaseOperator, default_deferrable
+from airflow.providers.common.compat.sdk import BaseOperator
+
+from airflow_gpu_resilience.compat import default_deferrable
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.links.cloud_run import CloudRunGpuExecutionLink, CloudRunGpuLogsLink
@@ -36,7 +38,7 @@ from airflow_gpu_resilience.run_state import (  # RunSummary and its parts: the 
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
 
 if TYPE_CHECKING:
-    from airflow_gpu_resilience.compat import Context
+    from airflow.providers.common.compat.sdk import Context
 
 #: Public API, also for existing users of this module: the operators, the env vars that mark an
 #: execution, and the run state and summary types (defined in :mod:`~airflow_gpu_resilience.run_state`).

@@ -6,9 +6,10 @@ from collections.abc import Collection, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
+from airflow.providers.common.compat.sdk import AirflowSensorTimeout, BaseSensorOperator, PokeReturnValue
 from google.cloud import run_v2
 
-from airflow_gpu_resilience.compat import AirflowSensorTimeout, BaseSensorOperator, PokeReturnValue, default_deferrable
+from airflow_gpu_resilience.compat import default_deferrable
 
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
@@ -23,7 +24,7 @@ from airflow_gpu_resilience.outcome import (
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger, ExecutionEventStatus
 
 if TYPE_CHECKING:
-    from airflow_gpu_resilience.compat import Context
+    from airflow.providers.common.compat.sdk import Context
 
 
 class CloudRunGpuExecutionSensor(BaseSensorOperator):

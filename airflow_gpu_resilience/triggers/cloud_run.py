@@ -17,7 +17,9 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any, Literal
 
-from airflow_gpu_resilience.compat import AIRFLOW_V_3_0_PLUS, BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_gpu_resilience.compat import AIRFLOW_V_3_0_PLUS
 
 #: Most attempt records one event carries (keeps events small; the oldest are kept).
 MAX_ATTEMPT_RECORDS = 200

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pendulum
+from airflow.providers.common.compat.sdk import DAG
 from airflow.providers.google.cloud.hooks.cloud_run import CloudRunHook
 from airflow.providers.google.cloud.operators.cloud_run import (
     CloudRunCreateJobOperator,
@@ -24,7 +25,6 @@ from airflow.providers.google.cloud.operators.cloud_run import (
     CloudRunExecuteJobOperator,
     CloudRunListJobsOperator,
 )
-from airflow_gpu_resilience.compat import DAG
 from google.cloud import run_v2
 
 from .conftest import make_job

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("airflow_db")
 
 def execute_dag(dag_id: str, job_name: str):
     """``execute``: the execute operator, ``deferrable`` not given."""
-    from airflow_gpu_resilience.compat import DAG
+    from airflow.providers.common.compat.sdk import DAG
     from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 
     with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:
@@ -42,7 +42,7 @@ def execute_dag(dag_id: str, job_name: str):
 
 def sensor_dag(dag_id: str, job_name: str, execution: str):
     """``wait``: the execution sensor, ``deferrable`` not given."""
-    from airflow_gpu_resilience.compat import DAG
+    from airflow.providers.common.compat.sdk import DAG
     from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
 
     with DAG(dag_id=dag_id, schedule=None, start_date=START, catchup=False) as dag:

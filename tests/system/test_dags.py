@@ -278,7 +278,7 @@ def test_cleanup_deletes_only_the_job_and_bucket_that_are_ours(tmp_path: Path, m
     without our label (someone else's) fails ``check_job_is_ours``, naming it and what to do, and
     cleanup keeps it; ``delete_bucket`` on a bucket without our label raises, naming it, and
     deletes nothing; our job passes the check and cleanup deletes it."""
-    from airflow_gpu_resilience.compat import AirflowFailException
+    from airflow.providers.common.compat.sdk import AirflowFailException
 
     from cloud_run_emulator.process import EmulatorProcess
     from airflow_gpu_resilience.job_spec import GpuJobSpec

@@ -29,6 +29,7 @@ DIST = "airflow-gpu-resilience"
 REQUIRED = {
     "apache-airflow": ">=2.11.0",
     "apache-airflow-providers-google": ">=15.0",
+    "apache-airflow-providers-common-compat": ">=1.13.0",
     "google-cloud-run": ">=0.10",
     "google-cloud-storage": ">=2.14",
     "google-cloud-logging": ">=3.5",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pendulum
 
-from airflow_gpu_resilience.compat import DAG
+from airflow.providers.common.compat.sdk import DAG
+
 from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuExecuteJobOperator
 
 DAG_ID = "cloud_run_quota_sweep"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pendulum
 
-from airflow_gpu_resilience.compat import DAG, task
+from airflow.providers.common.compat.sdk import DAG, task
 
 from airflow_gpu_resilience.sensors.cloud_run import CloudRunGpuExecutionSensor
 from airflow_gpu_resilience.operators.cloud_run import (
