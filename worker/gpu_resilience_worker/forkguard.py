@@ -1,208 +1,45 @@
 """No child process may hold a file open for writing, so that none can finalize it early.
 
 The kernel sends a FUSE file system a flush at every ``close()`` of a descriptor, and a process
-forked while a file is open holds its own copy of that descriptor, closed when the child exits or
-execs. Cloud Storage FUSE uploads (finalizes) a file at each flush, whoever sends it: a
-``DataLoader`` worker or ``multiprocessing`` helper forked during a background save and gone
-before the save ends would publish the checkpoint's first bytes as the object, and the writer's
-next write would then be a staged rewrite of the whole file (on Cloud Run, memory; ``EIO`` on
-the emulator's strict volume). The commit protocol never lets such an object count as a
-checkpoint; this module keeps the upload whole, in one of two ways.
+started while a file is open holds its own copy of that descriptor, closed when the child exits
+or execs. Cloud Storage FUSE uploads (finalizes) a file at each flush, whoever sends it: a
+``DataLoader`` worker, a ``multiprocessing`` helper or a ``subprocess`` started during a
+background save would publish the checkpoint's first bytes as the object, and the writer's next
+write would be a staged rewrite of the whole file (on Cloud Run, memory; ``EIO`` on the
+emulator's strict volume).
 
-:func:`write_privately` (Linux, the default) opens and writes the file on a short-lived thread
-that first gives itself a descriptor table of its own (``unshare(CLONE_FILES)``): the file is in
-no other thread's table, so no child, however it starts (``os.fork()``, ``subprocess``, the
-``spawn`` and ``forkserver`` start methods of ``multiprocessing``), ever holds it, and no fork has
-to wait.
+:func:`write_privately` opens and writes the file on a short-lived thread that first gives itself
+a descriptor table of its own (``unshare(CLONE_FILES)``): the file is in no other thread's table,
+so no child, however it starts (``os.fork()``, ``subprocess``, the ``fork``, ``spawn`` and
+``forkserver`` start methods of ``multiprocessing``), ever holds it, and no fork waits.
 
-Where ``unshare`` is refused (another kernel, a sandbox), or :data:`PRIVATE_FILES` is false, the
-write runs in the caller under :func:`writing`, the fallback below.
+Requirement: Linux with ``unshare(CLONE_FILES)`` allowed. The call needs no privilege on Linux
+(unlike the namespace flags), and Cloud Run jobs always run in the second-generation execution
+environment, a microVM documented with "full Linux compatibility, including support for all
+system calls, namespaces, and cgroups". Where it is refused (another kernel; a seccomp profile
+such as Docker's default, which allows ``unshare`` only with ``CAP_SYS_ADMIN``), the file is
+written in the caller and one warning is logged: a child started during that write can finalize
+the object early. That costs a failed or staged save, never a wrong checkpoint: the commit record
+is written after the data and names every file with its size, so a torn object never counts.
 
-:func:`writing` marks a file open for writing; an ``os.fork()`` meanwhile (``multiprocessing``'s
-``fork`` start method, a ``DataLoader``'s workers) waits, in an :func:`os.register_at_fork` hook,
-until no other thread has such a file open (a thread whose own fork waits excepted), and no new
-write opens while a fork waits. The wait
-ends early, and the fork goes ahead, when
-
-- a check registered with :func:`stop_waiting_when` returns true (the worker's
-  :class:`~gpu_resilience_worker.preemption.PreemptionWatcher` registers one that is true once the
-  grace period after a stop request is nearly spent: the fork still waits for a save that can
-  commit in time, and the loop still answers the SIGTERM before the kill);
-- a signal handler raises during the wait (``KeyboardInterrupt``, ``sys.exit`` in a handler):
-  CPython ignores exceptions raised in fork hooks (it prints them as "Exception ignored"), so the
-  exception cannot reach the code that forked; the guard stops waiting and warns;
-- :data:`FORK_WAIT_LIMIT_S` passes (with a :class:`RuntimeWarning`).
-
-Not covered by the fallback, because they run no fork hooks: ``subprocess`` and the ``spawn``
-and ``forkserver`` start methods (the default of ``multiprocessing`` on Python 3.14 is
-``forkserver``). Each starts a program, and the ``exec`` closes the inherited descriptor, which
-flushes it (see docs/worker-contract.rst, "On Cloud Storage FUSE").
+Why no fallback: an earlier one (an ``os.register_at_fork`` hook making a fork wait for the open
+writes, with a stop check from the preemption watcher and a step-time reserve from the loop) was a
+protocol across three modules, and still could not cover ``subprocess``, ``spawn`` or
+``forkserver`` (they run no fork hooks), where this requirement is met everywhere the worker runs.
 """
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401 - imported for its fork hook's place: see below
-import contextlib
 import ctypes
 import errno
-import logging  # noqa: F401 - imported for its fork hook's place: see below
+import logging
 import os
 import sys
 import threading
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 _T = TypeVar("_T")
-
-#: Seconds an ``os.fork()`` waits at most for the open writes to end; after that it goes on (the
-#: file may then be staged, never torn: the commit record follows only a whole, closed file).
-FORK_WAIT_LIMIT_S = 300.0
-
-#: Seconds between two looks at the stop checks while a fork waits.
-_POLL_S = 0.05
-
-
-class _Guard:
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.writers: dict[int, int] = {}  # thread ident -> files it has open for writing
-        self.forking: dict[int, int] = {}  # thread ident -> its forks waiting now (a signal handler's nest)
-        self.stop_checks: list[Callable[[], bool]] = []
-
-    @property
-    def forks_waiting(self) -> int:
-        return sum(self.forking.values())
-
-    def open_writes(self) -> int:
-        with self.cond:
-            return sum(self.writers.values())
-
-    def depth(self) -> int:
-        """:return: the files this thread has open for writing."""
-        with self.cond:
-            return self.writers.get(threading.get_ident(), 0)
-
-    def enter(self) -> None:
-        with self.cond:
-            me = threading.get_ident()
-            if me not in self.writers:  # a first write waits for the forks waiting (no starvation)
-                self.cond.wait_for(lambda: not self.forks_waiting)
-            self.writers[me] = self.writers.get(me, 0) + 1
-
-    def leave_to(self, depth: int) -> None:
-        """Set this thread's count back to ``depth``, its value before the block: right also when a
-        signal handler raised inside :meth:`enter`, before or after its increment."""
-        with self.cond:
-            me = threading.get_ident()
-            if depth > 0:
-                self.writers[me] = depth
-            else:
-                self.writers.pop(me, None)
-            self.cond.notify_all()
-
-    def stop_requested(self) -> bool:
-        return any(check() for check in list(self.stop_checks))
-
-    def before_fork(self) -> None:
-        # held from here through the fork, so that no write opens in between
-        self.cond.acquire()
-        me = threading.get_ident()
-
-        def others_done() -> bool:
-            # the forking thread's own writes cannot end while it waits, nor those of a thread
-            # whose own fork waits (two threads forking inside their writes would wait for
-            # each other until the limit): the fork goes ahead with those files open
-            return not any(ident != me and not self.forking.get(ident) for ident in self.writers)
-
-        if others_done():
-            return
-        until = time.monotonic() + FORK_WAIT_LIMIT_S
-        waiting = self.forking.get(me, 0)  # restored in the finally, whatever a signal handler raises
-        try:
-            self.forking[me] = waiting + 1
-            while not others_done():
-                if self.stop_requested():
-                    return
-                left = until - time.monotonic()
-                if left <= 0:
-                    warnings.warn(f"os.fork() went ahead after {FORK_WAIT_LIMIT_S:g} s with a file still open "
-                                  "for writing: on Cloud Storage FUSE that file may be staged",
-                                  RuntimeWarning, stacklevel=2)
-                    return
-                self.cond.wait(min(_POLL_S, left))
-        except BaseException as exc:  # noqa: BLE001 - raised by a signal handler; CPython drops it
-            warnings.warn(f"os.fork() stopped waiting for an open write: a signal handler raised {exc!r}, "
-                          "which CPython ignores inside a fork hook", RuntimeWarning, stacklevel=2)
-        finally:
-            if waiting:
-                self.forking[me] = waiting
-            else:
-                self.forking.pop(me, None)
-
-    def after_fork_in_parent(self) -> None:
-        self.cond.notify_all()  # the writes held back while the fork waited
-        self.cond.release()
-
-    def after_fork_in_child(self) -> None:
-        # the child has only the forking thread, with its own writes (left in the child as in
-        # the parent), and needs a fresh, unlocked condition
-        me = threading.get_ident()
-        self.writers = {me: self.writers[me]} if me in self.writers else {}
-        self.forking = {}
-        self.cond = threading.Condition()
-
-
-_GUARD = _Guard()
-# Registered once, at import. Before-fork hooks run in the reverse order of registration, and a
-# hook that takes a lock holds it through the whole fork: had logging's (its module lock) or
-# concurrent.futures' (the lock of every ThreadPoolExecutor.submit) run before this wait, a save
-# that logs or hands a chunk to its digest threads would block on that lock while the fork waits
-# for the save, until FORK_WAIT_LIMIT_S. Both are imported above, so their hooks are registered
-# first and run after this one, whatever the user imports first. A library imported later whose
-# own hook takes a lock the writer needs would still run first; none of the worker's does.
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_GUARD.before_fork, after_in_parent=_GUARD.after_fork_in_parent,
-                        after_in_child=_GUARD.after_fork_in_child)
-
-
-@contextlib.contextmanager
-def writing() -> Iterator[None]:
-    """Mark a file open for writing for the duration of the block: an ``os.fork()`` in another
-    thread waits until it ends (at most :data:`FORK_WAIT_LIMIT_S`, less on a stop request), and a
-    first write of a thread waits while a fork waits. Nests; any thread."""
-    depth = _GUARD.depth()
-    try:
-        _GUARD.enter()
-        yield
-    finally:
-        _GUARD.leave_to(depth)
-
-
-def open_writes() -> int:
-    """:return: how many files the guarded writers of this process have open now."""
-    return _GUARD.open_writes()
-
-
-def stop_waiting_when(check: Callable[[], bool]) -> None:
-    """Make a waiting ``os.fork()`` go ahead as soon as ``check()`` returns true (it is called
-    every 50 ms while a fork waits, from the forking thread; it must not fork or write).
-
-    :param check: a callable with no arguments, for example a stop request's flag.
-    """
-    _GUARD.stop_checks.append(check)
-
-
-def forget_stop_check(check: Callable[[], bool]) -> None:
-    """Remove a check added with :func:`stop_waiting_when` (no error when it is not there)."""
-    with contextlib.suppress(ValueError):
-        _GUARD.stop_checks.remove(check)
-
-
-#: Whether :func:`write_privately` gives its writes a descriptor table of their own (default
-#: true). False: every write runs in its caller under :func:`writing` (the fork-hook fallback).
-PRIVATE_FILES = True
 
 _CLONE_FILES = 0x400  # unshare(2): unshare the file descriptor table (linux/sched.h)
 _private_refused: int | None = None  # the errno of the first refused unshare; then no more tries
@@ -257,10 +94,9 @@ def write_privately(function: Callable[[], _T]) -> _T:
     of the process's: a descriptor another thread closes meanwhile is released when the write
     ends.
 
-    Without ``unshare`` (see :func:`private_files_refused`), or with :data:`PRIVATE_FILES` false,
-    ``function`` runs in the calling thread under :func:`writing`: an ``os.fork()`` elsewhere
-    then waits for it, and a ``subprocess`` or a spawned process started meanwhile may still
-    finalize the file early.
+    Where ``unshare`` is refused (see :func:`private_files_refused`), ``function`` runs in the
+    calling thread, and a child process started meanwhile may finalize the file early (see the
+    module's docstring).
 
     :param function: a callable with no arguments.
     :return: what ``function`` returns.
@@ -268,12 +104,11 @@ def write_privately(function: Callable[[], _T]) -> _T:
     """
     if in_private_files():  # nested: the table is already this write's own
         return function()
-    if PRIVATE_FILES and _private_refused is None:
+    if _private_refused is None:
         wrote, value = _on_private_thread(function)
         if wrote:
             return value
-    with writing():
-        return function()
+    return function()
 
 
 def _on_private_thread(function: Callable[[], _T]) -> tuple[bool, _T | None]:
@@ -314,8 +149,9 @@ def _on_private_thread(function: Callable[[], _T]) -> tuple[bool, _T | None]:
         raise error
     if "value" not in outcome:
         logging.getLogger(__name__).warning(
-            "unshare(CLONE_FILES) refused (%s): files are written under the fork guard instead, and a "
-            "subprocess or a spawned process started during a write may finalize it early on Cloud "
-            "Storage FUSE", errno.errorcode.get(_private_refused or 0, _private_refused))
+            "unshare(CLONE_FILES) refused (%s): files are written in the caller, and a child process "
+            "started during a write may finalize it early on Cloud Storage FUSE (the save then fails "
+            "or is staged; a torn object never counts as a checkpoint)",
+            errno.errorcode.get(_private_refused or 0, _private_refused))
         return False, None
     return True, outcome["value"]  # type: ignore[return-value]

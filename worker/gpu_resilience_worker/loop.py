@@ -31,7 +31,6 @@ from an unsaved ``numpy`` generator.
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import sys
@@ -54,11 +53,8 @@ from gpu_resilience_worker.state import TrainState, match_threads
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
-#: before the expected kill); an ``os.fork()`` waiting for a save gives way this long plus the
-#: longest of the last :data:`RECENT_STEPS` steps before the kill (``fork_reserve_seconds``).
+#: before the expected kill).
 EXIT_RESERVE_SECONDS = 1.0
-#: How many of the latest step times the fork reserve looks at.
-RECENT_STEPS = 16
 
 
 def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
@@ -302,7 +298,6 @@ class ResilientLoop:
 
     def _steps(self, manager: CheckpointManager, step_fn: Callable[[int], float | None]) -> int:
         """Call ``step_fn`` until ``total_steps`` or a stop. :return: 0, or 143 after a stop."""
-        recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         while self.state.step < self.total_steps:
             if self.watcher.requested:
                 return self._on_stop(manager)
@@ -320,10 +315,6 @@ class ResilientLoop:
                                   "without saving the interrupted step", error=repr(exc), step=self.state.step)
                 return self._on_stop(manager, step_torn=True)
             seconds = time.monotonic() - started
-            recent.append(seconds)
-            # a fork in the next step, waiting for a save after a stop request, leaves the
-            # step the time it took lately, and the exit its reserve
-            self.watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS + max(recent)
             if loss is not None:
                 loss = float(loss)
                 if not math.isfinite(loss):
@@ -382,7 +373,6 @@ class ResilientLoop:
             may hold part of it, so no final save is made (the last checkpoint stays in force).
         """
         step, watcher = self.state.step, self.watcher
-        watcher.fork_reserve_seconds = EXIT_RESERVE_SECONDS  # no step left to make room for
         self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
                           step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         settled = self._settle(manager, step)

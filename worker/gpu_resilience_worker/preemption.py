@@ -18,7 +18,6 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
-from gpu_resilience_worker import forkguard
 from gpu_resilience_worker.errors import EXIT_PREEMPTED
 
 DEFAULT_GRACE_SECONDS = 10.0
@@ -35,10 +34,6 @@ SAVE_ESTIMATE_FACTOR = 1.5
 SAVE_MARGIN_SECONDS = 0.5
 #: :func:`decide_stop`'s reason when a save would not fit in the grace left.
 NO_TIME_TO_SAVE = "final checkpoint skipped: it would not fit in the grace period"
-
-#: Seconds before the expected SIGKILL at which an ``os.fork()`` waiting for a checkpoint write
-#: gives way after a stop request (see ``PreemptionWatcher.fork_reserve_seconds``).
-DEFAULT_FORK_RESERVE_SECONDS = 2.0
 
 
 def process_age_seconds() -> float:
@@ -70,14 +65,6 @@ class PreemptionWatcher:
 
     ``started_at``, from which :func:`set_task_deadline` counts the task timeout, is the
     process's start (on :func:`time.monotonic`'s scale), not the watcher's creation.
-
-    ``fork_reserve_seconds`` (default 2; it matters only where writes fall back to the fork
-    guard, without ``unshare``): while installed, an ``os.fork()`` waiting for a
-    checkpoint write (:mod:`gpu_resilience_worker.forkguard`) keeps waiting after a stop request,
-    so that the save in flight, or the final save, can still commit; it gives way once no more
-    than this many seconds are left before the expected kill, so that the forking code can
-    reach the loop's stop in time. :class:`~gpu_resilience_worker.loop.ResilientLoop` sets it to
-    its longest recent step plus one second while training, and to one second at the stop.
     """
 
     def __init__(
@@ -98,7 +85,6 @@ class PreemptionWatcher:
         self.started_at = clock() - (process_age_seconds() if clock is time.monotonic else 0.0)
         self.received_at: float | None = None
         self.signal_name: str | None = None
-        self.fork_reserve_seconds = DEFAULT_FORK_RESERVE_SECONDS
 
     def __enter__(self) -> PreemptionWatcher:
         self.install()
@@ -111,20 +97,12 @@ class PreemptionWatcher:
         """Install the handlers (main thread only), remembering the previous ones."""
         for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._handle)
-        forkguard.stop_waiting_when(self._fork_must_go)  # a fork waiting for a save gives way in time
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before :meth:`install`."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
-        forkguard.forget_stop_check(self._fork_must_go)
-
-    def _fork_must_go(self) -> bool:
-        # not at the stop request itself: a fork going ahead then would let its child finalize
-        # the save in flight (or the final save) early on Cloud Storage FUSE, which often still
-        # commits in the grace period
-        return self.requested and self.remaining_grace() <= self.fork_reserve_seconds
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received_at is None:
