@@ -1,33 +1,14 @@
 """The commit protocol for checkpoints that a training framework writes itself.
 
-``transformers.Trainer`` writes ``checkpoint-<step>/`` folders and Lightning writes ``.ckpt``
-files, each with its own code. Neither marks a finished checkpoint: a folder cut short by a
-SIGKILL looks like any other, and both frameworks' "resume from the last checkpoint" then loads
-it. :class:`ArtifactCheckpoints` adds the commit protocol of :mod:`gpu_resilience_worker.commit`
-around those writes, and the stop decision after SIGTERM of :mod:`gpu_resilience_worker.preemption`:
-
-1. :meth:`ArtifactCheckpoints.begin_save` before the framework writes step ``s``: the commit
-   record of ``s`` (left by an earlier attempt) is removed first, then the artifact itself.
-2. The framework writes ``<prefix><s><suffix>`` (a folder of files, or one file).
-3. :meth:`ArtifactCheckpoints.commit` after it returned: every file is hashed (the hash lists of
-   :mod:`gpu_resilience_worker.fastio`) and the record ``<prefix><s><suffix>.commit.json`` (the
-   folder shape of the schema of :mod:`gpu_resilience_worker.task_folder`) is written last,
-   through a temporary name, fsync and rename.
-
-An artifact exists only when its record parses and every file it lists has the recorded size
-and chunk digests (a file the record does not list is ignored). :meth:`ArtifactCheckpoints.latest`
-returns the newest such artifact and logs every newer one it skips. Old committed artifacts
-beyond ``keep_latest_k`` and artifacts left uncommitted by a killed attempt are deleted by the
-writer only (record first, then the data). A record a newer release wrote (a newer ``format``, an
-unknown digest) stops the run instead, before anything is resumed or deleted: ``FATAL`` in the
-folder, and ``SystemExit(78)``.
-
-The adapters also report the attempt through :class:`~gpu_resilience_worker.attempt.Attempt`
-(:meth:`ArtifactCheckpoints.begin_attempt`, :meth:`~ArtifactCheckpoints.step_done`,
-:meth:`~ArtifactCheckpoints.end_attempt`), so the folder holds ``attempts.json``, ``progress.json``
-and the goodput events files like the bundled worker's and an own loop's.
-
-Local (or FUSE-mounted) paths only: the frameworks write with ``open``/``os`` themselves.
+``transformers.Trainer`` writes ``checkpoint-<step>/`` folders and Lightning ``.ckpt`` files;
+neither marks a finished checkpoint. :class:`ArtifactCheckpoints` adds the commit protocol around
+those writes (:meth:`~ArtifactCheckpoints.begin_save` removes the stale record and artifact, the
+framework writes, :meth:`~ArtifactCheckpoints.commit` hashes every file and writes the folder-shape
+record of :mod:`gpu_resilience_worker.task_folder` last), the stop decision of
+:mod:`gpu_resilience_worker.preemption`, and the attempt's record
+(:class:`~gpu_resilience_worker.attempt.Attempt`), so a framework's folder holds the same files as
+the bundled worker's (``docs/worker-contract.rst``). Local (or FUSE-mounted) paths only: the
+frameworks write with ``open``/``os`` themselves.
 """
 
 from __future__ import annotations

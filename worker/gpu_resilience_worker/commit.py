@@ -1,26 +1,12 @@
-"""The commit protocol: a checkpoint that is torn is never used.
+"""The commit protocol for one-file checkpoints: a checkpoint that is torn is never used.
 
-No atomic rename is assumed (GCS FUSE renames by copy and delete). To commit step ``s``:
-
-1. Remove any stale commit record of ``s`` (left by an earlier attempt), then any data file of it:
-   every save creates new objects, never truncates or overwrites one (on Cloud Storage FUSE that
-   would stage the whole file in memory).
-2. Stream the data to ``ckpt-{s:08d}.pt`` sequentially (nothing reads it back), flush, fsync and
-   close it. The commit record follows only a successful ``close()``: on Cloud Storage FUSE the
-   object is created, and an upload error reported, at close.
-3. Write the commit record ``ckpt-{s:08d}.commit.json`` last, through a temporary name, fsync
-   and rename: the one-file shape of the schema of :mod:`gpu_resilience_worker.task_folder`
-   (``chunks`` is the data's hash list, ``crc32c`` or ``crc32`` digests for new checkpoints).
-
-A checkpoint exists only when its commit record parses and matches the data's size and every
-chunk's digest. A restore reads the data once: into one private local copy
-(:class:`~gpu_resilience_worker.restore_copy.LocalCopy`), verified while it is read, and loads that
-copy (:meth:`CommitStore.read_verified`). Anything else (a data file with no record, a truncated or corrupted file, a torn
-or oversized record) is ignored by discovery and skipped, with a warning, on load. Stale files
-(temporary names, data without a record) are removed by :meth:`CommitStore.cleanup_stale`, which
-only a writer calls; reading a folder never deletes anything. A record a newer release wrote is
-not invalid: reading it raises :class:`~gpu_resilience_worker.errors.NewerCheckpointError` (exit
-78), and a writer refuses the folder before it restores or cleans up anything.
+To commit step ``s`` (no atomic rename assumed): remove a stale record of ``s``, then its data;
+stream the data to ``ckpt-{s:08d}.pt``, fsync and close it; write the record
+``ckpt-{s:08d}.commit.json`` last (the one-file shape of :mod:`gpu_resilience_worker.task_folder`).
+Why each step, and what discovery, restore and clean-up do with what they find: the commit
+protocol in ``docs/worker-contract.rst``. Only a writer deletes (:meth:`CommitStore.cleanup_stale`);
+a record a newer release wrote raises
+:class:`~gpu_resilience_worker.errors.NewerCheckpointError` (exit 78).
 """
 
 from __future__ import annotations

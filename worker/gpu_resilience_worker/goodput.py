@@ -1,32 +1,10 @@
 """The worker's goodput events: what only the worker knows about where an attempt's time went.
 
-Each attempt writes its own file ``goodput-{execution}-{attempt}.json`` in the task namespace
-(a new object name per attempt, so nothing is ever appended to or read back), rewritten at
-most once a second (:data:`~gpu_resilience_worker.files.MIN_REWRITE_SECONDS`), like every file
-in the namespace, so it suits a Cloud Storage FUSE mount. All times are Unix epoch seconds
-(floats, the worker's wall clock):
-
-``process_start``
-    when the container's process started (``/proc/self/stat``; the module's import time where
-    that is unreadable).
-``restore_start`` / ``restore_end``
-    around the checkpoint load (absent when checkpointing is off).
-``first_step_at``
-    when the training loop began its first step (absent if the attempt never got there).
-``resumed_from_step`` / ``steps_recomputed``
-    the step the attempt resumed from and how many steps beyond it earlier attempts had already
-    done (up to the highest step any of them reached, ``progress.json``'s ``high_water_step``:
-    they are computed again).
-``steps`` / ``step_seconds``
-    steps done in this attempt and their mean measured time (compute plus ``--step-delay``,
-    save stalls excluded).
-``save_blocking_seconds`` / ``saves``
-    the total time the loop was blocked by checkpoint saves, and how many.
-``updated_at`` / ``ended_at`` / ``status``
-    the last write, the process's end (absent if it was killed) and ``running``,
-    ``preempted``, ``completed`` or ``failed``.
-
-The provider combines these with the platform's attempt times into the goodput account.
+Each attempt writes its own file ``goodput-{execution}-{attempt}.json`` in the task namespace (a
+new object name per attempt, never appended to or read back), rewritten at most once a second
+(:data:`~gpu_resilience_worker.files.MIN_REWRITE_SECONDS`); times are Unix epoch seconds of the
+worker's wall clock. The fields and how the provider's goodput account reads them are listed in
+``docs/worker-contract.rst`` (the task folder's files).
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """A plain training loop made preemption-safe: :class:`ResilientLoop` and :func:`run_training`.
 
-The user writes one function, ``step_fn(step) -> loss``, that does optimizer step ``step + 1``
-(``step`` is the number of steps already done) and the objects it changes (model, optimizer,
-scheduler, a sampler...), each with ``state_dict()``/``load_state_dict()``. The loop does the
-rest, the way ``python -m gpu_resilience_worker train`` does it:
-
-1. exit at once with the recorded code when a ``FATAL`` marker of the same invocation is there;
-2. resume from the newest committed, verified checkpoint (a torn one is skipped), with the RNG
-   states (python ``random``, torch CPU and CUDA) and the step counter, and record the attempt
-   (:class:`~gpu_resilience_worker.attempt.Attempt`: ``attempts.json`` with ``resumed_from_step``
-   and ``lost_steps``, the goodput events file);
-3. call ``step_fn`` until ``total_steps``, saving on the configured interval (steps, seconds or
-   Young/Daly, asynchronously by default) and writing ``progress.json``;
-4. on SIGTERM/SIGINT, or at the task deadline (``TASK_TIMEOUT_SECONDS``), stop at the next step
-   boundary, save where :func:`~gpu_resilience_worker.preemption.decide_stop` says (by default
-   when the save fits in what is left of the grace period, ``PREEMPTION_GRACE_SECONDS``, default
-   10 s), and return 143;
-5. at the end, save the final step, write ``metrics.json`` (with what ``finish()`` returns) and
-   return 0; a :class:`~gpu_resilience_worker.errors.WorkerError` (bad configuration, data,
-   divergence, no space for checkpoints) writes ``FATAL`` and returns its code; any other error
-   returns 1 (retryable). A failed save is logged and training goes on, until three fail in a row.
-
-Pass the return value to :func:`exit_now` (``sys.exit`` works too, but tearing down a process
-with torch loaded takes seconds of the grace period).
-
-Bit-identical resume needs every source of randomness in a checkpointed state: the loop saves
-python's and torch's global RNGs; draw batches from them (or from a checkpointed sampler), not
-from an unsaved ``numpy`` generator.
+The user writes ``step_fn(step) -> loss``, which does optimizer step ``step + 1``, and hands over
+the objects it changes (each with ``state_dict()``/``load_state_dict()``). The loop resumes from
+the newest committed checkpoint, records the attempt, saves on its interval, answers a stop
+(SIGTERM/SIGINT or the task deadline) through
+:func:`~gpu_resilience_worker.preemption.decide_stop` and returns the exit code for
+:func:`exit_now`. The bundled worker trains through it too. What it does step by step, and what
+bit-identical resume asks of ``step_fn``: ``docs/your-code.rst``.
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """The task folder's contract: its file names and the one commit-record schema, as pure code.
 
 No I/O and no torch here: what the worker writes in a task folder, and how a reader (the worker
-itself, or the provider, which reads this schema from ``docs/worker-contract.rst`` and imports nothing
-from the worker) tells a committed checkpoint from anything else.
+itself, or the provider, which reads this schema from ``docs/worker-contract.rst`` and imports
+nothing from the worker) tells a committed checkpoint from anything else. That document holds the
+names, both shapes of the record (one file, folder), the digests and why format 1 is what the
+previous release wrote; this module is its one implementation.
 
-**Names.** Directly in the task folder:
-
-- ``ckpt-{step:08d}.pt`` and its record ``ckpt-{step:08d}.commit.json``: a one-file checkpoint
-  (the bundled worker, :class:`~gpu_resilience_worker.loop.ResilientLoop`, a
-  :class:`~gpu_resilience_worker.checkpoint.CheckpointManager`);
-- ``<prefix><step><suffix>`` and its record ``<prefix><step><suffix>.commit.json``: a checkpoint a
-  framework wrote, a folder (``checkpoint-<step>/`` of ``transformers.Trainer``) or one file
-  (``step-<step>.ckpt`` of Lightning);
-- :data:`PROGRESS`, :data:`ATTEMPTS`, :data:`METRICS`, the goodput events files
-  (:func:`goodput_file_name`), :data:`FATAL`, and :data:`WRITE_PROBE` for an instant;
-- a name ending :data:`TMP_SUFFIX` is an atomic write not finished (never read).
-
-**The commit record** is a JSON object. ``format`` is the schema's version, an int; a record
-without it means 1. Format 1 has two shapes:
-
-- *one file*: ``{format, step, size, chunk_bytes, chunks, digest, sha256, created_at}``; the data
-  is ``ckpt-{step:08d}.pt``;
-- *folder*: ``{format, step, name, files: [{path, size, chunk_bytes, chunks, digest}], sha256,
-  created_at}``; ``name`` is the checkpoint's (the record is ``name + ".commit.json"``) and every
-  ``path`` is ``name`` itself (one file) or a file under ``name/``, relative to the task folder.
-
-``chunks`` is a file's hash list: the hex ``digest`` of every ``chunk_bytes`` bytes (the last chunk
-shorter); ``digest`` is one of :data:`DIGESTS`, ``sha256`` when absent. ``sha256`` is
-:func:`root_digest` of the hash list (one file), or of the files' own such sha256 values in the
-listed order (folder). A checkpoint is committed when its record parses and every file it lists
-has the recorded size and chunk digests; a file the record does not list is not part of it.
-
-**Why format 1 is what the previous release wrote.** Its records carry no ``format`` field and
-stay readable as they are; the records written now add ``"format": 1`` and nothing else, so that
-release, which ignores unknown fields, still reads them: rolling the image back one release
-loses no checkpoint. A later change of the schema raises :data:`FORMAT`.
-
-**A newer release's record** (a ``format`` above :data:`FORMAT`, or a ``digest`` not in
-:data:`DIGESTS`) is not a torn record: :func:`parse_record` raises :class:`NewerRecordError`. A
-reader must then neither use an older checkpoint in its place nor delete anything: the worker
-exits 78 with a ``FATAL`` marker naming the record (see
+A checkpoint is committed when its record parses and every file it lists has the recorded size
+and chunk digests. A newer release's record (a ``format`` above :data:`FORMAT`, or a ``digest``
+not in :data:`DIGESTS`) is not a torn record: :func:`parse_record` raises
+:class:`NewerRecordError`, and a reader must then neither use an older checkpoint in its place nor
+delete anything (the worker exits 78, see
 :class:`~gpu_resilience_worker.errors.NewerCheckpointError`).
 """
 

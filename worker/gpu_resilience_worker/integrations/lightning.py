@@ -6,30 +6,11 @@ Install with the extra: ``pip install './worker[lightning]'``. Use::
     trainer = lightning.Trainer(max_steps=1000, callbacks=[callback], enable_checkpointing=False)
     trainer.fit(model, ResumableLoader(dataset, batch_size=32, seed=0), ckpt_path=callback.latest())
 
-What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`:
-
-- **Commit.** Every ``every_n_steps`` optimizer steps (at ``on_train_batch_end``) the callback
-  has Lightning write ``step-<step>.ckpt`` with ``trainer.save_checkpoint`` (the full Lightning
-  checkpoint: weights, optimizers, schedulers, loop progress, callback and loader states), then
-  hashes it and writes ``step-<step>.ckpt.commit.json`` last. It keeps ``keep_latest_k``
-  committed files. Lightning's own ``ModelCheckpoint`` may run beside it, but only the
-  callback's files are committed: pass ``enable_checkpointing=False`` unless you want both.
-- **Resume.** :meth:`CommitCheckpoint.latest` returns the newest verified file for ``ckpt_path``
-  (a torn or uncommitted newer one is logged and skipped); at ``setup`` the uncommitted ones are
-  deleted. A record a newer release wrote stops it first (``FATAL``, ``SystemExit(78)``, nothing deleted). Lightning's checkpoint has no RNG states, so the callback stores them in its own
-  state (torch CPU and CUDA, Python ``random``, NumPy when imported) and restores them.
-  Lightning restarts a plain ``DataLoader`` mid-epoch from its first batch (it warns);
-  :class:`ResumableLoader` is a loader that resumes at the next batch, bit-exactly.
-- **SIGTERM.** From ``on_train_start`` to the end of ``fit`` the callback's handler replaces
-  Lightning's (which only sets ``trainer.received_sigterm``; Lightning then raises
-  ``SIGTERMException``, a ``SystemExit`` whose code is 0 in Lightning 2.6: a preemption would
-  look like success). The handler records the signal only. At the next batch end: when the step
-  is committed, stop; when a save of the measured duration fits the grace left, save and commit
-  it, then stop; otherwise stop without saving. Stopping raises ``SystemExit(143)`` out of
-  ``trainer.fit()`` (Lightning runs its ``on_exception`` hooks and teardown first).
-- **The attempt's account.** From ``on_train_start`` (Lightning has restored its checkpoint) to
-  ``on_train_end``, the stop or an exception, ``dirpath`` gets ``attempts.json``,
-  ``progress.json`` and the goodput events file, like the bundled worker's task folder.
+An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits
+``step-<step>.ckpt``, resumes from the newest verified one with the RNG states it keeps in its own
+state, replaces Lightning's SIGTERM handler (whose ``SIGTERMException`` exits 0 in Lightning 2.6)
+by the stop decision, raising ``SystemExit(143)``, and records the attempt. The rules in full:
+``docs/your-code.rst``.
 """
 
 from __future__ import annotations

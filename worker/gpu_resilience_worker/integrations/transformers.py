@@ -7,28 +7,11 @@ Install with the extra: ``pip install './worker[transformers]'``. Use::
     trainer.train(resume_from_checkpoint=callback.latest())
     callback.finish()
 
-What it does, through :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`:
-
-- **Commit.** Trainer writes ``checkpoint-<step>/`` itself (weights, optimizer, scheduler, RNG
-  states, ``trainer_state.json``). Before it does (at the step or epoch end that asks for a save)
-  the stale record and folder of that step are removed; once Trainer's ``on_save`` fires, every
-  file is hashed and ``checkpoint-<step>.commit.json`` is written last. Trainer's own rotation is
-  refused (``save_total_limit`` must be unset: it deletes by modification time and would keep a
-  torn folder over a committed one); ``keep_latest_k`` committed folders are kept instead.
-- **Resume.** When the Trainer is built (``on_init_end``) every ``checkpoint-*`` folder without a
-  valid record (a torn save of a killed attempt) is deleted, so even Trainer's own
-  ``resume_from_checkpoint=True`` only sees committed ones; :meth:`CommitCallback.latest` returns
-  the newest verified one (or ``None``) for Trainer's own resume, which restores the weights,
-  optimizer, scheduler, RNG states and the position in the epoch. A record a newer release wrote
-  (a newer ``format``, an unknown digest) stops it first: ``FATAL`` in the folder, ``SystemExit(78)``,
-  nothing deleted.
-- **SIGTERM.** The handler only records the signal (no I/O in it). At the next step end: when the
-  step is already committed, stop; when a save of the measured duration fits the grace left,
-  Trainer saves this step and the callback commits it; otherwise stop without saving. Stopping
-  raises ``SystemExit(143)`` out of ``trainer.train()``.
-- **The attempt's account.** From ``on_train_begin`` (Trainer has restored its checkpoint) to
-  ``on_train_end`` or the stop, ``output_dir`` gets ``attempts.json``, ``progress.json`` and the
-  goodput events file, like the bundled worker's task folder.
+An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits each
+``checkpoint-<step>/`` Trainer writes (``save_total_limit`` must be unset: Trainer's rotation would
+keep a torn folder over a committed one), deletes uncommitted ones when the Trainer is built,
+answers a stop through the stop decision (``SystemExit(143)``) and records the attempt. The rules
+in full: ``docs/your-code.rst``.
 """
 
 from __future__ import annotations
