@@ -15,13 +15,11 @@ from gpu_resilience_worker.checkpoint import (
     DATA,
     CheckpointConfig,
     CheckpointManager,
-    CheckpointName,
-    CommitRecord,
-    FixedIntervalPolicy,
     KeepLatestN,
-    ParsedName,
     RestoreInterrupted,
 )
+from gpu_resilience_worker.policies import FixedIntervalPolicy
+from gpu_resilience_worker.task_folder import CheckpointName, CommitRecord, ParsedName
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
 

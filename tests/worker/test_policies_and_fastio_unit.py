@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_resilience_worker.checkpoint import (
-    AsyncMode,
-    CheckpointConfig,
-    CheckpointManager,
-    TimeIntervalPolicy,
-    YoungDalyPolicy,
-)
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
+from gpu_resilience_worker.policies import TimeIntervalPolicy, YoungDalyPolicy
 from gpu_resilience_worker.config import SWEEP, config_from_args, parse_interval
 from gpu_resilience_worker.errors import ConfigError
 from gpu_resilience_worker.fastio import (

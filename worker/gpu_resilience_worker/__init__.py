@@ -1,33 +1,11 @@
 """Preemption-safe PyTorch checkpointing for Cloud Run GPU jobs: the worker library.
 
 Depends on torch and the standard library only; importing it imports neither Airflow nor any
-Google package, nor the bundled digits trainer (``gpu_resilience_worker.train``, run as
-``python -m gpu_resilience_worker train``) nor numpy.
-
-Three ways in:
-
-- the bundled worker: ``python -m gpu_resilience_worker train [flags]``;
-- your own loop: :class:`ResilientLoop` / :func:`run_training` around your ``step_fn``, or the
-  pieces below (:class:`CheckpointManager`, :class:`PreemptionWatcher`, ...) directly;
-- a framework: ``gpu_resilience_worker.integrations`` (each with its own extra).
-
-The public names:
-
-- checkpoints: :class:`CheckpointManager`, :class:`CheckpointConfig`, :class:`AsyncMode`,
-  :class:`CheckpointSaveError`, :class:`RestoreInterrupted`, :class:`Stateful`;
-- the commit protocol: :class:`CommitStore`, :class:`CommitRecord`, :class:`CheckpointName`,
-  :class:`Storage`, :class:`LocalStorage`;
-- preemption and deadline: :class:`PreemptionWatcher`, :func:`set_task_deadline`,
-  :func:`ignore_termination_signals` (a DataLoader ``worker_init_fn``);
-- the task's files: :func:`task_namespace`, :class:`ProgressReporter` (``progress.json``),
-  :func:`record_attempt` (``attempts.json``), :func:`write_fatal` / :func:`fatal_marker_code`
-  (``FATAL``), :func:`write_json` / :func:`read_json`;
-- logs and exits: :class:`StructuredLogger`, :func:`exit_now`, :data:`EXIT_PREEMPTED` and the
-  :class:`WorkerError` family (:class:`ConfigError` 78, :class:`DataError` 65,
-  :class:`DivergedError` 70, :class:`OutputError` 73, :class:`OutOfSpaceError` 74,
-  :class:`NewerCheckpointError` 78: a newer release's commit record), and
-  :class:`SavesFailingError` (too many failed saves in a row, exit 1);
-- the loop: :class:`ResilientLoop`, :func:`run_training`, :class:`TrainState`.
+Google package, nor the bundled digits trainer (``python -m gpu_resilience_worker train``) nor
+numpy. Three ways in: the bundled worker, your own loop (:class:`ResilientLoop`,
+:func:`run_training`, or the pieces such as :class:`CheckpointManager` directly), and a framework
+(``gpu_resilience_worker.integrations``, each with its own extra). The public names are those of
+``_EXPORTS`` below, grouped by purpose in the worker README ("The public API").
 """
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 :class:`CheckpointManager` schedules saves (:mod:`gpu_resilience_worker.policies`), snapshots the state (into
 reused host buffers for async saves), keeps the newest ``keep_latest_k`` and loads the newest
 valid checkpoint. How a checkpoint is written, committed, verified and cleaned up is the commit
-protocol of :mod:`gpu_resilience_worker.commit`; its names are re-exported here.
+protocol of :mod:`gpu_resilience_worker.commit`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from gpu_resilience_worker.commit import (  # noqa: F401 - re-exported: the checkpoint layout's names
-    COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, CommitStore,
-    ParsedName,
-)
+from gpu_resilience_worker.commit import COMMIT, DATA, CommitRecord, CommitStore  # noqa: F401 - CommitRecord: tests
 from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError
 from gpu_resilience_worker.logs import StructuredLogger
-from gpu_resilience_worker.policies import (  # noqa: F401 - re-exported
-    GO_ON, OUT_OF_SPACE, AnySavePolicy, AsyncMode, CheckpointConfig, FixedIntervalPolicy, KeepLatestN,
-    SaveStats, TimeIntervalPolicy, YoungDalyPolicy, failed_save_verdict,
+from gpu_resilience_worker.policies import (  # noqa: F401 - AsyncMode and CheckpointConfig: the documented import path
+    GO_ON, OUT_OF_SPACE, AsyncMode, CheckpointConfig, KeepLatestN, SaveStats, YoungDalyPolicy, failed_save_verdict,
 )
 from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.snapshot import SnapshotBuffers

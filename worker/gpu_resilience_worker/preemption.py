@@ -208,17 +208,11 @@ def ignore_termination_signals(worker_id: int | None = None) -> None:
     """Make this process ignore SIGTERM and SIGINT from anyone but its parent; use it as a
     DataLoader ``worker_init_fn``.
 
-    Cloud Run signals the whole process group. DataLoader worker processes that died of that
-    SIGTERM would break the main process's next batch (and torch's SIGCHLD handler could raise
-    in the middle of its final save); ignoring it lets the main process finish its batch and
-    its save. A SIGTERM sent by the parent itself still ends this process at once (exit 0): at
-    interpreter exit, Python's ``multiprocessing`` terminates its daemonic children with SIGTERM
-    and then joins them, so workers deaf to every SIGTERM would keep the main process from ever
-    exiting (persistent workers, or an iterator still referenced at exit).
-
+    Cloud Run signals the whole process group (why that matters: ``docs/your-code.rst``, "Process
+    groups"). A SIGTERM sent by the parent itself still ends this process at once (exit 0):
+    ``multiprocessing`` terminates its daemonic children so at interpreter exit, and joins them.
     On Linux (``signal.sigwaitinfo``), both signals are blocked and one daemon thread waits for
-    them and reads their sender; elsewhere they are simply ignored (then end the main process
-    with :func:`os._exit`, after flushing, as ``python -m gpu_resilience_worker`` does).
+    them and reads their sender; elsewhere they are simply ignored.
 
     :param worker_id: the DataLoader worker index (unused).
     """
