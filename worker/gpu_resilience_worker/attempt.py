@@ -2,16 +2,9 @@
 
 The bundled worker and :class:`~gpu_resilience_worker.loop.ResilientLoop` (through which it
 trains) and the framework adapters (:class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`)
-all report an attempt through :class:`Attempt`, so every task folder holds the same files:
-
-- ``attempts.json`` (:func:`~gpu_resilience_worker.files.record_attempt`): one entry per attempt,
-  written once it resumed: ``execution``, ``attempt``, ``task_index``, ``resumed_from_step`` and
-  ``lost_steps`` (the steps the last attempt reported beyond the checkpoint resumed from);
-- ``progress.json`` (:class:`~gpu_resilience_worker.files.ProgressReporter`): the step, at most
-  once a second, with ``status`` ``running``, then ``preempted`` or ``completed``;
-- ``goodput-{execution}-{attempt}.json`` (:class:`~gpu_resilience_worker.goodput.GoodputRecorder`):
-  the restore, the first step, the steps and their time, the time saves blocked training, and the
-  attempt's end (``preempted``, ``completed`` or ``failed``).
+all report an attempt through :class:`Attempt`, so every task folder holds the same
+``attempts.json``, ``progress.json`` and goodput events file (their fields: the task folder's
+files in ``docs/worker-contract.rst``).
 """
 
 from __future__ import annotations

@@ -354,10 +354,8 @@ class CheckpointManager:
         (see :func:`_shared_mmap_is_thread_local`): the loaded tensors are the copy's pages, which
         no file backs, and the tensors that stay after the load (an optimizer's moments, which
         ``Optimizer.load_state_dict`` keeps as loaded) take their first training writes with no
-        copy-on-write fault per page (a private mapping of a 1.8 GB state cost the first step
-        about 4 s here). Otherwise the copy is mapped privately (writes stay in this process), and
-        a copy that cannot be mapped is read into memory; either way the checkpoint is never
-        read from storage again.
+        copy-on-write fault per page. Otherwise the copy is mapped privately, and a copy that
+        cannot be mapped is read into memory; either way the checkpoint is never read again.
         """
         import mmap
 

@@ -64,7 +64,7 @@ _CRC_LOCK = threading.Lock()
 
 def save_without_crc32(state: Any, writer: Any) -> None:
     """``torch.save(state, writer)`` without the zip records' CRC-32 (the file's sha256 in the
-    commit record already covers every byte; CRC-32 costs about as much as the write here).
+    commit record already covers every byte; CRC-32 would cost a second pass over the bytes).
 
     torch keeps that option process-wide: it is switched off only for this call, under a lock
     that serializes the manager's own saves. torch versions without the option save with it.

@@ -34,8 +34,8 @@ def _warm_up_save_path(folder: str) -> None:
 
     ``lightning.fabric.utilities.cloud_io._atomic_save`` asks, at every save, whether the file
     system is object storage, importing ``adlfs``, ``gcsfs`` and ``s3fs`` when installed: seconds
-    of CPU in the first save (4.7 s here with ``gcsfs``), which would be spent in the grace period
-    if the first save is the one after SIGTERM. A private helper: skipped when it moved.
+    of CPU in the first save, which would be spent in the grace period if the first save is the
+    one after SIGTERM. A private helper: skipped when it moved.
     """
     try:
         from lightning.fabric.utilities.cloud_io import _is_object_storage, get_filesystem
