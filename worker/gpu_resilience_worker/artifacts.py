@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from gpu_resilience_worker.attempt import Attempt
-from gpu_resilience_worker.commit import read_record
+from gpu_resilience_worker.commit import first_newer_record, read_record
 from gpu_resilience_worker.config import TaskIdentity
 from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, NewerCheckpointError
 from gpu_resilience_worker.fastio import file_chunk_digests
@@ -203,15 +203,8 @@ class ArtifactCheckpoints:
         return True, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """
-        :return: the refusal of the newest record here that a newer release wrote, or ``None``
-            (reads the records only)."""
-        for step in self.present_steps():
-            try:
-                self._read_record(step)
-            except NewerCheckpointError as exc:
-                return exc
-        return None
+        """:return: the refusal of the newest record here that a newer release wrote, or ``None``."""
+        return first_newer_record(self.present_steps(), self._read_record)
 
     def refuse_newer_records(self) -> None:
         """Stop the run when a newer release wrote a record here: resuming from an older artifact

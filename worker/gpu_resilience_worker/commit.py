@@ -52,6 +52,20 @@ def read_record(storage: Storage, path: str) -> CommitRecord:
         raise NewerCheckpointError(path, exc.format, exc.digest, exc.describe()) from None
 
 
+def first_newer_record(steps: list[int], read: Callable[[int], Any]) -> NewerCheckpointError | None:
+    """:return: the refusal ``read`` raises for the first of ``steps`` whose commit record a newer
+    release wrote, or ``None`` (reads the records only, never the data).
+
+    :param steps: the steps to look at, newest first.
+    :param read: reads and parses one step's record, raising :class:`NewerCheckpointError`."""
+    for step in steps:
+        try:
+            read(step)
+        except NewerCheckpointError as exc:
+            return exc
+    return None
+
+
 class CommitStore:
     """Writes, discovers, verifies and deletes the committed checkpoints of one folder.
 
@@ -108,15 +122,8 @@ class CommitStore:
         return record, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """
-        :return: the refusal of the newest commit record here that a newer release wrote, or
-            ``None`` (reads every record, never the data)."""
-        for step in self.present_steps(COMMIT):
-            try:
-                self.record(step)
-            except NewerCheckpointError as exc:
-                return exc
-        return None
+        """:return: the refusal of the newest commit record here that a newer release wrote, or ``None``."""
+        return first_newer_record(self.present_steps(COMMIT), self.record)
 
     def refuse_newer_records(self) -> None:
         """
