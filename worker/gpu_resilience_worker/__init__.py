@@ -27,7 +27,6 @@ _EXPORTS = {
     "preemption": ("PreemptionWatcher", "exit_now", "ignore_termination_signals", "set_task_deadline"),
     "state": ("TrainState", "state_digest"),
     "storage": ("LocalStorage", "Storage"),
-    # The goodput events file (written by the goodput module) joins this table when it lands.
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -53,11 +53,13 @@ def read_record(storage: Storage, path: str) -> CommitRecord:
 
 
 def first_newer_record(steps: list[int], read: Callable[[int], Any]) -> NewerCheckpointError | None:
-    """:return: the refusal ``read`` raises for the first of ``steps`` whose commit record a newer
-    release wrote, or ``None`` (reads the records only, never the data).
+    """The refusal ``read`` raises for the first of ``steps`` whose commit record a newer release
+    wrote (reads the records only, never the data).
 
     :param steps: the steps to look at, newest first.
-    :param read: reads and parses one step's record, raising :class:`NewerCheckpointError`."""
+    :param read: reads and parses one step's record, raising :class:`NewerCheckpointError`.
+    :return: that refusal, or ``None``.
+    """
     for step in steps:
         try:
             read(step)
