@@ -74,7 +74,17 @@ class _PersistedLink(BaseOperatorLink):
         :param execution: full execution name.
         :param log_uri: the execution's ``log_uri`` from the API (may be empty).
         """
-        context["ti"].xcom_push(key=cls().xcom_key, value=cls.url_for(execution, log_uri))
+        cls.push(context["ti"], execution, log_uri)
+
+    @classmethod
+    def push(cls, ti: Any, execution: str, log_uri: str = "") -> None:
+        """:meth:`persist` for a task instance: store the URL for ``execution`` in ``ti``'s XCom.
+
+        :param ti: the running task instance.
+        :param execution: full execution name.
+        :param log_uri: the execution's ``log_uri`` from the API (may be empty).
+        """
+        ti.xcom_push(key=cls().xcom_key, value=cls.url_for(execution, log_uri))
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         """The stored URL, or ``""`` before the task started an execution."""

@@ -295,24 +295,25 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         :raises CloudRunGpuTimeoutError: ``timeout`` passed; the execution was cancelled.
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
-        manager = self.run_manager(context)  # every argument checked as rendered, before any API call
-        run = manager.new_run(self.project_id or self.hook.project_id, self.run_key(context), self._deadline())
+        ti = context.get("ti")
+        manager = self.run_manager(ti)  # every argument checked as rendered, before any API call
+        run = manager.new_run(self.project_id or self.hook.project_id, self.run_key(ti), self._deadline())
         step = manager.attach_or_start(run)
         if step.execution is not None and not self.wait_for_completion:
             self.log.info("Not waiting for %s (wait_for_completion=False)", step.execution)
             return {"execution": step.execution, "job_name": self.job_name}
-        return self.execute_async(context, run, step) if self.deferrable else self.execute_sync(context, run, step)
+        return self.execute_async(run, step) if self.deferrable else self.execute_sync(run, step)
 
-    def execute_sync(self, context: Context, run: RunState, step: RunStep) -> RunSummary:
+    def execute_sync(self, run: RunState, step: RunStep) -> RunSummary:
         """Poll in the worker until the run is done, re-running after preemptions.
 
         :param run: this try's state.
         :param step: the execution to wait for first (or the summary, returned at once).
         :return: the summary; raises as :meth:`execute` does.
         """
-        return self.run_manager(context).run_to_end(run, step)
+        return self._built_manager().run_to_end(run, step)
 
-    def execute_async(self, context: Context, run: RunState, step: RunStep) -> RunSummary:
+    def execute_async(self, run: RunState, step: RunStep) -> RunSummary:
         """Defer to :class:`CloudRunGpuExecutionTrigger` for ``step``'s execution; :meth:`execute_complete` resumes.
 
         :param run: this try's state; it travels as the trigger's ``carry``.
@@ -342,7 +343,7 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         :raises CloudRunGpuFatalError: FATAL, cancelled, or the preemption budget is exhausted.
         """
         run = RunState.from_dict(event["carry"])
-        return self.execute_async(context, run, self.run_manager(context).resume(run, event))
+        return self.execute_async(run, self.run_manager(context["ti"]).resume(run, event))
 
     def on_kill(self) -> None:
         """Cancel the execution this operator is waiting for (the trigger does so when deferred)."""
@@ -353,14 +354,16 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
 
     # --- what the run manager is given -----------------------------------------------------
     @staticmethod
-    def run_key(context: Context) -> str:
-        """Stable id of this task instance (all tries): hash of dag id, run id, task id, map index."""
-        ti = context["ti"]
+    def run_key(ti: Any) -> str:
+        """Stable id of the task instance ``ti`` (all its tries): hash of dag id, run id, task id, map index."""
         raw = f"{ti.dag_id}|{ti.run_id}|{ti.task_id}|{getattr(ti, 'map_index', -1)}"
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
-    def run_manager(self, context: Context) -> CloudRunGpuRunManager:
-        """The run manager of this operator instance (built once); it publishes to ``context``'s task instance.
+    def run_manager(self, ti: Any) -> CloudRunGpuRunManager:
+        """The run manager of this operator instance (built once); it publishes to ``ti``.
+
+        :param ti: the running task instance: each execution started is pushed to its XCom
+            (``execution_name``, the two extra links), and a failed try's goodput account (``goodput``).
 
         :raises ValueError: an argument rendered to a bad value
             (:func:`~airflow_gpu_resilience.operator_args.parse_execute_arguments`).
@@ -372,13 +375,19 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
                                    **{name: value for name, value in checked.items() if name in fields})
 
             def remember(execution: str, log_uri: str) -> None:
-                context["ti"].xcom_push(key="execution_name", value=execution)
-                CloudRunGpuExecutionLink.persist(context, execution=execution)
-                CloudRunGpuLogsLink.persist(context, execution=execution, log_uri=log_uri)
+                ti.xcom_push(key="execution_name", value=execution)
+                CloudRunGpuExecutionLink.push(ti, execution=execution)
+                CloudRunGpuLogsLink.push(ti, execution=execution, log_uri=log_uri)
 
             self._manager = CloudRunGpuRunManager(
                 self.hook, settings, log=self.log, on_execution=remember,
-                on_failure_goodput=lambda report: context["ti"].xcom_push(key="goodput", value=report))
+                on_failure_goodput=lambda report: ti.xcom_push(key="goodput", value=report))
+        return self._manager
+
+    def _built_manager(self) -> CloudRunGpuRunManager:
+        """The run manager :meth:`execute` built (:meth:`run_manager`)."""
+        if self._manager is None:
+            raise RuntimeError("the run manager is built by execute() first")
         return self._manager
 
     def _deadline(self) -> float | None:

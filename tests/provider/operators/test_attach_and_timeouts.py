@@ -40,7 +40,7 @@ class _TI:
 
 
 def own_state(op, ti) -> RunState:
-    return RunState(project_id=PROJECT, run_key=op.run_key({"ti": ti}), budget=3)
+    return RunState(project_id=PROJECT, run_key=op.run_key(ti), budget=3)
 
 
 def envs(job_name: str, name: str) -> list[str]:
@@ -58,7 +58,7 @@ def test_retry_attaches_to_the_running_execution(gcp_conn, job_name):
     started = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
                                    overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     try:
-        assert op.run_manager({"ti": ti}).attach_or_start(state).execution == started
+        assert op.run_manager(ti).attach_or_start(state).execution == started
         assert ti.xcom["execution_name"] == started and len(executions(job_name)) == 1
     finally:
         hook.cancel_execution(execution=started, wait=True)
@@ -75,7 +75,7 @@ def test_a_finished_execution_is_adopted_only_if_no_try_acted_on_it(gcp_conn, jo
     finished = hook.start_execution(job_name=job_name, region=REGION, project_id=PROJECT,
                                     overrides=with_env_overrides(None, {RUN_KEY_ENV: state.run_key}))
     hook.wait_for_execution(finished, poll_interval=0.1, timeout=30)
-    step = op.run_manager({"ti": ti}).attach_or_start(state)
+    step = op.run_manager(ti).attach_or_start(state)
     if adopted:
         result = step.summary
         assert result["outcome"] == "SUCCEEDED" and result["executions"][0]["name"] == finished

@@ -292,4 +292,4 @@ def test_templated_rerun_limits_are_checked_once_rendered(name, gcp_conn):
     with pytest.raises(ValueError, match=f"{name}='-2' must be an integer >= 0"):
         op.execute({})
     setattr(op, name, "5")
-    assert op.run_manager({}).settings.max_preemption_reruns == 3  # the fixed budget stays max_preemption_reruns
+    assert op.run_manager(None).settings.max_preemption_reruns == 3  # the fixed budget stays max_preemption_reruns
