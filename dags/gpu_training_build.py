@@ -45,7 +45,27 @@ class RepositoryNotOursError(RuntimeError):
 
 
 class SourceFolderError(ValueError):
-    """A source folder that cannot be built: missing, or without a Dockerfile."""
+    """A source folder that cannot be built: missing, not a folder, or without a Dockerfile."""
+
+
+def check_source_folder(folder: str | Path) -> Path:
+    """The ``source_dir`` param checked before anything is made: a folder holding a ``Dockerfile``.
+
+    :param folder: the source folder, on the Airflow worker.
+    :return: it, as a path.
+    :raises SourceFolderError: it does not exist, is not a folder, or has no ``Dockerfile``
+        (Cloud Build's docker step builds from it); the message names ``source_dir``.
+    """
+    root = Path(folder)
+    if not root.exists():
+        raise SourceFolderError(f"source_dir {str(folder)!r} does not exist: choose a folder holding a Dockerfile "
+                                f"(the default is the bundled worker, {WORKER_SOURCE!r})")
+    if not root.is_dir():
+        raise SourceFolderError(f"source_dir {str(folder)!r} is not a folder: choose a folder holding a Dockerfile")
+    if not (root / "Dockerfile").is_file():
+        raise SourceFolderError(f"source_dir {str(folder)!r} has no Dockerfile: Cloud Build's docker step builds "
+                                "the image from it. Add one (see worker/Dockerfile) or choose another `source_dir`")
+    return root
 
 
 def ignore_patterns(folder: Path) -> list[str]:
@@ -73,14 +93,9 @@ def source_archive(folder: str | Path) -> bytes:
 
     :param folder: the source folder; it must hold a ``Dockerfile``.
     :return: the archive's bytes.
-    :raises SourceFolderError: the folder does not exist or has no ``Dockerfile``.
+    :raises SourceFolderError: as :func:`check_source_folder`.
     """
-    root = Path(folder)
-    if not root.is_dir():
-        raise SourceFolderError(f"source_dir {str(folder)!r} is not a folder")
-    if not (root / "Dockerfile").is_file():
-        raise SourceFolderError(f"source_dir {str(folder)!r} has no Dockerfile: Cloud Build's docker step builds "
-                                "the image from it. Add one (see worker/Dockerfile) or choose another `source_dir`")
+    root = check_source_folder(folder)
     patterns = ignore_patterns(root)
     buffer = io.BytesIO()
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, \
@@ -173,33 +188,47 @@ class ArtifactRepositoryHook(GoogleBaseHook):
             raise RepositoryNotOursError(name, dict(found.labels))
         return {"repository": name, "created": False}
 
-    def delete_images(self, image_digests: list[str]) -> list[str]:
-        """Delete image versions by digest reference (``REGION-docker.pkg.dev/P/R/IMAGE@sha256:HEX``)
-        with their tags, then each image (package) left without versions; missing ones are skipped.
+    def delete_run_image(self, tag_reference: str, digest: str) -> list[str]:
+        """Delete what one run pushed and nothing another run still uses: the run's tag, then the
+        version it named when no other tag names it, then the image (package) when no version is
+        left. Another build of the same source pushes the same digest, so the version may carry
+        another run's tag: it is then kept. A tag or version already gone is skipped.
 
-        :return: the references deleted.
+        :param tag_reference: ``REGION-docker.pkg.dev/P/R/IMAGE:TAG``, the run's tag.
+        :param digest: ``sha256:HEX``, the version the run's build pushed.
+        :return: the references deleted: ``...IMAGE:TAG`` when the tag was, ``...IMAGE@sha256:HEX``
+            when the version was too.
         """
-        from google.api_core.exceptions import NotFound
+        from google.api_core.exceptions import FailedPrecondition, NotFound
 
-        client, deleted = self.get_conn(), []
-        for reference in image_digests:
-            path, digest = reference.split("@", 1)
-            host, project_id, repository, image = path.split("/", 3)
-            package = (f"{self.repository_name(project_id, host.removesuffix('-docker.pkg.dev'), repository)}"
-                       f"/packages/{image.replace('/', '%2F')}")
+        path, tag = tag_reference.rsplit(":", 1)
+        host, project_id, repository, image = path.split("/", 3)
+        package = (f"{self.repository_name(project_id, host.removesuffix('-docker.pkg.dev'), repository)}"
+                   f"/packages/{image.replace('/', '%2F')}")
+        version, client, deleted = f"{package}/versions/{digest}", self.get_conn(), []
+        try:
+            client.delete_tag(name=f"{package}/tags/{tag}")
+            deleted.append(tag_reference)
+        except NotFound:
+            self.log.info("Tag %s is already gone", tag_reference)
+        others = sorted(t.name.rsplit("/", 1)[-1] for t in client.list_tags(parent=package) if t.version == version)
+        if others:
+            self.log.info("Kept image %s@%s: tagged %s by other runs", path, digest, others)
+            return deleted
+        try:  # without force: a tag added since the listing keeps the version
+            client.delete_version(request={"name": version, "force": False}).result(timeout=300)
+            deleted.append(f"{path}@{digest}")
+        except NotFound:
+            self.log.info("Image %s@%s is already gone", path, digest)
+        except FailedPrecondition as error:
+            self.log.info("Kept image %s@%s: %s", path, digest, error.message)
+            return deleted
+        if not list(client.list_versions(parent=package)):
             try:
-                version = {"name": f"{package}/versions/{digest}", "force": True}
-                client.delete_version(request=version).result(timeout=300)
+                client.delete_package(name=package).result(timeout=300)
             except NotFound:
-                self.log.info("Image %s is already gone", reference)
-                continue
-            deleted.append(reference)
-            self.log.info("Deleted image %s", reference)
-            if not list(client.list_versions(parent=package)):
-                try:
-                    client.delete_package(name=package).result(timeout=300)
-                except NotFound:
-                    pass
+                pass
+        self.log.info("Deleted %s", deleted or "nothing")
         return deleted
 
     def delete_repository_if_ours_and_empty(self, project_id: str, region: str, repository: str) -> str:

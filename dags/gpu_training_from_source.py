@@ -6,12 +6,13 @@ check_job_is_ours -> ensure_repository -> create_bucket -> grant_bucket_access -
 -> upload_source -> build_image -> image_reference -> deploy_job -> execute_job -> report, and
 teardown as the teardown of the repository and the bucket (it runs after failures too):
 
-- ``ensure_repository``: the Artifact Registry Docker repository of the ``repository`` param,
-  created labelled ``managed-by=airflow-gpu-resilience`` when missing; one that exists without
-  that label is someone else's: the task fails before anything is created or uploaded;
-- ``upload_source``: the ``source_dir`` folder (the bundled ``worker/`` by default; it must hold a
-  ``Dockerfile``, else the task fails saying so) as a ``.tar.gz`` in the bucket, files its
-  ``.dockerignore`` names left out;
+- ``ensure_repository``: first checks the ``source_dir`` param (a folder holding a
+  ``Dockerfile``; else the task fails naming it, before anything is made), then the Artifact
+  Registry Docker repository of the ``repository`` param, created labelled
+  ``managed-by=airflow-gpu-resilience`` when missing; one that exists without that label is
+  someone else's: the task fails before anything is created or uploaded;
+- ``upload_source``: the ``source_dir`` folder (the bundled ``worker/`` by default) as a
+  ``.tar.gz`` in the bucket, files its ``.dockerignore`` names left out;
 - ``build_image``: the google provider's ``CloudBuildCreateBuildOperator``: ``docker build`` of
   that archive, pushed as ``REGION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:<run namespace>``,
   the build's log in the bucket (``build-logs/``); a failed build fails the task and nothing is
@@ -19,8 +20,9 @@ teardown as the teardown of the repository and the bucket (it runs after failure
 - ``image_reference``: the pushed image by digest (``...@sha256:...``), which ``deploy_job``
   deploys, so a re-run or a later build never changes what this run trains with;
 - ``execute_job``, ``report``: as in ``gpu_resilient_training``;
-- ``teardown``: deletes the job (ours and idle), the bucket (ours), the image this run pushed,
-  and the repository when it is ours and holds no other image; it reports each.
+- ``teardown``: deletes the job (ours and idle), the bucket (ours), this run's image tag, the
+  image version when no other tag names it (another build of the same source pushes the same
+  digest), and the repository when it is ours and holds no other image; it reports each.
 
 With the local emulator (``serve --google-endpoint``: Cloud Build and Artifact Registry are
 reached on their default endpoints through its proxy) the DAG runs on a laptop; with a
@@ -43,6 +45,7 @@ from gpu_training_build import (
     RepositoryNotOursError,
     SourceFolderError,
     built_image,
+    check_source_folder,
     image_uri,
     source_archive,
 )
@@ -77,15 +80,19 @@ def _tag(params: dict, run_id: str) -> str:
 
 @task
 def ensure_repository(params: dict | None = None) -> dict:
-    """The Artifact Registry repository, created labelled ours when missing.
+    """The Artifact Registry repository, created labelled ours when missing, after the
+    ``source_dir`` param is checked (the first task that makes anything: a bad folder fails here,
+    before the repository or the bucket exists).
 
     :return: ``{"repository", "created"}``.
-    :raises AirflowFailException: it exists and is not ours (nothing was changed).
+    :raises AirflowFailException: ``source_dir`` cannot be built (see :func:`check_source_folder`),
+        or the repository exists and is not ours (nothing was changed).
     """
     try:
+        check_source_folder(params["source_dir"])
         return ArtifactRepositoryHook(gcp_conn_id=params["gcp_conn_id"]).ensure_repository(
             project_id=params["project_id"], region=params["region"], repository=params["repository"])
-    except RepositoryNotOursError as error:
+    except (SourceFolderError, RepositoryNotOursError) as error:
         raise AirflowFailException(str(error)) from error
 
 
@@ -162,7 +169,7 @@ def teardown(params: dict | None = None, ti=None, run_id: str | None = None) -> 
     build = ti.xcom_pull(task_ids="build_image") or {}
     tag = _tag(params, run_id)
     pushed = [image for image in build.get("results", {}).get("images", []) if image.get("name") == tag]
-    images = registry.delete_images([built_image(build, tag)] if pushed else [])
+    images = registry.delete_run_image(tag, pushed[0]["digest"]) if pushed else []
     log.info("Teardown: images deleted: %s", images or "none")
     repository = registry.delete_repository_if_ours_and_empty(
         project_id=params["project_id"], region=params["region"], repository=params["repository"])

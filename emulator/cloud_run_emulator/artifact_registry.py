@@ -11,7 +11,8 @@ with the same request and resource names as Google's:
   images (``.../dockerImages/IMAGE@sha256:HEX``: ListDockerImages, GetDockerImage), packages
   (``.../packages/IMAGE``: ListPackages, GetPackage, DeletePackage), versions
   (``.../packages/IMAGE/versions/sha256:HEX``: ListVersions, GetVersion, DeleteVersion, which
-  refuses a tagged version unless ``force``) and tags (ListTags). An image name with ``/`` is
+  refuses a tagged version unless ``force``) and tags (``.../packages/IMAGE/tags/TAG``: ListTags,
+  GetTag, DeleteTag, which removes the tag only, its version staying). An image name with ``/`` is
   URL-encoded in resource names (``%2F``), as Google's are.
 
 An image pushed here becomes an entry of the emulator's image table under its references
@@ -274,6 +275,25 @@ class ArtifactRegistryService:
         page, token = paginate(sorted(tags, key=lambda t: t.name), r.page_size, r.page_token)
         return ar.ListTagsResponse(tags=page, next_page_token=token)
 
+    def _tag(self, name: str) -> tuple:
+        """:return: ``(StoredImage, tag)`` of a tag name. :raises NotFound: no such tag."""
+        repository, image, tag = _split(name, "tag", r"packages/([^/]+)/tags/([^/]+)")
+        for stored in self._stored(repository, image):
+            if tag in stored.tags:
+                return stored, tag
+        raise NotFound(f"Requested entity was not found: tag '{name}'.")
+
+    def get_tag(self, backend, r: ar.GetTagRequest) -> ar.Tag:
+        stored, tag = self._tag(r.name)
+        return ar.Tag(name=r.name, version=f"{stored.package_name}/versions/{stored.digest}")
+
+    def delete_tag(self, backend, r: ar.DeleteTagRequest) -> empty_pb2.Empty:
+        """Remove the tag (and its ``...:TAG`` image reference); the version stays, as Google's does."""
+        stored, tag = self._tag(r.name)
+        self.table.remove(f"{stored.host_path}:{tag}")
+        stored.tags.discard(tag)
+        return empty_pb2.Empty()
+
     def rpcs(self) -> list:
         """The served methods, as :class:`~.rpcs.Rpc` entries bound to this service."""
         def rpc(method, request, handler, mutating=False, resource="name"):
@@ -293,4 +313,6 @@ class ArtifactRegistryService:
             rpc("GetVersion", ar.GetVersionRequest, self.get_version),
             rpc("DeleteVersion", ar.DeleteVersionRequest, self.delete_version, True),
             rpc("ListTags", ar.ListTagsRequest, self.list_tags, resource="parent"),
+            rpc("GetTag", ar.GetTagRequest, self.get_tag),
+            rpc("DeleteTag", ar.DeleteTagRequest, self.delete_tag, True),
         ]

@@ -70,6 +70,22 @@ def registry(emulator):
         channel=grpc.insecure_channel(emulator.grpc_endpoint)))
 
 
+def run_python(tmp_path: Path, emulator, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new process with the DAG's Airflow environment and ``dags/`` importable,
+    its gRPC channels to Cloud Build and Artifact Registry leading to the emulator."""
+    env = {**env_for(tmp_path, emulator), "PYTHONPATH": f"{REPO}:{REPO / 'dags'}"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_task(tmp_path: Path, emulator, task_id: str, **params) -> subprocess.CompletedProcess:
+    """Call one ``@task`` of the DAG with its default params updated by ``params``."""
+    return run_python(tmp_path, emulator, (
+        "from tests.airflow_compat import DagBag\n"
+        f"dag = DagBag(dag_folder='dags/{DAG_ID}.py').dags['{DAG_ID}']\n"
+        f"dag.get_task({task_id!r}).python_callable(params={{**dag.params.dump(), **{params!r}}})\n"))
+
+
 class Preempter(threading.Thread):
     """Maintenance-preempts task 0 once its progress passes ``at_step``, as ``make demo`` does."""
 
@@ -112,7 +128,8 @@ def test_the_dag_builds_from_source_deploys_by_digest_trains_through_a_preemptio
     assert task["steps"] == 40 and task["attempts"] >= 2, report  # trained on through the preemption
     done = returned(log, "job")
     assert done["job"] == "deleted" and done["bucket"]["deleted"] is True, done
-    assert (done["images"], done["repository"]) == ([reference], "deleted"), done
+    tag = f"{reference.split('@')[0]}:{done['images'][0].rsplit(':', 1)[-1]}"
+    assert (done["images"], done["repository"]) == ([tag, reference], "deleted"), done
     with pytest.raises(gexc.NotFound):
         registry(emulator).get_repository(name=REPOSITORY_NAME)
     assert _storage(emulator).lookup_bucket(BUCKET) is None
@@ -126,7 +143,7 @@ def test_the_dag_builds_from_source_deploys_by_digest_trains_through_a_preemptio
     assert len(list((emulator.data_dir / "builds").glob("*/log.txt"))) == 2
     second = returned(again, "job")
     assert (second["job"], second["bucket"]["deleted"], second["repository"]) == ("deleted", True, "deleted"), second
-    assert len(second["images"]) == 1
+    assert len(second["images"]) == 2  # its tag and its version
 
 
 @pytest.mark.e2e
@@ -163,12 +180,7 @@ def test_a_foreign_repository_fails_the_dag_before_anything_is_touched(tmp_path,
     theirs = ar.Repository(format_=ar.Repository.Format.DOCKER, labels={"team": "vision"})
     client.create_repository(parent=REPOSITORY_NAME.rsplit("/repositories/", 1)[0], repository_id=REPOSITORY,
                              repository=theirs).result(timeout=30)
-    script = ("import sys; sys.path.insert(0, 'dags'); from tests.airflow_compat import DagBag\n"
-              f"dag = DagBag(dag_folder='dags/{DAG_ID}.py').dags['{DAG_ID}']\n"
-              "dag.get_task('ensure_repository').python_callable(params=dag.params.dump())\n")
-    env = {**env_for(tmp_path, emulator), "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_task(tmp_path, emulator, "ensure_repository")
     assert result.returncode != 0
     assert f"repository '{REPOSITORY_NAME}' already exists and is not this deployment's" in result.stderr, result.stderr
     assert "--update-labels=managed-by=airflow-gpu-resilience" in result.stderr
@@ -195,5 +207,79 @@ def test_the_source_archive_skips_what_dockerignore_names_and_needs_a_dockerfile
     (tmp_path / "Dockerfile").unlink()
     with pytest.raises(SourceFolderError, match="has no Dockerfile"):
         source_archive(tmp_path)
-    with pytest.raises(SourceFolderError, match="is not a folder"):
+    with pytest.raises(SourceFolderError, match="does not exist"):
         source_archive(tmp_path / "missing")
+
+
+def test_a_source_dir_that_cannot_be_built_fails_before_anything_is_made(tmp_path, emulator):
+    """A missing folder, a file, a folder without a Dockerfile: ``ensure_repository``, the first
+    task that makes anything, fails naming ``source_dir``; no repository, no bucket."""
+    (tmp_path / "no-dockerfile").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    cases = {"missing": "does not exist", "a-file": "is not a folder", "no-dockerfile": "has no Dockerfile"}
+    for folder, reason in cases.items():
+        result = run_task(tmp_path, emulator, "ensure_repository", source_dir=str(tmp_path / folder))
+        assert result.returncode != 0
+        assert f"source_dir '{tmp_path / folder}' {reason}" in result.stderr, result.stderr
+    with pytest.raises(gexc.NotFound):
+        registry(emulator).get_repository(name=REPOSITORY_NAME)
+    assert _storage(emulator).lookup_bucket(BUCKET) is None
+
+
+def _build(emulator, tmp_path: Path, tag: str) -> str:
+    """Build ``tmp_path/source`` with Cloud Build on the emulator, pushed as ``tag``; its digest."""
+    import grpc
+    from google.cloud.devtools import cloudbuild_v1 as cb
+    from google.cloud.devtools.cloudbuild_v1.services.cloud_build.transports import CloudBuildGrpcTransport
+
+    sys.path.insert(0, str(REPO / "dags"))
+    from gpu_training_build import source_archive
+
+    bucket = _storage(emulator).bucket("build-sources")
+    if not bucket.exists():
+        bucket.create()
+    bucket.blob("source.tar.gz").upload_from_string(source_archive(tmp_path / "source"))
+    builds = cb.CloudBuildClient(transport=CloudBuildGrpcTransport(channel=grpc.insecure_channel(
+        emulator.grpc_endpoint)))
+    build = cb.Build(source={"storage_source": {"bucket": bucket.name, "object_": "source.tar.gz"}},
+                     steps=[{"name": "gcr.io/cloud-builders/docker", "args": ["build", "-t", tag, "."]}], images=[tag])
+    build = builds.create_build(parent=f"projects/{PROJECT}/locations/{REGION}", project_id=PROJECT,
+                                build=build).result(timeout=120)
+    [pushed] = build.results.images
+    return pushed.digest
+
+
+def test_the_teardown_deletes_only_its_own_tag_when_another_run_pushed_the_same_digest(tmp_path, emulator):
+    """Two builds of the same source push the same digest under two runs' tags: deleting one
+    run's image deletes its tag only, and the repository stays; the other run's teardown then
+    deletes the version, the package and the (ours, now empty) repository."""
+    from google.cloud import artifactregistry_v1 as ar
+
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "Dockerfile").write_text('FROM python:3.12\nENTRYPOINT ["python", "-c", "print(1)"]\n')
+    client = registry(emulator)
+    ours = ar.Repository(format_=ar.Repository.Format.DOCKER, labels={"managed-by": "airflow-gpu-resilience"})
+    client.create_repository(parent=REPOSITORY_NAME.rsplit("/repositories/", 1)[0], repository_id=REPOSITORY,
+                             repository=ours).result(timeout=30)
+    image = f"{REGION}-docker.pkg.dev/{PROJECT}/{REPOSITORY}/airflow-gpu-resilience-worker"
+    digest = _build(emulator, tmp_path, f"{image}:other-run")
+    assert _build(emulator, tmp_path, f"{image}:this-run") == digest
+    teardown = ("from gpu_training_build import ArtifactRepositoryHook\n"
+                "hook = ArtifactRepositoryHook(gcp_conn_id='google_cloud_default')\n"
+                f"print('RESULT', hook.delete_run_image({{tag!r}}, {digest!r}))\n"
+                f"print('RESULT', hook.delete_repository_if_ours_and_empty({PROJECT!r}, {REGION!r}, {REPOSITORY!r}))\n")
+
+    def results(output: str) -> list:
+        return [line.removeprefix("RESULT ") for line in output.splitlines() if line.startswith("RESULT ")]
+
+    result = run_python(tmp_path, emulator, teardown.format(tag=f"{image}:this-run"))
+    assert result.returncode == 0, result.stderr
+    assert results(result.stdout) == [f"['{image}:this-run']", "kept: 1 package(s) left"], result
+    [left] = client.list_docker_images(parent=REPOSITORY_NAME)
+    assert (left.uri, list(left.tags)) == (f"{image}@{digest}", ["other-run"])
+
+    result = run_python(tmp_path, emulator, teardown.format(tag=f"{image}:other-run"))
+    assert result.returncode == 0, result.stderr
+    assert results(result.stdout) == [f"['{image}:other-run', '{image}@{digest}']", "deleted"], result
+    with pytest.raises(gexc.NotFound):
+        client.get_repository(name=REPOSITORY_NAME)
