@@ -72,7 +72,7 @@ from airflow_gpu_resilience.outcome import (
     execution_state,
 )
 from airflow_gpu_resilience.rerun_budget import ExecutionProgress, ProgressBudget
-from airflow_gpu_resilience.run_progress import MAX_PROGRESS_TASKS, CheckpointProgress, progress_history
+from airflow_gpu_resilience.run_progress import MAX_PROGRESS_TASKS, CheckpointProgress, job_env, progress_history
 from airflow_gpu_resilience.run_state import (
     RERUN_ENV,
     RUN_KEY_ENV,
@@ -90,15 +90,10 @@ from airflow_gpu_resilience.triggers.cloud_run import ExecutionEventStatus
 __all__ = ["CloudRunGpuRunManager"]
 
 
-def _ignore(*_: Any) -> None:
-    """The default callback: nothing to publish."""
-
-
 class CloudRunGpuRunManager:
     """Attach, start, wait, classify and re-run the executions of one Airflow task instance.
 
-    Takes no Airflow ``context``: what the operator publishes (XCom, links) goes through the
-    callbacks.
+    Takes no Airflow ``context``: what the operator publishes (XCom, links) goes through the callbacks.
 
     :param hook: the Cloud Run hook (every Cloud Run call goes through it).
     :param settings: the operator's checked arguments.
@@ -115,8 +110,8 @@ class CloudRunGpuRunManager:
         settings: RunSettings,
         *,
         log: logging.Logger | logging.LoggerAdapter,
-        on_execution: Callable[[str, str], None] = _ignore,
-        on_failure_goodput: Callable[[GoodputReport], None] = _ignore,
+        on_execution: Callable[[str, str], None] = lambda *_: None,
+        on_failure_goodput: Callable[[GoodputReport], None] = lambda *_: None,
     ) -> None:
         self.hook, self.settings, self.log = hook, settings, log
         self._on_execution, self._on_failure_goodput = on_execution, on_failure_goodput
@@ -124,13 +119,15 @@ class CloudRunGpuRunManager:
         self.running_execution: str | None = None
         self._last_progress_log = float("-inf")
         self._log_follower: ExecutionLogFollower | None = None
+        self._project: str | None = None  # the job's project, once a run names it
         #: The checkpoint bucket's reader, ``None`` without ``checkpoint_bucket``.
         self.progress: CheckpointProgress | None = None
         if settings.checkpoint_bucket:
             files = CheckpointFilesHook(settings.checkpoint_bucket, settings.checkpoint_prefix or settings.job_name,
                                         gcp_conn_id=settings.gcp_conn_id,
                                         impersonation_chain=settings.impersonation_chain)
-            self.progress = CheckpointProgress(files, log)
+            self.progress = CheckpointProgress(files, log, None if settings.checkpoint_prefix else lambda: job_env(
+                hook, settings.job_name, settings.region, settings.overrides, self._project))
 
     def new_run(self, project_id: str, run_key: str, deadline: float | None) -> RunState:
         """A new try's state, with the settings' re-run limits; the log says which budget applies.
@@ -139,6 +136,7 @@ class CloudRunGpuRunManager:
         :param run_key: the task instance's run key (the same for all its tries).
         :param deadline: epoch seconds when the try's overall ``timeout`` passes, or ``None``.
         """
+        self._project = project_id
         run = RunState(project_id=project_id, run_key=run_key, budget=self.settings.max_preemption_reruns,
                        deadline=deadline, max_reruns_without_progress=self.settings.max_reruns_without_progress,
                        max_total_reruns=self.settings.max_total_reruns)
@@ -267,7 +265,7 @@ class CloudRunGpuRunManager:
             :class:`CloudRunGpuExecutionError` when the trigger hit an API error.
         """
         execution, status = event["execution"], event["status"]
-        self.running_execution = execution
+        self.running_execution, self._project = execution, run.project_id
         if self.progress is not None:
             self.progress.log_progress(run, int(self.hook.get_execution(execution=execution).task_count))
         if status == ExecutionEventStatus.TIMEOUT.value:
@@ -379,11 +377,10 @@ class CloudRunGpuRunManager:
             return None
         now = self.progress.committed_steps(timeout=self.settings.progress_read_timeout)
         if now is None:
-            self.log.warning(
-                "Checkpoint progress unreadable in gs://%s (transient errors retried for progress_read_timeout=%g s): "
-                "the newest execution's progress is unknown, neither progress nor no progress (at most "
-                "max_preemption_reruns=%s such executions after the last progress are passed over)",
-                self.progress.bucket, self.settings.progress_read_timeout, run.budget)
+            self.log.warning("Checkpoint progress unreadable in gs://%s (transient errors retried for "
+                             "progress_read_timeout=%g s): the newest execution's progress is unknown, neither progress "
+                             "nor no progress (at most max_preemption_reruns=%s such executions after the last progress "
+                             "are passed over)", self.progress.bucket, self.settings.progress_read_timeout, run.budget)
         return now
 
     def _class_of(self, run: RunState, execution: run_v2.Execution) -> OutcomeClass | None:

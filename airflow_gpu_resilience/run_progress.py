@@ -39,7 +39,8 @@ from airflow_gpu_resilience.run_state import (
     decode_steps,
 )
 
-__all__ = ["FATAL_FILE", "MAX_PROGRESS_TASKS", "CheckpointProgress", "progress_history"]
+__all__ = ["FATAL_FILE", "MAX_PROGRESS_TASKS", "RUN_ID_ENV", "CheckpointProgress", "job_env", "progress_history",
+           "run_folder"]
 
 #: Most tasks whose progress files are read (per poll), whose lost work is reported and whose
 #: ``FATAL`` marker is read (per execution).
@@ -47,6 +48,33 @@ MAX_PROGRESS_TASKS = 16
 #: The worker's marker of a non-retryable error in its task folder: ``{exit_code, reason, ...}``
 #: (``docs/worker-contract.rst``, "The commit record").
 FATAL_FILE = "FATAL"
+#: The job's env var that adds a run level to its task folders' path (the worker's ``--run-id``).
+RUN_ID_ENV = "CHECKPOINT_RUN_ID"
+
+
+def run_folder(job_name: str, env: Mapping[str, str]) -> str:
+    """The folder of a job's task folders in the bucket, as the worker names it from its env.
+
+    :param job_name: the job's name (the folder without a run level).
+    :param env: the job's container env (its overrides applied).
+    :return: ``{job_name}/{CHECKPOINT_RUN_ID}`` when that variable is set and not blank, else ``job_name``.
+    """
+    run_id = (env.get(RUN_ID_ENV) or "").strip().strip("/")
+    return f"{job_name}/{run_id}" if run_id else job_name
+
+
+def job_env(hook: Any, job_name: str, region: str, overrides: Mapping[str, Any] | None,
+            project_id: str | None) -> dict[str, str]:
+    """The env of a job's first container (GetJob) with ``overrides``' env on top (dict form).
+
+    :raises google.api_core.exceptions.GoogleAPIError: the job cannot be read.
+    """
+    job = hook.get_job(job_name=job_name, region=region, project_id=project_id)
+    containers = job.template.template.containers
+    env = {e.name: e.value for e in containers[0].env} if containers else {}
+    container_overrides = (overrides or {}).get("container_overrides") or [{}]
+    env.update({e.get("name", ""): e.get("value", "") for e in container_overrides[0].get("env", [])})
+    return env
 
 
 def progress_history(
@@ -78,10 +106,27 @@ class CheckpointProgress:
 
     :param files: the hook on ``gs://{bucket}/{prefix}/``.
     :param log: the task's logger.
+    :param env: the job's env, read once, on first use (:attr:`files`), when ``prefix`` is only
+        the default (the job's name); ``None``: ``prefix`` as given.
     """
 
-    def __init__(self, files: CheckpointFilesHook, log: logging.Logger | logging.LoggerAdapter) -> None:
-        self.files, self.log = files, log
+    def __init__(self, files: CheckpointFilesHook, log: logging.Logger | logging.LoggerAdapter,
+                 env: Callable[[], Mapping[str, str]] | None = None) -> None:
+        self._files, self.log, self._env = files, log, env
+
+    @property
+    def files(self) -> CheckpointFilesHook:
+        """The hook on the task folders. With ``env`` given (the prefix is the job's name, the
+        default), the first use follows the job's run level (:func:`run_folder`): the worker
+        writes to ``{job}/{CHECKPOINT_RUN_ID}/task-N`` when the job sets that variable."""
+        if self._env is not None:
+            env, self._env = self._env, None
+            try:
+                self._files.prefix = run_folder(self._files.prefix, env())
+            except Exception as exc:  # best effort, as every read here: the job's name is the folder
+                self.log.warning("Cannot read the job's CHECKPOINT_RUN_ID (%s); reading gs://%s/%s/", exc,
+                                 self._files.bucket, self._files.prefix)
+        return self._files
 
     @property
     def bucket(self) -> str:
