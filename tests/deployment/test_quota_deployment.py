@@ -8,7 +8,9 @@ emulator admits 60 reads a minute in that region (Cloud Run's default is 600), a
 task is a tiny command that runs until the test releases it, so the test, not the clock,
 decides when each execution ends:
 
-1. all twenty execute tasks deferred, their triggers in the triggerer, every task running;
+1. all twenty execute tasks deferred, their triggers in the triggerer, every task running; the
+   Cloud Run API requests of the region counted for a while in that steady state, when only the
+   triggerer reads and nothing changes;
 2. three executions' tasks preempted (Cloud Run retries them within the execution);
 3. half the jobs released, and at once the triggerer SIGKILLed: those executions end while no
    triggerer runs; two more tasks preempted while it is down; the triggerer restarted;
@@ -17,7 +19,10 @@ decides when each execution ends:
 Asserted: the DAG run and every mapped task succeed in their first try (no try failed, from a
 429 or anything else), each job ran exactly one execution (the emulator's own record), the
 emulator answered 429 at least once (the quota was reached), and the preempted tasks were
-retried within their execution. Apart from the run, the triggerer's log (every start of it, over
+retried within their execution. In the steady state the triggerer read only the region's
+listing (ListExecutions), no execution or task of its own, at most half the quota a minute: one
+trigger polling its execution (GetExecution and ListTasks every 3 s each) would make 800 reads a
+minute for twenty. Apart from the run, the triggerer's log (every start of it, over
 every deployment test of the session) holds no warning that its event loop was blocked.
 
 Executions are counted from the emulator's log folders and its admin endpoints, which the quota
@@ -41,7 +46,8 @@ from google.cloud import run_v2
 from tests.deployment.conftest import record_timing, unpause_when_parsed, wait_for
 from tests.deployment.dags.cloud_run_quota_sweep import DAG_ID, JOBS, PROJECT, REGION
 
-# serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with wall-clock waits on its components.
+# serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with
+# wall-clock waits on its components.
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 #: Admin API reads admitted per minute in the sweep's project and region.
@@ -55,6 +61,10 @@ PREEMPT_WHILE_DOWN = (3, 15)
 RELEASED_BEFORE_KILL = tuple(range(10, 20))
 RELEASED_AFTER_RESTART = tuple(range(0, 10))
 PAUSE_S = 5.0  # the triggerer stays down this long
+#: Seconds the steady state is counted, after ``SETTLE_S`` s for the last triggers' first polls
+#: (a trigger that subscribes wakes the shared watcher for a poll at once).
+STEADY_WINDOW_S = 30.0
+SETTLE_S = 3.0
 #: The message of Airflow 3's triggerer when its event loop did not run for longer than
 #: ``[triggerer] blocked_main_thread_warning_threshold`` (0.2 s): ``TriggerRunner.block_watchdog``.
 BLOCKED_LOOP_MESSAGE = "Triggerer's async thread was blocked"
@@ -155,6 +165,29 @@ def _restore_emulator(emulator, before: dict) -> None:
                     {"maxTaskProcesses": before["transitions"]["maxTaskProcesses"]})
 
 
+def _region_requests(s: Sweep) -> dict[str, int]:
+    """The emulator's count of Cloud Run API requests per method in the sweep's project and region
+    (admitted and rejected alike)."""
+    methods = s.emulator.requests(project=PROJECT, region=REGION)["methods"]
+    return {method: tally["requests"] for method, tally in methods.items()}
+
+
+def _steady_requests(s: Sweep) -> dict:
+    """The region's requests per method over ``STEADY_WINDOW_S`` s while every execution runs
+    unchanged and every execute task is deferred: then only the triggerer reads.
+
+    :return: ``{"seconds": the window's length, "requests": {method: count}}`` (methods with none left out).
+    """
+    time.sleep(SETTLE_S)
+    before = _region_requests(s)
+    begin = time.monotonic()
+    time.sleep(STEADY_WINDOW_S)
+    after = _region_requests(s)
+    seconds = time.monotonic() - begin
+    made = {method: count - before.get(method, 0) for method, count in after.items() if count != before.get(method, 0)}
+    return {"seconds": round(seconds, 2), "requests": made}
+
+
 def _kill_and_restart_triggerer(s: Sweep) -> None:
     """Release half the jobs and SIGKILL the triggerer at once; preempt two tasks while it is
     down; restart it and wait until it runs the triggers of the jobs not yet released."""
@@ -178,6 +211,7 @@ def _drive(s: Sweep) -> None:
     wait_for(s.all_deferred_and_running, 600, "all twenty execute tasks deferred with their jobs' tasks running",
              interval=1.0)
     record_timing("sweep: trigger -> twenty deferred", seconds=round(time.monotonic() - begin, 1))
+    s.results["steady"] = _steady_requests(s)
     s.preempt(PREEMPT_WHILE_WATCHED)
     _kill_and_restart_triggerer(s)
     s.release(RELEASED_AFTER_RESTART)
@@ -218,6 +252,16 @@ def test_twenty_deferred_executions_under_a_low_read_quota_each_run_once(sweep) 
     assert rejected > 0, f"the {READ_QUOTA_PER_MINUTE}/min read quota was never reached: {r['requests']}"
 
 
+def test_while_nothing_changes_the_triggerer_reads_only_the_region_listing(sweep) -> None:
+    """The shared watcher: one ListExecutions of the region per poll (every 3 s), no per-execution
+    reads while no count changes. A busier machine only spaces the polls further apart (the
+    watcher waits its interval after each poll), so the rate cannot pass its bound from load."""
+    steady = sweep.results["steady"]
+    assert set(steady["requests"]) == {"ListExecutions"}, steady
+    per_minute = steady["requests"]["ListExecutions"] * 60 / steady["seconds"]
+    assert per_minute <= READ_QUOTA_PER_MINUTE / 2, steady
+
+
 def test_preempted_tasks_were_retried_within_their_execution(sweep) -> None:
     preempted = sweep.results["preempted"]
     assert sorted(preempted) == sorted(PREEMPT_WHILE_WATCHED + PREEMPT_WHILE_DOWN)
@@ -234,4 +278,5 @@ def test_triggerer_never_logged_a_blocked_event_loop(sweep) -> None:
     starts = log.count("Starting the triggerer")
     blocked = [line for line in log.splitlines() if BLOCKED_LOOP_MESSAGE in line]
     assert starts >= 2, "the triggerer's log does not show its restart"
-    assert not blocked, f"{len(blocked)} blocked-event-loop warning(s) in {starts} triggerer starts:\n" + "\n".join(blocked)
+    assert not blocked, (f"{len(blocked)} blocked-event-loop warning(s) in {starts} triggerer starts:\n"
+                         + "\n".join(blocked))
