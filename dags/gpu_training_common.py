@@ -218,6 +218,7 @@ def namespace_for(run_id: str) -> str:
     return f"{slug[:54]}-{digest}"
 
 
+# [START howto_dataset_digits_npz]
 def digits_npz(partition: str | None = None) -> bytes:
     """scikit-learn's handwritten-digits set as ``.npz`` bytes (``x_train``, ``y_train``, ``x_test``,
     ``y_test``; ``x`` float32 [N, 64] in [0, 1], ``y`` int64 [N]).
@@ -241,6 +242,7 @@ def digits_npz(partition: str | None = None) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
     return buffer.getvalue()
+# [END howto_dataset_digits_npz]
 
 
 @task
@@ -260,6 +262,7 @@ def grant_bucket_access(params: dict | None = None) -> None:
     bucket.set_iam_policy(policy)
 
 
+# [START howto_dataset_upload]
 @task
 def upload_dataset(object_name: str = DATASET_OBJECT, partition: str | None = None,
                    params: dict | None = None) -> str:
@@ -273,6 +276,7 @@ def upload_dataset(object_name: str = DATASET_OBJECT, partition: str | None = No
     if not gcs.exists(bucket_name=params["bucket"], object_name=object_name):
         gcs.upload(bucket_name=params["bucket"], object_name=object_name, data=digits_npz(partition))
     return f"gs://{params['bucket']}/{object_name}"
+# [END howto_dataset_upload]
 
 
 @task
