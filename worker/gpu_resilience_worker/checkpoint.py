@@ -106,11 +106,8 @@ class CheckpointManager:
     next starts); that one raises :class:`~gpu_resilience_worker.errors.OutOfSpaceError` (exit 74)
     or :class:`~gpu_resilience_worker.errors.SavesFailingError` (exit 1) instead.
 
-    Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`:
-    the caller blocks only while the state is copied into reused host buffers (pinned when the
-    state is on CUDA); serialization, hashing, the write and the commit run on one background
-    thread. Forced saves (final, preemption) are synchronous. Use it as a context manager;
-    :meth:`close` waits for the save in flight.
+    Interval saves are asynchronous unless ``config.async_mode`` is :attr:`AsyncMode.DISABLED`
+    (see :meth:`save`). Use it as a context manager; :meth:`close` waits for the save in flight.
 
     :param config: the checkpoint configuration.
     :param states: the objects to checkpoint, keyed by item name (see :data:`STATE_KEYS`).

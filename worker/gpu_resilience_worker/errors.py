@@ -37,12 +37,11 @@ class ConfigError(WorkerError):
 
 
 class NewerCheckpointError(ConfigError):
-    """A commit record in the task folder was written by a newer release of the worker: a
-    ``format`` or a chunk ``digest`` this release does not know (as after the image was rolled
-    back). Resuming from an older checkpoint would lose the newer one's work, and retention would
-    then delete it: not retryable, exit 78, and nothing in the folder is deleted. The ``FATAL``
-    marker records ``newer_record`` = ``{file, format, digest}``; a later attempt obeys it only
-    while that record still cannot be read (see :func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
+    """A commit record in the task folder was written by a newer release of the worker (a
+    ``format`` or a chunk ``digest`` this release does not know): not retryable, exit 78, and
+    nothing in the folder is deleted (why: :mod:`gpu_resilience_worker.task_folder`). The
+    ``FATAL`` marker records ``newer_record`` = ``{file, format, digest}``, obeyed only while that
+    record still cannot be read (:func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
 
     :param record: the record's path.
     :param format: its ``format`` when that is the newer part, else ``None``.

@@ -2,14 +2,11 @@
 early writeback. (The restore's local copy is :mod:`gpu_resilience_worker.restore_copy`, the
 save's host buffers :mod:`gpu_resilience_worker.snapshot`.)
 
-A checkpoint's data file is hashed as a *hash list*: the sha256 of every :data:`DIGEST_CHUNK`
-bytes (the last chunk may be shorter), so the chunks hash on several threads at once, and the
-commit record's ``sha256`` is the sha256 of the concatenated 32-byte chunk digests
-(:func:`root_digest`). ``hashlib`` and file reads/writes release the GIL on large buffers, so
-hashing overlaps the writes and the chunks of a file verify in parallel.
-
-While a big file is written, :func:`start_writeback` asks Linux to start writing each piece to
-disk (``sync_file_range``), so the final ``fsync`` finds little left to flush.
+A data file is hashed as a *hash list* (the commit record's ``chunks``, see
+:mod:`gpu_resilience_worker.task_folder`), so its chunks hash on several threads at once:
+``hashlib`` and file reads and writes release the GIL on large buffers. :func:`start_writeback`
+asks Linux to start writing each piece of a big file early, so the final ``fsync`` finds little
+left to flush.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The ``FATAL`` marker: a non-retryable error recorded in the task namespace.
 
-A process that hits an error that will happen again on every retry (bad configuration, bad
-input, divergence) writes ``{namespace}/FATAL`` = ``{exit_code, reason, created_at,
-invocation}`` and exits with that code; a later attempt of the same invocation (a Cloud Run
-retry) finds the marker and exits at once with the same code instead of burning a GPU attempt.
-Two codes are looked at again instead, since what they report can be fixed outside the run: 73
-(the folder is checked again, in no time) and 74 (a full file system: obeyed until it has more
-free space than the marker recorded).
-A configuration that does not parse has no namespace to look in until it is parsed: such an
-attempt finds its error again (no work is done) and leaves a marker of the same error and
-invocation as it is (:func:`write_fatal`), so ``FATAL`` is written once per invocation.
-Used by ``python -m gpu_resilience_worker`` and by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
+A process that hits an error that will happen again on every retry writes ``{namespace}/FATAL``
+and exits with its code; a later attempt of the same invocation exits at once with that code
+instead of burning a GPU attempt. Which codes are obeyed, and when 73 and 74 are looked at again:
+the exit codes and the ``FATAL`` row of ``docs/worker-contract.rst``. Used by
+``python -m gpu_resilience_worker`` and by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
 """
 
 from __future__ import annotations

@@ -76,9 +76,7 @@ class LocalStorage:
         Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails. An
         ``OSError`` without a path (``os.write``'s ENOSPC) is given the file's.
 
-        The file is opened, written and closed on a thread with a descriptor table of its own
-        (:func:`~gpu_resilience_worker.forkguard.write_privately`), so that no child process,
-        however started, holds a copy whose close would finalize it early; the caller waits.
+        The file is written in :func:`~gpu_resilience_worker.forkguard.write_privately`; the caller waits.
 
         :param path: destination file.
         :param data: the bytes to write, or a function writing them into the open file (it runs
