@@ -61,7 +61,7 @@ def emulator_with_images(folder: Path, monkeypatch, images: dict) -> Iterator:
     """An emulator of its own in ``folder`` with Cloud Run's 10 s SIGTERM-to-SIGKILL grace (the
     session's has 1 s), the bundled worker as ``WORKER_IMAGE`` and ``images`` (more image-table
     entries, see ``cloud_run_emulator.images``); the connection and ``STORAGE_EMULATOR_HOST``
-    point at it, the bucket holds the digits data set. About 3 s to start."""
+    point at it (Cloud Run over gRPC), the bucket holds the digits data set. About 3 s to start."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
@@ -76,7 +76,10 @@ def emulator_with_images(folder: Path, monkeypatch, images: dict) -> Iterator:
         storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                        client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
         write_digits(bucket_dir(emu) / "data" / "digits.npz")
-        extra = {"is_anonymous": True, "project": PROJECT, "api_endpoint": emu.endpoint}
+        # gRPC, Cloud Run's default transport, through CLOUD_RUN_EMULATOR_HOST (the session's
+        # emulator runs every other provider test over both transports)
+        extra = {"is_anonymous": True, "project": PROJECT, "logging_api_endpoint": emu.endpoint}
+        monkeypatch.setenv("CLOUD_RUN_EMULATOR_HOST", emu.grpc_endpoint)
         monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT",
                            json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.gcs_endpoint)
