@@ -204,8 +204,8 @@ class CloudRunGpuExecuteJobOperator(BaseOperator):
         ``progress.json`` is logged while waiting (with ETA) and the work lost to each
         preemption is added to the summary. Unreadable files never fail the task (templated;
         default ``None``).
-    :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name;
-        templated).
+    :param checkpoint_prefix: folder of the task folders in the bucket (default: the job name,
+        plus ``/{CHECKPOINT_RUN_ID}`` when the job sets that variable, as the worker does; templated).
     :param progress_read_timeout: seconds a read of the committed checkpoint steps (at each start
         and re-run decision) retries a bucket that cannot be read, with backoff, before the
         progress counts as unknown (default 300; > 0).
