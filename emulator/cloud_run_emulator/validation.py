@@ -52,7 +52,7 @@ PREVIEW = {launch_stage_pb2.ALPHA, launch_stage_pb2.BETA}
 GA = launch_stage_pb2.GA
 MAX_TIMEOUT_S = 168 * 3600
 RESERVED = ("run.googleapis.com", "cloud.googleapis.com", "serving.knative.dev", "autoscaling.knative.dev")
-_MEM_UNITS = {"": 1 / 2**30, "K": 1e3 / 2**30, "M": 1e6 / 2**30, "G": 1e9 / 2**30,
+_MEM_UNITS = {"": 1 / 2**30, "k": 1e3 / 2**30, "K": 1e3 / 2**30, "M": 1e6 / 2**30, "G": 1e9 / 2**30, "T": 1e12 / 2**30,
               "Ki": 1 / 2**20, "Mi": 1 / 2**10, "Gi": 1.0, "Ti": 2.0**10}
 
 TT = "job.template.template"
@@ -117,15 +117,16 @@ def validate_job_id(job_id: str) -> None:
 
 
 def parse_cpu(value: str, field: str) -> float:
-    try:
-        return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
-    except ValueError:
-        raise InvalidArgument(f"{field}: invalid CPU quantity '{value}'.") from None
+    """A CPU quantity in vCPUs: a decimal number of vCPUs, or of thousandths with ``m``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", value)
+    if not match:
+        raise InvalidArgument(f"{field}: invalid CPU quantity '{value}'.")
+    return float(match.group(1)) / (1000 if match.group(2) else 1)
 
 
 def parse_memory_gib(value: str, field: str) -> float:
     """A Kubernetes memory quantity in GiB."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", value)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?|k)?", value)
     if not match or (match.group(2) or "") not in _MEM_UNITS:
         raise InvalidArgument(f"{field}: invalid memory quantity '{value}'.")
     return float(match.group(1)) * _MEM_UNITS[match.group(2) or ""]

@@ -1,0 +1,76 @@
+"""Cloud Run's rules, kept twice on purpose: the provider checks a job before deploying it
+(:mod:`airflow_gpu_resilience.cloud_run_rules`, :mod:`~airflow_gpu_resilience.job_spec`), the
+emulator is an oracle of its own (:mod:`cloud_run_emulator.validation`; the two distributions share
+no code). One table of inputs runs through both and the verdicts must agree: a value both accept
+has the same meaning, a value one refuses the other refuses too. (Mount options have their own
+table: ``test_mount_options.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_gpu_resilience import cloud_run_rules as provider
+from airflow_gpu_resilience import job_spec
+from cloud_run_emulator import validation as emulator
+from cloud_run_emulator.exceptions import InvalidArgument
+
+CPU = ["4", "4.5", "0.5", "4000m", "500m", "8", "1e1", "-1", "four", "4Gi", "", "4mm", "nan", "inf", "4.", ".5"]
+MEMORY = ["16Gi", "16384Mi", "17G", "16k", "16K", "16", "1Ti", "16T", "512Mi", "16m", "-1Gi", "1e3Mi", "16Gb",
+          "16gi", "", "Gi", "16.5Gi"]
+JOB_NAMES = ["train", "my-job-1", "a", "a" * 63, "a" * 64, "1job", "-job", "job-", "Job", "my_job", "my.job", ""]
+BUCKETS = ["my-bucket", "ab", "abc", "a" * 63, "a" * 64, "my.bucket.example.com", "192.168.1.1", "goog-bucket",
+           "my-google-bucket", "my_bucket", "-bucket", "bucket-", "Bucket", "a..b", "a.-b", "x" * 64 + ".example.com"]
+
+
+def _provider(parse, value):
+    try:
+        return parse(value)
+    except ValueError:
+        return "refused"
+
+
+def _emulator(parse, value):
+    try:
+        return parse(value, "field")
+    except InvalidArgument:
+        return "refused"
+
+
+@pytest.mark.parametrize("value", CPU)
+def test_cpu_quantities(value):
+    assert _provider(provider.parse_cpu, value) == _emulator(emulator.parse_cpu, value)
+
+
+@pytest.mark.parametrize("value", MEMORY)
+def test_memory_quantities(value):
+    mine, theirs = _provider(provider.parse_memory_gib, value), _emulator(emulator.parse_memory_gib, value)
+    assert mine == theirs if "refused" in (mine, theirs) else mine == pytest.approx(theirs)
+
+
+@pytest.mark.parametrize("name", JOB_NAMES)
+def test_job_names(name):
+    mine = _provider(provider.validate_job_name, name)
+    try:
+        emulator.validate_job_id(name)
+        theirs = None
+    except InvalidArgument:
+        theirs = "refused"
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_bucket_names(bucket):
+    mine = provider.bucket_name_problem(bucket) is not None
+    try:
+        emulator.validate_bucket_name(bucket)
+        theirs = False
+    except InvalidArgument:
+        theirs = True
+    assert mine == theirs
+
+
+def test_gpu_types_task_count_and_reserved_env():
+    assert dict(job_spec.GPU_TYPES) == emulator.GPU_TYPES
+    assert job_spec.MAX_TASK_COUNT == emulator.MAX_TASK_COUNT
+    assert set(emulator.RESERVED_ENV) <= set(job_spec.RESERVED_ENV)
