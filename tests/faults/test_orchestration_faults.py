@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,10 @@ from airflow.utils.state import TaskInstanceState
 from airflow_gpu_resilience.exceptions import CloudRunGpuFatalError
 from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.overrides import START_ID_ENV, execution_env
-from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import RERUN_ENV, CloudRunGpuExecuteJobOperator
-from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, wait_until_running
+from tests.provider.conftest import PROJECT, REGION, wait_until_running
 from tests.provider.operators import dag_factory
+from tests.provider.operators.conftest import deploy, executions
 from tests.provider.operators.dag_factory import CAPTURED, write_dag_file
 from tests.worker.conftest import REPO_ROOT
 
@@ -66,18 +65,6 @@ def run_execute(job_name):
     yield run
     for path in written:
         path.unlink(missing_ok=True)
-
-
-def deploy(job_name: str, args: list[str], max_retries: int = 0, **kw) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec = GpuJobSpec(name=job_name, image=STUB_IMAGE, args=args, max_retries=max_retries,
-                          checkpoint_bucket=BUCKET, **kw)
-    CloudRunGpuHook().create_job(job_name=job_name, job=spec, region=REGION, project_id=PROJECT)
-
-
-def executions(job_name: str) -> list:
-    return CloudRunGpuHook().list_executions(job_name=job_name, region=REGION, project_id=PROJECT)
 
 
 def start_ids(job_name: str) -> set:
