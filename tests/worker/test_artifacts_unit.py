@@ -29,12 +29,16 @@ def test_only_committed_intact_folders_are_resumed_and_kept(tmp_path: Path) -> N
     _write(tmp_path, 20)  # written, never committed (killed before the record)
     assert store.latest().endswith("checkpoint-15")
     (tmp_path / "checkpoint-15" / "model.bin").write_bytes(b"weightz")  # corrupted after the commit
-    assert store.verify(15) == (False, "checkpoint-15/model.bin: sha256 does not match the commit record")
+    assert store.verify(15) == (False, "checkpoint-15/model.bin: sha256 of bytes 0-6 does not match the commit record")
     assert store.latest().endswith("checkpoint-10")
     (tmp_path / "checkpoint-10" / "state.json").unlink()  # a file missing
     assert store.latest() is None
-    store.cleanup_uncommitted()
-    assert store.present_steps() == []
+    store.cleanup_uncommitted()  # what has no record goes; a record's checkpoint stays for retention to judge
+    assert store.present_steps() == [15, 10]
+    store.begin_save(25)
+    _write(tmp_path, 25)
+    store.commit(25)  # retention deletes the one found corrupt, never the one it could not judge
+    assert store.present_steps() == [25, 10]
 
 
 def test_a_stale_record_is_removed_before_the_step_is_rewritten(tmp_path: Path) -> None:

@@ -215,7 +215,7 @@ def test_new_checkpoints_use_the_cheaper_digest() -> None:
     record = CommitRecord.of_chunks(1, 5, chunk_digests(b"hello", 4096, "crc32"), "now", 4096, "crc32")
     assert CommitRecord.from_bytes(record.to_bytes()) == record
     with pytest.raises(ValueError, match="invalid digest"):  # a sha256-sized digest in a crc32 record
-        CommitRecord.from_bytes(record.to_bytes().replace(record.chunks[0].encode(), b"a" * 64))
+        CommitRecord.from_bytes(record.to_bytes().replace(record.data.chunks[0].encode(), b"a" * 64))
     with pytest.raises(NewerRecordError, match="digest 'md5'"):  # a digest not known here: a newer release's
         CommitRecord.from_bytes(record.to_bytes().replace(b'"crc32"', b'"md5"'))
 

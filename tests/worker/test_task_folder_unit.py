@@ -100,7 +100,7 @@ def test_both_shapes_round_trip_and_carry_the_format() -> None:
     # the one-file record is the previous release's fields plus format; the folder's likewise
     assert json.loads(one.to_bytes()) == {**_FILE, "format": 1}
     assert json.loads(folder.to_bytes()) == {**_FOLDER, "format": 1}
-    assert one.size == folder.size == 8192 and one.chunks == (_A, _B) and one.digest == "sha256"
+    assert one.size == folder.size == 8192 and one.data.chunks == (_A, _B) and one.data.digest == "sha256"
 
 
 def test_names() -> None:

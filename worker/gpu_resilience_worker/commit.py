@@ -1,17 +1,20 @@
-"""The commit protocol for one-file checkpoints: a checkpoint that is torn is never used.
+"""The commit protocol, for both shapes of a task folder's checkpoints: a torn checkpoint is never used.
 
-To commit step ``s`` (no atomic rename assumed): remove a stale record of ``s``, then its data;
-stream the data to ``ckpt-{s:08d}.pt``, fsync and close it; write the record
-``ckpt-{s:08d}.commit.json`` last (the one-file shape of :mod:`gpu_resilience_worker.task_folder`).
-Why each step, and what discovery, restore and clean-up do with what they find: the commit
-protocol in ``docs/worker-contract.rst``. Only a writer deletes (:meth:`CommitStore.cleanup_stale`);
-a record a newer release wrote raises
+:class:`CommitStore` writes, finds, verifies and deletes the checkpoints of one task folder, named
+by a :class:`~gpu_resilience_worker.task_folder.Naming`: the one-file shape, whose data it streams
+itself (:meth:`~CommitStore.write`), or a framework's files and folders, which it commits once the
+framework wrote them (:meth:`~CommitStore.commit_written`). Either way the stale record goes first
+and the record of :mod:`gpu_resilience_worker.task_folder` last. Why each step, and what discovery,
+restore and clean-up do with what they find: the commit protocol in ``docs/worker-contract.rst``.
+Only a writer deletes; a record a newer release wrote raises
 :class:`~gpu_resilience_worker.errors.NewerCheckpointError` (exit 78).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+import shutil
+from typing import Any, BinaryIO, Callable
 
 from gpu_resilience_worker.errors import NewerCheckpointError
 from gpu_resilience_worker.fastio import HashingWriter, default_digest, file_chunk_digests, stream_chunk_digests
@@ -21,7 +24,7 @@ from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.snapshot import save_without_crc32
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import (  # noqa: F401 - re-exported: the layout's names
-    COMMIT, DATA, MAX_RECORD_BYTES, MIN_CHUNK_BYTES, CheckpointName, CommitRecord, NewerRecordError, ParsedName,
+    COMMIT, DATA, DIGEST_CHUNK, MAX_RECORD_BYTES, CheckpointName, CommitRecord, FileEntry, Naming, NewerRecordError,
     parse_record,
 )
 
@@ -52,56 +55,68 @@ def read_record(storage: Storage, path: str) -> CommitRecord:
         raise NewerCheckpointError(path, exc.format, exc.digest, exc.describe()) from None
 
 
-def first_newer_record(steps: list[int], read: Callable[[int], Any]) -> NewerCheckpointError | None:
-    """The refusal ``read`` raises for the first of ``steps`` whose commit record a newer release
-    wrote (reads the records only, never the data).
+class StateWriter:
+    """Streams a state to a checkpoint's data file with ``torch.save`` (no zip CRC-32, see
+    :func:`~gpu_resilience_worker.snapshot.save_without_crc32`), building its hash list as it goes.
 
-    :param steps: the steps to look at, newest first.
-    :param read: reads and parses one step's record, raising :class:`NewerCheckpointError`.
-    :return: that refusal, or ``None``.
+    :param state: the state to save.
+    :param digest: the chunk digest (see :func:`~gpu_resilience_worker.fastio.default_digest`).
     """
-    for step in steps:
+
+    def __init__(self, state: dict[str, Any], digest: str) -> None:
+        self.state, self.digest = state, digest
+        self.size, self.chunks = 0, []
+
+    def __call__(self, handle: BinaryIO) -> None:
+        """Write the state into ``handle`` (what :meth:`Storage.write` calls)."""
+        writer = HashingWriter(handle, digest=self.digest)
         try:
-            read(step)
-        except NewerCheckpointError as exc:
-            return exc
-    return None
+            save_without_crc32(self.state, writer)
+        except RuntimeError as exc:
+            # torch's zip writer ends its archive even when a write of it raised, and that fails
+            # too ("unexpected pos"): the write's own error (ENOSPC...) is what happened
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
+        self.chunks, self.size = writer.digests(), writer.size
 
 
 class CommitStore:
-    """Writes, discovers, verifies and deletes the committed checkpoints of one folder.
+    """Writes, discovers, verifies and deletes the committed checkpoints of one task folder.
 
-    :param folder: the task's checkpoint namespace (a plain path string).
+    :param folder: the task folder (a plain path string).
     :param storage: the storage backend.
     :param logger: structured logger.
+    :param naming: how the checkpoints are named; default the one-file shape
+        (:data:`~gpu_resilience_worker.task_folder.CheckpointName`).
     """
 
-    def __init__(self, folder: str, storage: Storage, logger: StructuredLogger) -> None:
+    def __init__(self, folder: str, storage: Storage, logger: StructuredLogger,
+                 naming: Naming = CheckpointName) -> None:
         self.folder = folder.rstrip("/") or "/"
-        self.storage = storage
+        self.storage, self.naming = storage, naming
         self._log = logger
         self._verified: dict[int, str] = {}  # step -> sha256 verified (or written) by this process
         #: step -> sha256 of a commit record whose data this process found corrupt or unloadable:
         #: such a checkpoint is not counted as kept (its size alone would pass), so retention
         #: does not delete a valid checkpoint in its place
         self._invalid: dict[int, str] = {}
-        #: the chunk digest of the checkpoints this store writes (see :func:`default_digest`)
+        #: the chunk digest of the one-file checkpoints this store writes (see :func:`default_digest`)
         self.digest = default_digest()
         #: steps retention leaves alone: newer than the one resumed from and there at the restore
         #: (:meth:`resumed_from`), or a newer release's; until this process rewrites them
         self._protected: set[int] = set()
 
     def path(self, step: int, kind: str = DATA) -> str:
-        """:return: the path of the data file or commit record of ``step``."""
-        return f"{self.folder}/{CheckpointName.build(step, kind)}"
+        """:return: the path of the data (a file, or a framework's folder) or commit record of ``step``."""
+        return f"{self.folder}/{self.naming.build(step, kind)}"
 
     def present_steps(self, kind: str | None = None) -> list[int]:
         """
-        :return: every step with a data file or commit record (only ``kind`` when given),
-            newest first."""
+        :return: every step with data or a commit record (only ``kind`` when given), newest first."""
         steps = set()
         for name in self.storage.list(self.folder):
-            parsed = CheckpointName.parse(name)
+            parsed = self.naming.parse(name)
             if parsed is not None and not parsed.temporary and kind in (None, parsed.kind):
                 steps.add(parsed.step)
         return sorted(steps, reverse=True)
@@ -117,15 +132,19 @@ class CommitStore:
             return None, "no commit record (uncommitted)"
         except (OSError, ValueError) as exc:
             return None, f"unreadable commit record: {exc}"
-        if record.name is not None:
-            return None, f"commit record is a folder's ({record.name}), not a one-file checkpoint's"
-        if record.step != step:
-            return None, f"commit record is for step {record.step}"
+        if record.step != step or record.name != self.naming.record_name(step):
+            return None, f"commit record is for step {record.step} ({record.name or 'one file'}), not this checkpoint"
         return record, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """:return: the refusal of the newest commit record here that a newer release wrote, or ``None``."""
-        return first_newer_record(self.present_steps(COMMIT), self.record)
+        """:return: the refusal of the newest commit record here that a newer release wrote, or
+        ``None`` (reads the records only, never the data)."""
+        for step in self.present_steps(COMMIT):
+            try:
+                self.record(step)
+            except NewerCheckpointError as exc:
+                return exc
+        return None
 
     def refuse_newer_records(self) -> None:
         """
@@ -146,44 +165,16 @@ class CommitStore:
         return self.verify(step)[0]
 
     def verify(self, step: int) -> tuple[bool, str]:
-        """Check one checkpoint against its commit record, reading (and hashing) all its data.
+        """Check one checkpoint against its commit record, reading (and hashing) every file it lists.
 
         :return: ``(True, "")`` when valid, else ``(False, reason)``.
         """
-        record, reason = self.record(step)
-        if record is None:
-            return False, reason
-        path = self.path(step, DATA)
-        try:
-            size = self.storage.size(path)  # a wrong size needs no hashing
-            if size != record.size:
-                return False, f"size {size} bytes, commit record says {record.size}"
-            local = self.storage.local_path(path)
-            if local is not None:
-                size, digests = file_chunk_digests(local, record.chunk_bytes, record.digest)
-            else:
-                with self.storage.open_read(path) as handle:
-                    size, digests = stream_chunk_digests(handle, record.chunk_bytes, record.digest)
-        except (OSError, ValueError, ImportError) as exc:
-            return False, f"unreadable data file: {exc}"
-        return self._check(step, record, size, digests)
-
-    def _check(self, step: int, record: CommitRecord, size: int, digests: list[str]) -> tuple[bool, str]:
-        if size != record.size:
-            return False, f"size {size} bytes, commit record says {record.size}"
-        bad = next((i for i, (a, b) in enumerate(zip(digests, record.chunks)) if a != b), None)
-        if bad is not None:
-            self._invalid[step] = record.sha256
-            start = bad * record.chunk_bytes
-            return False, (f"{record.digest} of bytes {start}-{min(start + record.chunk_bytes, size) - 1}"
-                           " does not match the commit record")
-        self._verified[step] = record.sha256
-        self._invalid.pop(step, None)
-        return True, ""
+        reason = self._read(step)[1]
+        return not reason, reason
 
     def read_verified(self, step: int, stop: Callable[[], bool] | None = None) -> tuple[LocalCopy | None, str]:
-        """Read one checkpoint's data once, sequentially through :meth:`Storage.open_read`, into
-        a private local copy, checking it against its commit record as it is read.
+        """Read a one-file checkpoint's data once, sequentially through :meth:`Storage.open_read`,
+        into a private local copy, checking it against its commit record as it is read.
 
         The copy is what gets loaded, so the bytes loaded are the bytes verified (a file that
         changes afterwards cannot slip in), and the data is read from storage exactly once.
@@ -194,25 +185,56 @@ class CommitStore:
             reason)`` is returned (the checkpoint is not marked invalid); default never.
         :return: ``(copy, "")`` when valid (the caller closes the copy), else ``(None, reason)``.
         """
+        return self._read(step, keep=True, stop=stop)
+
+    def _read(self, step: int, keep: bool = False,
+              stop: Callable[[], bool] | None = None) -> tuple[LocalCopy | None, str]:
+        """Verify ``step``: each file's size, then its hash list (into a :class:`LocalCopy` when
+        ``keep``, one file only). :return: ``(copy or None, "")``, or ``(None, reason)``."""
         record, reason = self.record(step)
         if record is None:
             return None, reason
-        path = self.path(step, DATA)
-        copy: LocalCopy | None = None
-        try:
-            size = self.storage.size(path)
-            if size != record.size:
-                return None, f"size {size} bytes, commit record says {record.size}"
-            copy = LocalCopy(size)
-            with self.storage.open_read(path) as handle:
-                size, digests = copy.fill(handle, record.chunk_bytes, record.digest, stop)
-            ok, reason = self._check(step, record, size, digests)
-        except (OSError, ValueError, ImportError) as exc:
-            ok, reason = False, f"unreadable data file: {exc}"
-        if not ok and copy is not None:
-            copy.close()
-            copy = None
-        return copy, reason
+        copy = None
+        for entry in record.files:
+            path = f"{self.folder}/{entry.path}"
+            try:
+                size, digests = self.storage.size(path), []
+                if size == entry.size:  # a wrong size needs no hashing
+                    copy = LocalCopy(size) if keep and len(record.files) == 1 else None
+                    size, digests = self._digests(path, entry, copy, stop)
+                reason = self._mismatch(step, record, entry, size, digests)
+            except (OSError, ValueError, ImportError) as exc:
+                reason = f"unreadable data file: {exc}"
+            if reason:
+                if copy is not None:
+                    copy.close()
+                return None, (reason if record.name is None else f"{entry.path}: {reason}")
+        self._verified[step] = record.sha256
+        self._invalid.pop(step, None)
+        return copy, ""
+
+    def _digests(self, path: str, entry: FileEntry, copy: LocalCopy | None,
+                 stop: Callable[[], bool] | None) -> tuple[int, list[str]]:
+        """:return: the size and hash list of ``path`` as read into ``copy``, mapped, or streamed."""
+        local = None if copy is not None else self.storage.local_path(path)
+        if local is not None:
+            return file_chunk_digests(local, entry.chunk_bytes, entry.digest)
+        with self.storage.open_read(path) as handle:
+            if copy is not None:
+                return copy.fill(handle, entry.chunk_bytes, entry.digest, stop)
+            return stream_chunk_digests(handle, entry.chunk_bytes, entry.digest)
+
+    def _mismatch(self, step: int, record: CommitRecord, entry: FileEntry, size: int, digests: list[str]) -> str:
+        """:return: how ``size`` and ``digests`` differ from ``entry`` (``""``: they match); a
+        digest that differs marks ``step`` invalid."""
+        if size != entry.size:
+            return f"size {size} bytes, commit record says {entry.size}"
+        bad = next((i for i, (a, b) in enumerate(zip(digests, entry.chunks)) if a != b), None)
+        if bad is None:
+            return ""
+        self._invalid[step] = record.sha256
+        start = bad * entry.chunk_bytes
+        return f"{entry.digest} of bytes {start}-{min(start + entry.chunk_bytes, size) - 1} does not match the commit record"
 
     def mark_invalid(self, step: int) -> None:
         """Remember that the data of ``step``'s current commit record is unusable (found corrupt,
@@ -225,8 +247,8 @@ class CommitStore:
 
     def committed_steps(self) -> list[int]:
         """
-        :return: newest first, the steps whose commit record is valid and whose data file has
-            the recorded size, data unread (what retention counts as kept: re-reading every kept
+        :return: newest first, the steps whose commit record is valid and whose files have the
+            recorded sizes, data unread (what retention counts as kept: re-reading every kept
             checkpoint after each save would download it again on Cloud Storage FUSE). Checkpoints
             this process wrote or verified count without a look at the data; those it found corrupt
             or unloadable (:meth:`mark_invalid`) do not count."""
@@ -241,7 +263,7 @@ class CommitStore:
                 continue
             if self._verified.get(step) != record.sha256:
                 try:
-                    if self.storage.size(self.path(step, DATA)) != record.size:
+                    if any(self.storage.size(f"{self.folder}/{f.path}") != f.size for f in record.files):
                         continue
                 except OSError:
                     continue
@@ -270,62 +292,84 @@ class CommitStore:
         doomed = [s for s in keep.to_delete(self.present_steps(), self.committed_steps())
                   if s not in self._protected or s in self._invalid]
         for step in doomed:
+            self._log.info("deleting old checkpoint", step=step, checkpoint=self.naming.build(step))
             self.delete(step)
         return doomed
 
+    def begin(self, step: int) -> None:
+        """Before ``step`` is written: remove its stale record, then its data (every save writes
+        new objects, never truncating an old one), and forget this process's verdicts on it."""
+        self.storage.remove(self.path(step, COMMIT))
+        local = self.storage.local_path(self.path(step))
+        if not self.naming.one_file and local is not None and os.path.isdir(local) and not os.path.islink(local):
+            shutil.rmtree(local)
+        else:
+            self.storage.remove(self.path(step))
+        self._forget(step)
+
     def write(self, step: int, state: dict[str, Any]) -> CommitRecord:
-        """Commit ``state`` as the checkpoint of ``step``: stale record out, data, record.
+        """Commit ``state`` as the one-file checkpoint of ``step``: :meth:`begin`, data, record.
 
         :return: the commit record written.
         :raises OSError: when a write fails (the checkpoint is then not committed).
         """
-        data_path, commit_path = self.path(step, DATA), self.path(step, COMMIT)
-        self.storage.remove(commit_path)
-        self.storage.remove(data_path)  # a new object: never truncate an old one
-        self._forget(step)
-        result: dict[str, Any] = {}
-        digest = self.digest
-
-        def produce(handle: Any) -> None:
-            writer = HashingWriter(handle, digest=digest)
-            try:
-                save_without_crc32(state, writer)
-            except RuntimeError as exc:
-                # torch's zip writer ends its archive even when a write of it raised, and that
-                # fails too ("unexpected pos"): the write's own error (ENOSPC...) is what happened
-                if isinstance(exc.__context__, OSError):
-                    raise exc.__context__ from None
-                raise
-            result["chunks"], result["size"] = writer.digests(), writer.size
-
+        self.begin(step)
+        writer = StateWriter(state, self.digest)
         try:
-            self.storage.write(data_path, produce)  # raises when close() fails: then no record
+            self.storage.write(self.path(step), writer)  # raises when close() fails: then no record
         except BaseException:
             # what was written of it is no checkpoint: give its space back now (a full disk
             # stays full otherwise, until the next attempt's first save cleans up)
             try:
-                self._remove(CheckpointName.build(step, DATA), step, "a failed save's data file")
+                self._remove(self.naming.build(step), step, "a failed save's data file")
             except OSError:
                 pass
             raise
-        self._log.debug("checkpoint data written", step=step, file=data_path)
-        record = CommitRecord.of_chunks(step, result["size"], result["chunks"], utc_now(), digest=digest)
-        self.storage.write(commit_path, record.to_bytes(), atomic=True)
-        self._verified[step] = record.sha256
+        self._log.debug("checkpoint data written", step=step, file=self.path(step))
+        return self._commit(CommitRecord.of_chunks(step, writer.size, writer.chunks, utc_now(), digest=writer.digest))
+
+    def commit_written(self, step: int) -> CommitRecord:
+        """Commit what a framework wrote as the checkpoint of ``step`` (after :meth:`begin`): hash
+        its file, or every file in its folder (symlinks left out), then write the record.
+
+        :return: the commit record written.
+        :raises FileNotFoundError: when it is missing or holds no file.
+        :raises OSError: when hashing or writing the record fails (then it is not committed).
+        """
+        name, root = self.naming.build(step), self.path(step)
+        paths = [root] if os.path.isfile(root) and not os.path.islink(root) else sorted(
+            os.path.join(base, file) for base, _, files in os.walk(root) for file in files)
+        files = []
+        for path in paths:
+            if not os.path.islink(path):
+                size, chunks = file_chunk_digests(path, DIGEST_CHUNK)
+                files.append(FileEntry(os.path.relpath(path, self.folder), size, DIGEST_CHUNK, tuple(chunks)))
+        if not files:
+            raise FileNotFoundError(f"no checkpoint written at {root}")
+        return self._commit(CommitRecord.of_files(step, name, files, utc_now()))
+
+    def _commit(self, record: CommitRecord) -> CommitRecord:
+        """Write ``record`` last, through a temporary name."""
+        self.storage.write(self.path(record.step, COMMIT), record.to_bytes(), atomic=True)
+        self._verified[record.step] = record.sha256
         return record
 
     def _remove(self, name: str, step: int, what: str) -> bool:
+        local = self.storage.local_path(f"{self.folder}/{name}")
+        if not self.naming.one_file and local is not None and os.path.isdir(local) \
+                and os.path.realpath(self.folder) == os.path.abspath(self.folder) and not os.path.islink(local):
+            shutil.rmtree(local)
+            return True
         if self.storage.remove_entry(self.folder, name):
             return True
-        self._log.warning(f"not deleting {what}: a symlink, or in a symlinked folder",
-                          file=name, step=step)
+        self._log.warning(f"not deleting {what}: a symlink, or in a symlinked folder", file=name, step=step)
         return False
 
     def delete(self, step: int) -> None:
         """Delete the commit record, then the data, of ``step`` (never through a symlink)."""
         for kind in (COMMIT, DATA):
             try:
-                self._remove(CheckpointName.build(step, kind), step, "an old checkpoint file")
+                self._remove(self.naming.build(step, kind), step, "an old checkpoint file")
             except OSError as exc:
                 self._log.warning("could not delete old checkpoint", step=step, error=str(exc))
         self._forget(step)
@@ -336,18 +380,22 @@ class CommitStore:
         self._invalid.pop(step, None)
         self._protected.discard(step)
 
-    def cleanup_stale(self) -> None:
-        """Remove leftovers of a killed attempt: temporary files and uncommitted data files.
+    def cleanup_stale(self) -> list[int]:
+        """Remove leftovers of a killed attempt: temporary files, and data without a commit record.
         Only a writer calls this (before its first save), never a reader.
 
+        :return: the steps of what was removed, in name order.
         :raises NewerCheckpointError: when a newer release wrote a record here (nothing deleted).
         """
         self.refuse_newer_records()
         names = set(self.storage.list(self.folder))
+        removed = []
         for name in sorted(names):
-            parsed = CheckpointName.parse(name)
+            parsed = self.naming.parse(name)
             if parsed is None:
                 continue
-            if parsed.temporary or (parsed.kind == DATA and CheckpointName.build(parsed.step, COMMIT) not in names):
-                if self._remove(name, parsed.step, "a stale checkpoint file"):
-                    self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
+            stale = parsed.kind == DATA and self.naming.build(parsed.step, COMMIT) not in names
+            if (parsed.temporary or stale) and self._remove(name, parsed.step, "a stale checkpoint file"):
+                self._log.info("removed stale checkpoint file", file=name, step=parsed.step)
+                removed.append(parsed.step)
+        return removed

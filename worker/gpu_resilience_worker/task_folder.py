@@ -53,10 +53,9 @@ MIN_CHUNK_BYTES = 4096
 #: Largest record read, in bytes (8 MiB: the hash list of about 7 TiB in 64 MiB chunks); a larger
 #: one is invalid, like a torn one, and is never read whole.
 MAX_RECORD_BYTES = 8 << 20
-#: What a name is in the one-file shape: the data file or the record.
+#: What a name is: a checkpoint's data (a file, or a framework's folder) or its commit record.
 DATA, COMMIT = "data", "commit"
-_SUFFIX = {DATA: DATA_SUFFIX, COMMIT: RECORD_SUFFIX}
-_NAME_RE = re.compile(r"^ckpt-(?P<step>\d{8,})(?P<suffix>\.pt|\.commit\.json)(?P<tmp>\.tmp)?$")
+_SAFE_AFFIX = re.compile(r"[A-Za-z0-9._=-]*")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -68,7 +67,7 @@ def goodput_file_name(execution: str, attempt: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedName:
-    """A parsed one-file checkpoint name.
+    """A parsed checkpoint name.
 
     :param step: the optimizer step of the checkpoint.
     :param kind: :data:`DATA` or :data:`COMMIT`.
@@ -80,31 +79,63 @@ class ParsedName:
     temporary: bool = False
 
 
-class CheckpointName:
-    """Builds and parses one-file checkpoint names with one anchored regex."""
+class Naming:
+    """How one task folder names its checkpoints and their records, built and parsed by one anchored
+    regex: the one-file shape (:data:`CheckpointName`) or a framework's (:meth:`folder_shape`).
 
-    @staticmethod
-    def build(step: int, kind: str = DATA) -> str:
-        """:return: ``ckpt-{step:08d}.pt`` for data, ``ckpt-{step:08d}.commit.json`` for a record.
+    :param prefix: the name before the step.
+    :param data_suffix: the data's name after the step.
+    :param record_suffix: the record's name after the step.
+    :param width: digits of the step at least (zero-padded); 0: as they come.
+    :param one_file: records of the one-file shape (no ``name``, no ``files``).
+    """
 
-        :param step: a non-negative step.
-        :param kind: :data:`DATA` or :data:`COMMIT`.
+    def __init__(self, prefix: str, data_suffix: str, record_suffix: str, width: int = 0,
+                 one_file: bool = False) -> None:
+        self.prefix, self.width, self.one_file = prefix, width, one_file
+        self._suffix = {DATA: data_suffix, COMMIT: record_suffix}
+        self._re = re.compile(rf"^{re.escape(prefix)}(?P<step>\d{{{max(width, 1)},}})"
+                              rf"(?P<suffix>{re.escape(record_suffix)}|{re.escape(data_suffix)})(?P<tmp>\.tmp)?$")
+
+    @classmethod
+    def folder_shape(cls, prefix: str, suffix: str = "") -> Naming:
+        """:return: the naming of a framework's ``{prefix}{step}{suffix}`` and ``{prefix}{step}{suffix}.commit.json``.
+
+        :raises ValueError: a prefix or suffix with other characters than letters, digits and
+            ``._=-``, an empty prefix, or a suffix that ends like a record's name.
+        """
+        if not isinstance(prefix, str) or not prefix or not _SAFE_AFFIX.fullmatch(prefix):
+            raise ValueError(f"prefix must be non-empty letters, digits or ._=-, got {prefix!r}")
+        if not isinstance(suffix, str) or not _SAFE_AFFIX.fullmatch(suffix) or suffix.endswith(RECORD_SUFFIX):
+            raise ValueError(f"suffix must be letters, digits or ._=- (not a record name), got {suffix!r}")
+        return cls(prefix, suffix, suffix + RECORD_SUFFIX)
+
+    def build(self, step: int, kind: str = DATA) -> str:
+        """:return: the name of the data (default) or the record of ``step``.
+
         :raises ValueError: for a negative or non-int step, or another kind.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if kind not in _SUFFIX:
+        if kind not in self._suffix:
             raise ValueError(f"kind must be {DATA!r} or {COMMIT!r}, got {kind!r}")
-        return f"ckpt-{step:08d}{_SUFFIX[kind]}"
+        return f"{self.prefix}{str(step).zfill(self.width)}{self._suffix[kind]}"
 
-    @staticmethod
-    def parse(name: str) -> ParsedName | None:
-        """:return: the parsed name, or ``None`` when ``name`` is not a one-file checkpoint name."""
-        match = _NAME_RE.match(name)
+    def parse(self, name: str) -> ParsedName | None:
+        """:return: the parsed name, or ``None`` when ``name`` is none of this naming's."""
+        match = self._re.match(name)
         if match is None:
             return None
-        kind = DATA if match.group("suffix") == DATA_SUFFIX else COMMIT
+        kind = COMMIT if match.group("suffix") == self._suffix[COMMIT] else DATA
         return ParsedName(int(match.group("step")), kind, match.group("tmp") is not None)
+
+    def record_name(self, step: int) -> str | None:
+        """:return: the ``name`` a record of ``step`` holds: ``None`` in the one-file shape."""
+        return None if self.one_file else self.build(step)
+
+
+#: The one-file shape: ``ckpt-{step:08d}.pt`` and ``ckpt-{step:08d}.commit.json``.
+CheckpointName = Naming("ckpt-", DATA_SUFFIX, RECORD_SUFFIX, width=8, one_file=True)
 
 
 def root_digest(chunks: Iterable[str]) -> str:
@@ -205,21 +236,6 @@ class CommitRecord:
     def data(self) -> FileEntry:
         """The one file of a one-file record (its first file in the folder shape)."""
         return self.files[0]
-
-    @property
-    def chunk_bytes(self) -> int:
-        """:attr:`FileEntry.chunk_bytes` of :attr:`data`."""
-        return self.data.chunk_bytes
-
-    @property
-    def chunks(self) -> tuple[str, ...]:
-        """:attr:`FileEntry.chunks` of :attr:`data`."""
-        return self.data.chunks
-
-    @property
-    def digest(self) -> str:
-        """:attr:`FileEntry.digest` of :attr:`data`."""
-        return self.data.digest
 
     def to_bytes(self) -> bytes:
         """:return: the record as JSON bytes (keys sorted)."""
