@@ -125,7 +125,7 @@ def child_train(args: argparse.Namespace) -> dict[str, Any]:
         config = CheckpointConfig(folder=str(folder), interval=args.every, keep_latest_k=2, async_mode=mode)
         with CheckpointManager(config, states, logger=logger) as manager:
             if args.digest != "default":
-                manager._store.digest = args.digest
+                manager.digest = args.digest
             for number in range(1, args.steps + 1):
                 step()
                 for bag in states.values():

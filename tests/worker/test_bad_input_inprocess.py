@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpu_resilience_worker import __main__ as cli
-from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CommitRecord
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
+from gpu_resilience_worker.task_folder import CommitRecord
 from gpu_resilience_worker.data import load_dataset
 from gpu_resilience_worker.fastio import chunk_digests
 from gpu_resilience_worker.commit import CommitStore

@@ -19,9 +19,8 @@ from typing import Any, BinaryIO
 import pytest
 import torch
 
-from gpu_resilience_worker.checkpoint import (
-    AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError, CommitRecord,
-)
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, CheckpointSaveError
+from gpu_resilience_worker.task_folder import CommitRecord
 from gpu_resilience_worker.fastio import DIGESTS, chunk_digests, crc32c_available, default_digest
 from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.logs import StructuredLogger
@@ -191,7 +190,7 @@ def test_every_digest_round_trips_and_old_sha256_records_load(tmp_path: Path, di
     box = Box()
     box.tensor = torch.randn(1 << 14)
     with _manager(tmp_path, box) as manager:
-        manager._store.digest = digest
+        manager.digest = digest
         manager.save(10)
     record = json.loads((tmp_path / "ckpt-00000010.commit.json").read_text())
     assert record.get("digest", "sha256") == digest and ("digest" in record) == (digest != "sha256")

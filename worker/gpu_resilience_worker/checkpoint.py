@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from gpu_resilience_worker.commit import COMMIT, DATA, CommitRecord, CommitStore  # noqa: F401 - CommitRecord: tests
+from gpu_resilience_worker.commit import COMMIT, DATA, CommitStore
 from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - AsyncMode and CheckpointConfig: the documented import path
@@ -92,11 +92,11 @@ class RestoreInterrupted(Exception):
         self.step = step
 
 
-class CheckpointManager:
+class CheckpointManager(CommitStore):
     """Schedules saves, snapshots the states, keeps the newest checkpoints and loads one.
 
-    Writing, committing, verifying and deleting go through a :class:`~gpu_resilience_worker.commit.CommitStore`.
-    Constructing a manager, or asking it what is there (:meth:`latest_step`,
+    It is the :class:`~gpu_resilience_worker.commit.CommitStore` of ``config.folder``, which
+    writes, commits, verifies and deletes. Constructing a manager, or asking it what is there (:meth:`latest_step`,
     :meth:`valid_steps`, :meth:`verify`, :meth:`load`), deletes nothing: stale files of a killed
     attempt are removed at the first save (or by :meth:`cleanup_stale`).
 
@@ -133,8 +133,7 @@ class CheckpointManager:
         self.config = config
         self._should_stop = should_stop or (lambda: False)
         self._states = dict(states)
-        self._log = logger or StructuredLogger()
-        self._store = CommitStore(config.folder, storage or LocalStorage(), self._log)
+        super().__init__(config.folder, storage or LocalStorage(), logger or StructuredLogger())
         self._clock = clock
         self._save_policy = config.save_policy()
         self._keep_policy = KeepLatestN(config.keep_latest_k)
@@ -163,10 +162,6 @@ class CheckpointManager:
             self.close()
         except Exception as exc:  # noqa: BLE001 - logged: the exception in flight is the one raised
             self._log.error("background checkpoint save failed during shutdown", error=str(exc))
-
-    def path(self, step: int, kind: str = DATA) -> str:
-        """:return: the path of the data file or commit record of ``step``."""
-        return self._store.path(step, kind)
 
     @property
     def estimated_save_seconds(self) -> float:
@@ -198,34 +193,14 @@ class CheckpointManager:
                 mtbi_seconds=self.config.mtbi_seconds, measured=bool(self.stats.blocking),
             )
 
-    def present_steps(self) -> list[int]:
-        """:return: every step with a data file or commit record, newest first."""
-        return self._store.present_steps()
-
-    def is_valid(self, step: int) -> bool:
-        """:return: whether ``step`` is committed and verified (see :meth:`CommitStore.is_valid`)."""
-        return self._store.is_valid(step)
-
-    def verify(self, step: int) -> tuple[bool, str]:
-        """Check one checkpoint against its commit record, reading (and hashing) all its data.
-
-        :return: ``(True, "")`` when valid, else ``(False, reason)``.
-        """
-        return self._store.verify(step)
-
-    def valid_steps(self) -> list[int]:
-        """:return: the steps of committed, verified checkpoints, newest first."""
-        return self._store.valid_steps()
-
     def latest_step(self) -> int | None:
         """:return: the newest valid step, or ``None`` when there is none."""
         return next((step for step in self.present_steps() if self.is_valid(step)), None)
 
-    def cleanup_stale(self) -> None:
-        """Remove leftovers of a killed attempt (temporary files, uncommitted data files) now;
-        the first save does it anyway. Never through a symlink."""
+    def cleanup_stale(self) -> list[int]:
+        """:meth:`CommitStore.cleanup_stale` now; the first save does it anyway."""
         self._cleaned = True
-        self._store.cleanup_stale()
+        return super().cleanup_stale()
 
     def due(self, step: int) -> bool:
         """:return: whether the save policy wants a checkpoint at ``step`` now."""
@@ -301,7 +276,7 @@ class CheckpointManager:
         return SavesFailingError(f"{count} checkpoint saves failed in a row in {folder}; the last: {message}")
 
     def _commit(self, step: int, state: dict[str, Any], started: float) -> None:
-        record = self._store.write(step, state)
+        record = self.write(step, state)
         self.failed_in_a_row = 0
         seconds = self._clock() - started
         self.stats.durations.append(seconds)
@@ -310,7 +285,7 @@ class CheckpointManager:
         mode = "async" if threading.current_thread() is self._thread else "sync"
         self._log.info("checkpoint saved", step=step, bytes=record.size, seconds=round(seconds, 4),
                        file=self.path(step), mode=mode)
-        self._store.apply_retention(self._keep_policy)
+        self.apply_retention(self._keep_policy)
         self._log_auto_interval()
 
     def load(self, step: int | None = None) -> bool:
@@ -328,8 +303,8 @@ class CheckpointManager:
         :raises NewerCheckpointError: a newer release's commit record is here (exit 78; nothing read).
         """
         wanted = self.config.load_step if step is None else step
-        self._store.refuse_newer_records()
-        candidates = self._store.present_steps(COMMIT) if wanted == -1 else [wanted]
+        self.refuse_newer_records()
+        candidates = self.present_steps(COMMIT) if wanted == -1 else [wanted]
         for candidate in candidates:
             if self._should_stop():
                 raise RestoreInterrupted(None)
@@ -339,9 +314,9 @@ class CheckpointManager:
             for key, obj in self._states.items():
                 obj.load_state_dict(state[key])
             self.loaded_step = self.last_saved_step = candidate
-            self._store.resumed_from(candidate)
+            self.resumed_from(candidate)
             return True
-        self._store.resumed_from(0)
+        self.resumed_from(0)
         return False
 
     def _deserialize(self, copy: LocalCopy) -> Any:
@@ -383,7 +358,7 @@ class CheckpointManager:
             return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True, mmap=False)
 
     def _read_state(self, step: int) -> dict[str, Any] | None:
-        copy, reason = self._store.read_verified(step, self._should_stop)  # the one read of the data
+        copy, reason = self.read_verified(step, self._should_stop)  # the one read of the data
         if copy is None and self._should_stop():
             raise RestoreInterrupted(step)
         if copy is not None:
@@ -397,7 +372,7 @@ class CheckpointManager:
                 reason = f"torch.load failed: {exc}"
             finally:
                 copy.close()  # a memory-mapped state keeps its pages until it is dropped
-            self._store.mark_invalid(step)  # verified bytes that do not load: retention skips it
+            self.mark_invalid(step)  # verified bytes that do not load: retention skips it
         self._log.warning(
             "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason
         )

@@ -326,7 +326,7 @@ class CommitStore:
                 pass
             raise
         self._log.debug("checkpoint data written", step=step, file=self.path(step))
-        return self._commit(CommitRecord.of_chunks(step, writer.size, writer.chunks, utc_now(), digest=writer.digest))
+        return self._write_record(CommitRecord.of_chunks(step, writer.size, writer.chunks, utc_now(), digest=writer.digest))
 
     def commit_written(self, step: int) -> CommitRecord:
         """Commit what a framework wrote as the checkpoint of ``step`` (after :meth:`begin`): hash
@@ -346,9 +346,9 @@ class CommitStore:
                 files.append(FileEntry(os.path.relpath(path, self.folder), size, DIGEST_CHUNK, tuple(chunks)))
         if not files:
             raise FileNotFoundError(f"no checkpoint written at {root}")
-        return self._commit(CommitRecord.of_files(step, name, files, utc_now()))
+        return self._write_record(CommitRecord.of_files(step, name, files, utc_now()))
 
-    def _commit(self, record: CommitRecord) -> CommitRecord:
+    def _write_record(self, record: CommitRecord) -> CommitRecord:
         """Write ``record`` last, through a temporary name."""
         self.storage.write(self.path(record.step, COMMIT), record.to_bytes(), atomic=True)
         self._verified[record.step] = record.sha256
