@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.provider.conftest import airflow_db, emulator, faults, gcp_conn, job_name  # noqa: F401 - fixtures
+from tests.provider.conftest import airflow_db, emulator, faults, gcp_conn, job_name, transport  # noqa: F401 - fixtures
 from tests.worker.conftest import digits_npz  # noqa: F401 - fixture
 
 

@@ -121,28 +121,51 @@ def emulator(tmp_path_factory):
         yield emu
 
 
-#: The transports the provider's tests run on (``gcp_conn``'s parameters, test ids ``[rest]``/``[grpc]``).
+#: The transports the provider's tests run on (:func:`transport`'s parameters, test ids ``[rest]``/``[grpc]``).
 TRANSPORTS = ("rest", "grpc")
 
 
 @pytest.fixture(params=TRANSPORTS)
-def gcp_conn(emulator, monkeypatch, request) -> str:
-    """Point ``google_cloud_default`` at the emulator (anonymous, project ``test-project``), once
-    per transport (test ids ``[rest]``, ``[grpc]``): REST through the connection's
-    ``api_endpoint``; gRPC through ``CLOUD_RUN_EMULATOR_HOST``, with no Cloud Run endpoint in the
-    connection (Cloud Logging still reads the emulator's REST server, through
-    ``logging_api_endpoint``)."""
+def transport(request) -> str:
+    """The transport a test talks to Cloud Run over: each test that uses it (through
+    :func:`gcp_conn`, or an emulator of its own through :func:`point_connection`) runs once per
+    transport, test ids ``[rest]`` and ``[grpc]``. ``@pytest.mark.parametrize("transport",
+    ["rest"], indirect=True)`` keeps a test to one."""
+    return request.param
+
+
+def point_connection(monkeypatch, emulator, transport: str) -> str:
+    """Point ``google_cloud_default`` at ``emulator`` (anonymous, project ``test-project``) over
+    ``transport``: REST through the connection's ``api_endpoint``; gRPC through
+    ``CLOUD_RUN_EMULATOR_HOST``, with no Cloud Run endpoint in the connection (Cloud Logging
+    still reads the emulator's REST server, through ``logging_api_endpoint``).
+
+    :param monkeypatch: the test's, which undoes the environment changes afterwards.
+    :param emulator: a running :class:`~cloud_run_emulator.process.EmulatorProcess`.
+    :param transport: ``"rest"`` or ``"grpc"``.
+    :returns: the connection id, ``google_cloud_default``.
+    :raises ValueError: another ``transport``.
+    """
     extra = {"is_anonymous": True, "project": PROJECT}
-    if request.param == "rest":
+    if transport == "rest":
         extra["api_endpoint"] = emulator.endpoint
         monkeypatch.delenv("CLOUD_RUN_EMULATOR_HOST", raising=False)
-    else:
+    elif transport == "grpc":
         extra["logging_api_endpoint"] = emulator.endpoint
         monkeypatch.setenv("CLOUD_RUN_EMULATOR_HOST", emulator.grpc_endpoint)
+    else:
+        raise ValueError(f"transport={transport!r}: use one of {TRANSPORTS}")
     monkeypatch.setenv(
         "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
     )
     return "google_cloud_default"
+
+
+@pytest.fixture
+def gcp_conn(emulator, monkeypatch, transport) -> str:
+    """``google_cloud_default`` pointed at the session's emulator, once per transport
+    (:func:`transport`, :func:`point_connection`)."""
+    return point_connection(monkeypatch, emulator, transport)
 
 
 @pytest.fixture

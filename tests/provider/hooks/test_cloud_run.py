@@ -28,7 +28,7 @@ from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 JOB_LABEL = {"managed-by": "airflow-gpu-resilience"}
 #: For tests of the REST route (the connection's ``api_endpoint``); the gRPC route is tested in
 #: test_cloud_run_clients.py.
-REST_ONLY = pytest.mark.parametrize("gcp_conn", ["rest"], indirect=True)
+REST_ONLY = pytest.mark.parametrize("transport", ["rest"], indirect=True)
 
 
 def spec(job_name: str, **kw) -> GpuJobSpec:

@@ -79,7 +79,7 @@ def test_a_bad_emulator_host_fails_before_any_call(monkeypatch, gcp_conn):
         hook.jobs_client(REGION)
 
 
-@pytest.mark.parametrize("gcp_conn", ["rest"], indirect=True)
+@pytest.mark.parametrize("transport", ["rest"], indirect=True)
 def test_without_the_variable_the_connections_endpoint_is_used_over_rest(gcp_conn, emulator, monkeypatch):
     monkeypatch.setenv(EMULATOR_HOST_ENV, "")  # set but empty: unset
     hook = CloudRunGpuHook(gcp_conn_id=gcp_conn)
@@ -87,7 +87,7 @@ def test_without_the_variable_the_connections_endpoint_is_used_over_rest(gcp_con
     assert hook.jobs_client(REGION).api_endpoint == emulator.endpoint
 
 
-@pytest.mark.parametrize("gcp_conn", ["grpc"], indirect=True)
+@pytest.mark.parametrize("transport", ["grpc"], indirect=True)
 def test_grpc_errors_keep_their_own_status(gcp_conn, job_name):
     """Over gRPC FAILED_PRECONDITION is its own class (over REST it is BadRequest; see
     test_rest_error_status_comes_from_the_body_not_the_http_code)."""

@@ -148,16 +148,17 @@ def _past_a_newer_commit(task_folder: Path, every: int):
     return ready
 
 
-def _run_chain(way: str, tmp_path: Path, monkeypatch, job_name: str) -> tuple[dict, list]:
-    """Deploy the job of ``way`` and run it through :data:`PREEMPTIONS` preemptions to its end;
-    check the attempts against the emulator's record of them.
+def _run_chain(way: str, tmp_path: Path, monkeypatch, job_name: str, transport: str) -> tuple[dict, list]:
+    """Deploy the job of ``way`` and run it through :data:`PREEMPTIONS` preemptions to its end,
+    talking to Cloud Run over ``transport``; check the attempts against the emulator's record of
+    them.
 
     :return: ``(summary, executions oldest first)``.
     """
     job = JOBS[way]
     if job["module"]:
         require_module(*job["module"])
-    with emulator_with_images(tmp_path, monkeypatch, {job["image"]: _image(job, tmp_path)}) as emu:
+    with emulator_with_images(tmp_path, monkeypatch, {job["image"]: _image(job, tmp_path)}, transport) as emu:
         deploy(job_name, job["image"], job["args"], max_retries=0, env=job["env"])
         answers: list[dict] = []
         stop = threading.Event()
@@ -220,7 +221,8 @@ def _check_summary(summary: dict, found: list, total: int) -> None:
 
 
 @pytest.mark.parametrize("way", list(JOBS))
-def test_every_way_in_chains_through_preempted_executions_with_its_account(way, tmp_path, monkeypatch, job_name):
+def test_every_way_in_chains_through_preempted_executions_with_its_account(way, tmp_path, monkeypatch, job_name,
+                                                                          transport):
     """A job of ``way`` through five preempted executions, each with progress, to SUCCEEDED."""
-    summary, found = _run_chain(way, tmp_path, monkeypatch, job_name)
+    summary, found = _run_chain(way, tmp_path, monkeypatch, job_name, transport)
     _check_summary(summary, found, JOBS[way]["steps"])

@@ -34,7 +34,7 @@ from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
 from airflow_gpu_resilience.overrides import START_ID_ENV, execution_env
 from airflow_gpu_resilience.job_spec import GpuJobSpec
 from airflow_gpu_resilience.operators.cloud_run import START_STEPS_ENV, CloudRunGpuExecuteJobOperator
-from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir
+from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_dir, point_connection
 from tests.provider.operators.dag_factory import CAPTURED
 from tests.logs import worker_records
 
@@ -57,11 +57,13 @@ CHAIN_TASK_TIMEOUT = int(os.environ.get("CHAIN_TASK_TIMEOUT", "20"))
 
 
 @contextlib.contextmanager
-def emulator_with_images(folder: Path, monkeypatch, images: dict) -> Iterator:
+def emulator_with_images(folder: Path, monkeypatch, images: dict, transport: str) -> Iterator:
     """An emulator of its own in ``folder`` with Cloud Run's 10 s SIGTERM-to-SIGKILL grace (the
     session's has 1 s), the bundled worker as ``WORKER_IMAGE`` and ``images`` (more image-table
-    entries, see ``cloud_run_emulator.images``); the connection and ``STORAGE_EMULATOR_HOST``
-    point at it (Cloud Run over gRPC), the bucket holds the digits data set. About 3 s to start."""
+    entries, see ``cloud_run_emulator.images``); the connection points at it over ``transport``
+    (:func:`~tests.provider.conftest.point_connection`, as ``gcp_conn`` does for the session's
+    emulator) and ``STORAGE_EMULATOR_HOST`` too, the bucket holds the digits data set. About 3 s
+    to start."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
@@ -76,20 +78,15 @@ def emulator_with_images(folder: Path, monkeypatch, images: dict) -> Iterator:
         storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                        client_options={"api_endpoint": emu.gcs_endpoint}).create_bucket(BUCKET)
         write_digits(bucket_dir(emu) / "data" / "digits.npz")
-        # gRPC, Cloud Run's default transport, through CLOUD_RUN_EMULATOR_HOST (the session's
-        # emulator runs every other provider test over both transports)
-        extra = {"is_anonymous": True, "project": PROJECT, "logging_api_endpoint": emu.endpoint}
-        monkeypatch.setenv("CLOUD_RUN_EMULATOR_HOST", emu.grpc_endpoint)
-        monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT",
-                           json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
+        point_connection(monkeypatch, emu, transport)
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.gcs_endpoint)
         yield emu
 
 
 @pytest.fixture
-def worker_emulator(tmp_path, monkeypatch):
-    """:func:`emulator_with_images` with the bundled worker alone."""
-    with emulator_with_images(tmp_path, monkeypatch, {}) as emu:
+def worker_emulator(tmp_path, monkeypatch, transport):
+    """:func:`emulator_with_images` with the bundled worker alone, once per transport."""
+    with emulator_with_images(tmp_path, monkeypatch, {}, transport) as emu:
         yield emu
 
 

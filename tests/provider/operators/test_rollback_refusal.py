@@ -70,7 +70,7 @@ def _task(index: int, outcome: OutcomeClass, exit_code: int) -> TaskOutcome:
     return TaskOutcome(index=index, attempts=1, outcome=outcome, exit_code=exit_code)
 
 
-@pytest.mark.parametrize("gcp_conn", ["rest"], indirect=True)  # Cloud Storage only: one transport is enough
+@pytest.mark.parametrize("transport", ["rest"], indirect=True)  # Cloud Storage only: one transport is enough
 def test_worker_reasons_are_read_from_the_markers_and_the_task_folders(emulator, gcp_conn, gcs_emulator_host):
     """Task 0: the newer record and no marker (the provider's reading of the folder); task 1: the
     worker's marker as well (its words); task 2: a divergence marker (exit 70, its reason, its
