@@ -2,7 +2,10 @@
 
 Importing this module is light (the standard library and Airflow's trigger base class): the
 triggerer imports it on its event loop. The Google clients, the hook and the shared watcher
-(:mod:`.execution_watcher`) are imported in a thread the first time a trigger runs.
+(:mod:`.execution_watcher`) are imported in a thread the first time a trigger runs, with the
+garbage collector paused (:func:`_import_unscanned`): the import's allocations would otherwise
+start a full collection of the triggerer's heap in that thread, which holds the interpreter
+lock, and so the event loop, for as long as it scans.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
 import importlib
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
@@ -45,16 +51,50 @@ _ASYNC_HOOK_MODULE = "airflow_gpu_resilience.hooks.cloud_run_async"
 
 
 _IMPORTED: dict[str, ModuleType] = {}
+_IMPORT_LOCK = threading.Lock()
 
 
 async def _import(name: str) -> ModuleType:
-    """``importlib.import_module(name)`` in a thread until it returned once, so that the Google
-    clients' import never blocks the triggerer's event loop. Triggers starting together each wait
-    in their thread on Python's import lock: none sees the module half-imported."""
+    """:func:`_import_unscanned` in a thread until it returned once, so that the Google clients'
+    import never blocks the triggerer's event loop. Triggers starting together each wait in their
+    thread: none sees the module half-imported."""
     module = _IMPORTED.get(name)
     if module is None:
-        module = _IMPORTED[name] = await asyncio.to_thread(importlib.import_module, name)
+        module = _IMPORTED[name] = await asyncio.to_thread(_import_unscanned, name)
     return module
+
+
+def _import_unscanned(name: str) -> ModuleType:
+    """``importlib.import_module(name)``; when ``name`` is not imported yet, with Python's cyclic
+    garbage collector paused during the import and every object then alive frozen
+    (:func:`gc.freeze`) before it resumes (its state before is kept: a collector the process had
+    disabled stays disabled).
+
+    Why: the Google clients' import allocates many objects that live as long as the process.
+    Without the pause they start a collection of the oldest generation (CPython's ``gcmodule.c``
+    collects it once the objects that survived younger collections exceed a quarter of those it
+    holds), which scans every object of the process, the whole triggerer's, in this thread and
+    with the interpreter lock held: the event loop stands still as long, and Airflow's triggerer
+    warns that it was blocked. Frozen objects are never scanned again and are still freed when
+    their last reference goes; only reference cycles among them are never collected, a bounded
+    cost paid once per process (Airflow's DAG processor manager freezes its heap likewise, for
+    good, before its parsing loop).
+
+    :param name: a module's dotted name.
+    :return: the module.
+    :raises ImportError: as :func:`importlib.import_module` (the collector resumes all the same).
+    """
+    with _IMPORT_LOCK:
+        if name in sys.modules:
+            return importlib.import_module(name)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return importlib.import_module(name)
+        finally:
+            gc.freeze()
+            if enabled:
+                gc.enable()
 
 
 class CloudRunGpuExecutionTrigger(BaseTrigger):

@@ -7,6 +7,7 @@ the emulator, on both transports, and reads the emulator's per-method request co
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -128,3 +129,32 @@ def test_importing_the_trigger_module_imports_no_google_client():
             " or m.startswith('airflow_gpu_resilience.hooks')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+#: Run in a fresh interpreter: a trigger's first run imports the watcher (the Google clients)
+#: through the trigger module; a full collection's count, whether an object made before the
+#: import is still scanned by the collector, and the collector's state after a second import
+#: made with the collector disabled.
+FIRST_RUN_IMPORT = """
+import asyncio, gc, json, airflow.triggers.base
+from airflow_gpu_resilience.triggers import cloud_run
+full = []
+gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(info))
+made_before = [object()]
+asyncio.run(cloud_run._import(cloud_run._WATCHER_MODULE))
+scanned = any(o is made_before for o in gc.get_objects())
+enabled_after = gc.isenabled()
+gc.disable()
+asyncio.run(cloud_run._import("wave"))
+print(json.dumps({"full": len(full), "scanned": scanned, "enabled": [enabled_after, gc.isenabled()]}))
+"""
+
+
+def test_the_first_trigger_imports_the_google_clients_without_a_full_collection():
+    """The Google clients' import at a trigger's first run (in a thread) starts no collection of
+    the oldest generation, and the objects alive before it are frozen: such a collection scans
+    every object of the triggerer holding the interpreter lock, and Airflow's triggerer warned
+    that its event loop was blocked. The collector's own state is kept (enabled, or disabled)."""
+    out = subprocess.run([sys.executable, "-c", FIRST_RUN_IMPORT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"full": 0, "scanned": False, "enabled": [True, False]}
