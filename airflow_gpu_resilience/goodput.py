@@ -3,7 +3,7 @@
 Pure functions, no I/O. Inputs are, per Cloud Run task index, its attempts over every execution
 of the Airflow task (:class:`AttemptInput`): what Cloud Run says of them and the worker's goodput
 events file (``goodput-{execution}-{attempt}.json``, see the worker's
-``gpu_resilience_worker.goodput``).
+``gpu_resilience_worker.attempt``).
 
 **What is billed comes from Cloud Run; the worker's events only split it.** Cloud Run ran every
 attempt it counts (``run_v2.Task.retried`` + 1 per execution), but its API keeps the times of a

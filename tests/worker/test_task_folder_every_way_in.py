@@ -1,5 +1,5 @@
 """Every way in leaves the same task-folder files: an attempt stopped by SIGTERM and one resumed
-to the end, in real processes, leave ``progress.json`` (``completed`` at the last step),
+to the end, in real processes, leave ``progress.json`` (``completed`` at the last step), ``metrics.json``,
 ``attempts.json`` (both attempts; the second resumed from the newest commit, nothing lost) and one
 goodput events file per attempt (``preempted`` with its restore, first step, steps and save stall,
 then ``completed``), for ``transformers.Trainer`` (``CommitCallback``), Lightning
@@ -42,6 +42,8 @@ def _check_folder(folder: Path, total: int, resumed_from: int, execution: str = 
         assert events["restore_start"] <= events["restore_end"] <= events["first_step_at"] <= events["ended_at"]
         assert events["saves"] >= 1 and events["save_blocking_seconds"] > 0
     assert first["steps"] == resumed_from and second["steps"] == total - resumed_from
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert (metrics["steps"], metrics["total_steps"], [a["attempt"] for a in metrics["attempts"]]) == (total, total, [0, 1])
 
 
 def _framework_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, total: int) -> None:

@@ -18,8 +18,8 @@ from typing import Callable
 
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.commit import CommitStore
-from gpu_resilience_worker.config import StopTiming, TaskIdentity
-from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, NewerCheckpointError
+from gpu_resilience_worker.config import StopTiming
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpointError
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
@@ -66,7 +66,6 @@ class ArtifactCheckpoints(CommitStore):
         #: This attempt's account in the folder, from :meth:`begin_attempt` (the writer only).
         self.attempt: Attempt | None = None
         self._restore_started: float | None = None
-        self._last_step_end, self._blocked = 0.0, 0.0
 
     # the protocol ----------------------------------------------------------------------------
     def begin_save(self, step: int) -> None:
@@ -97,7 +96,6 @@ class ArtifactCheckpoints(CommitStore):
         self.stats.durations.append(blocked)
         self.stats.sizes.append(record.size)
         self.last_committed = step
-        self._blocked += blocked
         if self.attempt is not None:
             self.attempt.saved(blocked)
         self.log.info("checkpoint committed", step=step, checkpoint=record.name, bytes=record.size,
@@ -176,39 +174,33 @@ class ArtifactCheckpoints(CommitStore):
     # the attempt's account -------------------------------------------------------------------
     def begin_attempt(self, step: int, total_steps: int) -> None:
         """The framework restored its state and trains from ``step``: record the attempt
-        (``attempts.json``, the goodput restore, ``progress.json``). The restore counts from the
-        first :meth:`latest` (else from now). Call it in the writing process only.
+        (:meth:`Attempt.begin`). The restore counts from the first :meth:`latest` (else from now).
+        Call it in the writing process only.
 
         :param step: the step training starts from (0 when nothing was resumed).
         :param total_steps: the run's optimizer steps.
         """
-        try:
-            identity = TaskIdentity.from_env(os.environ)
-        except ConfigError:
-            identity = TaskIdentity()
-        self.attempt = Attempt(self.storage, self.folder, total_steps, identity, self.log)
+        self.attempt = Attempt(self.storage, self.folder, total_steps, logger=self.log)
         self.attempt.begin(step, time.time() if self._restore_started is None else self._restore_started)
-        self._last_step_end, self._blocked = self._clock(), 0.0
 
     def step_done(self, step: int, loss: float | None = None) -> None:
-        """A step ended: ``step`` steps done; its time since the last step's end, less the time
-        saves blocked training, goes to the goodput file and ``progress.json`` when due."""
-        now = self._clock()
-        seconds, self._last_step_end, self._blocked = max(0.0, now - self._last_step_end - self._blocked), now, 0.0
+        """A step ended: ``step`` steps done (:meth:`Attempt.stepped`)."""
         if self.attempt is not None:
-            self.attempt.stepped(step, loss, seconds)
+            self.attempt.stepped(step, loss)
 
-    def end_attempt(self, step: int, code: int) -> None:
-        """The attempt ends at ``step`` with exit ``code`` (0: training complete, 143: stopped, else
-        failed): ``progress.json`` and the goodput file get their final status."""
-        if self.attempt is None:
+    def end_attempt(self, step: int, code: int, metrics: dict | None = None) -> None:
+        """The attempt ends at ``step`` with exit ``code``: 0 completes the run (``metrics.json``
+        with ``metrics``, :meth:`Attempt.complete`), 143 reports ``preempted``; the goodput file
+        gets the status (:meth:`Attempt.end`)."""
+        attempt, self.attempt = self.attempt, None
+        if attempt is None:
             return
-        self.attempt.step = step
-        if code in (EXIT_OK, EXIT_PREEMPTED):
-            self.attempt.report("completed" if code == EXIT_OK else "preempted",
-                                max_wait=self.watcher.remaining_grace() - 1.0)
-        self.attempt.end(code)
-        self.attempt = None
+        attempt.step = step
+        if code == EXIT_OK:
+            attempt.complete(metrics)
+        elif code == EXIT_PREEMPTED:
+            attempt.report("preempted", max_wait=self.watcher.remaining_grace() - 1.0)
+        attempt.end(code)
 
     def exit_preempted(self, step: int) -> None:
         """Log the stop, end the attempt's account and raise ``SystemExit(143)``, the exit code of a

@@ -124,8 +124,20 @@ class TaskIdentity:
     task_count: int = 1
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> TaskIdentity:
-        """:raises ConfigError: when a variable is malformed."""
+    def from_env(cls, env: Mapping[str, str], *, fallback: bool = False) -> TaskIdentity:
+        """:param fallback: the defaults instead of an error when a variable is malformed.
+
+        :raises ConfigError: when a variable is malformed (without ``fallback``).
+        """
+        try:
+            return cls._from_env(env)
+        except ConfigError:
+            if fallback:
+                return cls()
+            raise
+
+    @classmethod
+    def _from_env(cls, env: Mapping[str, str]) -> TaskIdentity:
         identity = cls(
             job=_safe_name(env.get("CLOUD_RUN_JOB") or "local", "CLOUD_RUN_JOB"),
             execution=_safe_name(env["CLOUD_RUN_EXECUTION"], "CLOUD_RUN_EXECUTION")

@@ -8,6 +8,7 @@ logged once and tolerated.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Mapping
@@ -31,22 +32,48 @@ def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
 
 
 class AdvisoryFile:
-    """A file of the namespace that no run depends on (``progress.json``, a goodput events file):
-    a write that fails with an ``OSError`` (a full disk: ENOSPC, EDQUOT; a mount's EIO) is logged
-    at WARNING once for this file, not at every step, and tolerated. On a full disk the checkpoint
-    saves' rule then decides (three failed in a row: exit 74), not a progress write.
+    """A file of the namespace that no run depends on (``progress.json``, a goodput events file),
+    never written twice within :data:`MIN_REWRITE_SECONDS`. A write that fails with an ``OSError``
+    (a full disk: ENOSPC, EDQUOT; a mount's EIO) is logged at WARNING once for this file, not at
+    every step, and tolerated: on a full disk the checkpoint saves' rule decides (three failed in a
+    row: exit 74), not a progress write.
 
     :param storage: the storage backend.
     :param path: the file's path.
     :param logger: where the one warning goes; ``None``: nowhere.
+    :param min_interval: seconds between writes when not forced; default and at least 1.
+    :param clock: monotonic clock in seconds.
+    :param sleep: sleeps this many seconds (to wait out the one-second rule).
     """
 
-    def __init__(self, storage: Storage, path: str, logger: StructuredLogger | None) -> None:
+    def __init__(self, storage: Storage, path: str, logger: StructuredLogger | None, *,
+                 min_interval: float = MIN_REWRITE_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.storage, self.path, self._log = storage, path, logger
+        self.min_interval, self.clock, self._sleep = max(min_interval, MIN_REWRITE_SECONDS), clock, sleep
         self.failures = 0
+        #: :attr:`clock` time of the last write (tried), ``-inf`` before any
+        self.last_write = float("-inf")
+
+    def due(self) -> bool:
+        """:return: whether ``min_interval`` passed since the last write."""
+        return self.clock() - self.last_write >= self.min_interval
+
+    def wait_for_rule(self, max_wait: float = math.inf) -> float:
+        """Sleep out the rest of the second since the last write, unless that is more than ``max_wait``.
+
+        :return: 0 when a write may go now, else the seconds it would have to wait.
+        """
+        rest = MIN_REWRITE_SECONDS - (self.clock() - self.last_write)
+        if rest > max_wait:
+            return rest
+        if rest > 0:
+            self._sleep(rest)
+        return 0.0
 
     def write(self, data: bytes) -> bool:
-        """Write ``data`` through a temporary name (atomically). :return: whether it was written."""
+        """Write ``data`` through a temporary name (atomically). :return: whether it was written
+        (a failed write counts as a write for the rate)."""
         try:
             self.storage.write(self.path, data, atomic=True)
         except OSError as exc:
@@ -55,6 +82,8 @@ class AdvisoryFile:
                 self._log.warning(f"could not write {os.path.basename(self.path)}; going on without it (logged once)",
                                   file=self.path, error=f"{type(exc).__name__}: {exc}")
             return False
+        finally:
+            self.last_write = self.clock()
         return True
 
 
@@ -96,13 +125,13 @@ class ProgressReporter:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         high_water_step: int = 0,
     ) -> None:
-        self._file = AdvisoryFile(storage, os.path.join(namespace, PROGRESS), logger)
+        self._file = AdvisoryFile(storage, os.path.join(namespace, PROGRESS), logger, min_interval=min_interval,
+                                  clock=clock, sleep=sleep)
         self.total_steps, self.start_step = total_steps, start_step
         self.high_water_step = max(high_water_step, start_step)
-        self._log, self._clock, self._sleep = logger, clock, sleep
-        self._min_interval, self._log_interval = max(min_interval, MIN_REWRITE_SECONDS), log_interval
+        self._log, self._clock, self._log_interval = logger, clock, log_interval
         self._started = clock()
-        self._last_write = self._last_log = float("-inf")
+        self._last_log = float("-inf")
 
     def update(self, step: int, loss: float | None, *, status: str = "running", force: bool = False,
                max_wait: float = MIN_REWRITE_SECONDS) -> bool:
@@ -115,20 +144,16 @@ class ProgressReporter:
         :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to
             pass; default 1 (always wait).
         :return: whether the file was written (a failed write is logged once and tolerated, see
-            :class:`AdvisoryFile`, and counts as a write for the rate).
+            :class:`AdvisoryFile`).
         """
-        now = self._clock()
-        since = now - self._last_write
-        if not force and since < self._min_interval:
+        if not (force or self._file.due()):
             return False
-        if since < MIN_REWRITE_SECONDS:
-            rest = MIN_REWRITE_SECONDS - since
-            if rest > max_wait:
-                self._log.info("progress write skipped: written less than a second ago",
-                               step=step, status=status, wait_seconds=round(rest, 3))
-                return False
-            self._sleep(rest)
-            now = self._clock()
+        rest = self._file.wait_for_rule(max_wait)
+        if rest:
+            self._log.info("progress write skipped: written less than a second ago",
+                           step=step, status=status, wait_seconds=round(rest, 3))
+            return False
+        now = self._clock()
         elapsed = now - self._started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else None
@@ -138,7 +163,6 @@ class ProgressReporter:
             "loss": loss, "steps_per_second": round(rate, 3), "high_water_step": self.high_water_step,
         }
         written = self._file.write(json_bytes(record))
-        self._last_write = self._clock()
         if force or now - self._last_log >= self._log_interval:
             self._last_log = now
             eta_s = None if eta is None else round(eta, 1)

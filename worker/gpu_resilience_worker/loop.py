@@ -23,7 +23,6 @@ from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, Che
 from gpu_resilience_worker.config import StopTiming, TaskIdentity, task_namespace  # noqa: F401 - re-exported
 from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
-from gpu_resilience_worker.files import METRICS, write_json
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
@@ -235,7 +234,7 @@ class ResilientLoop:
                 self.watcher)
         except WorkerError as exc:
             return write_fatal(self.namespace, exc, self._log, called_as)
-        identity = self._identity()
+        identity = TaskIdentity.from_env(self._env, fallback=True)
         self._log = self._log.bind(job=identity.job, execution=identity.execution,
                                    task_index=identity.task_index, attempt=identity.task_attempt)
         code = fatal_marker_code(self.namespace, self._log, called_as)
@@ -250,18 +249,13 @@ class ResilientLoop:
             self._log.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE, traceback=traceback.format_exc())
             return EXIT_FAILURE
 
-    def _identity(self) -> TaskIdentity:
-        try:
-            return TaskIdentity.from_env(self._env)
-        except WorkerError:
-            return TaskIdentity()
-
     def _train(self, step_fn: Callable[[int], float | None],
                finish: Callable[[], Mapping[str, Any]] | None) -> int:
         if self.watcher.requested:  # stopped during the start-up: nothing past the last checkpoint exists
             return stopped_during_startup(self.watcher, self._log)
         config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
-        self.attempt = Attempt(self._storage, self.namespace, self.total_steps, self._identity(), self._log,
+        self.attempt = Attempt(self._storage, self.namespace, self.total_steps,
+                               TaskIdentity.from_env(self._env, fallback=True), self._log,
                                progress_interval=self._progress_interval)
         with CheckpointManager(config, {TRAIN_STATE: self.state, **self.states}, storage=self._storage,
                                logger=self._log, should_stop=lambda: self.watcher.requested) as manager:
@@ -271,6 +265,7 @@ class ResilientLoop:
             except RestoreInterrupted:  # a SIGTERM while a checkpoint was read: nothing to save
                 return stopped_during_startup(self.watcher, self._log, during_restore=True)
             self.state.history.append(self.attempt.begin(self.state.step, restore_started))
+            self.attempt.loss = self.state.loss_ema
             code = self._steps(manager, step_fn)
             if code == EXIT_OK:
                 self._finish(manager, finish)
@@ -281,7 +276,6 @@ class ResilientLoop:
         while self.state.step < self.total_steps:
             if self.watcher.requested:
                 return self._on_stop(manager)
-            started = time.monotonic()
             try:
                 loss = step_fn(self.state.step)
             except Exception as exc:
@@ -294,7 +288,6 @@ class ResilientLoop:
                 self._log.warning("the step raised after the stop request; answered as the stop, "
                                   "without saving the interrupted step", error=repr(exc), step=self.state.step)
                 return self._on_stop(manager, step_torn=True)
-            seconds = time.monotonic() - started
             if loss is not None:
                 loss = float(loss)
                 if not math.isfinite(loss):
@@ -302,7 +295,7 @@ class ResilientLoop:
                 self.state.observe(loss)
             self.state.step += 1
             self._save(manager, force=False)
-            self.attempt.stepped(self.state.step, self.state.loss_ema, seconds)
+            self.attempt.stepped(self.state.step, self.state.loss_ema)
         return EXIT_OK
 
     def _resume(self, manager: CheckpointManager) -> None:
@@ -380,18 +373,13 @@ class ResilientLoop:
                 self._log.error("background checkpoint save failed", error=str(exc), step=total)
             if not self._save(manager, force=True) and manager.last_saved_step != total:
                 raise CheckpointSaveError(f"the final checkpoint of step {total} was not written")
-        extra = dict(finish() or {}) if finish is not None else {}
-        metrics = {
-            **extra,
-            "steps": self.state.step, "total_steps": total, "final_loss": self.state.loss_ema,
+        metrics = self.attempt.complete({
+            **(dict(finish() or {}) if finish is not None else {}),
             "settings": self.settings, "wall_seconds": round(self.state.elapsed_seconds, 3),
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": self.state.checkpoints, "failed_saves": manager.failed_saves,
-            "history": self.state.history, "attempts": self.attempt.attempts,
-            "lost_steps_total": self.attempt.lost_steps_total,
-        }
-        write_json(self._storage, os.path.join(self.namespace, METRICS), metrics)
-        self.attempt.report("completed")
+            "history": self.state.history,
+        })
         self._log.info("training complete", resumed_from_step=self.resumed_from_step,
                        **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool, type(None)))})
 

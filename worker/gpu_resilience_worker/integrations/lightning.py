@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch import Callback
 
 from gpu_resilience_worker.artifacts import ArtifactCheckpoints
-from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK
+from gpu_resilience_worker.errors import EXIT_OK
 from gpu_resilience_worker.logs import StructuredLogger
 
 PREFIX, SUFFIX = "step-", ".ckpt"
@@ -93,10 +93,6 @@ class CommitCheckpoint(Callback):
             self.checkpoints.begin_attempt(trainer.global_step, _total_steps(trainer))
         self.checkpoints.log.info("training started", step=trainer.global_step, max_steps=trainer.max_steps)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """End the attempt's account as failed (a stop has ended it already)."""
-        self.checkpoints.end_attempt(trainer.global_step, EXIT_FAILURE)
-
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Restore the signal handlers that were there before ``setup``."""
         if stage == "fit":
@@ -145,10 +141,12 @@ class CommitCheckpoint(Callback):
             self.checkpoints.exit_preempted(step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Commit the final step when the interval did not; end the attempt's account as complete."""
+        """Commit the final step when the interval did not; end the attempt's account as complete
+        (``metrics.json`` gets the scalars the module logged, as ``logged``)."""
         if self.checkpoints.last_committed != trainer.global_step:
             self._save(trainer, trainer.global_step)
-        self.checkpoints.end_attempt(trainer.global_step, EXIT_OK)
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        self.checkpoints.end_attempt(trainer.global_step, EXIT_OK, {"logged": logged})
 
 
 def _total_steps(trainer: Any) -> int:
