@@ -18,7 +18,7 @@ from gpu_resilience_worker.checkpoint import (
     KeepLatestN,
     RestoreInterrupted,
 )
-from gpu_resilience_worker.policies import FixedIntervalPolicy
+from gpu_resilience_worker.policies import SavePolicy
 from gpu_resilience_worker.task_folder import CheckpointName, CommitRecord, ParsedName
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
@@ -88,7 +88,7 @@ def test_keep_latest_n(n: int, present: list[int], valid: list[int], deleted: li
 
 @pytest.mark.parametrize(("interval", "step", "expected"), [(50, 0, False), (50, 49, False), (50, 50, True), (50, 100, True), (1, 1, True)])
 def test_fixed_interval_policy(interval: int, step: int, expected: bool) -> None:
-    assert FixedIntervalPolicy(interval).should_save(step) is expected
+    assert SavePolicy(steps=interval).should_save(step) is expected
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
-from gpu_resilience_worker.policies import TimeIntervalPolicy, YoungDalyPolicy
+from gpu_resilience_worker.policies import SavePolicy
 from gpu_resilience_worker.config import SWEEP, config_from_args, parse_interval
 from gpu_resilience_worker.errors import ConfigError
 from gpu_resilience_worker.fastio import (
@@ -33,12 +33,12 @@ class FakeClock:
 
 
 def test_time_and_young_daly_policies() -> None:
-    assert not TimeIntervalPolicy(30).should_save(5, elapsed=29.9)
-    assert TimeIntervalPolicy(30).should_save(5, elapsed=30.0)
-    policy = YoungDalyPolicy(mtbi=3600)
+    assert not SavePolicy(seconds=30).should_save(5, elapsed=29.9)
+    assert SavePolicy(seconds=30).should_save(5, elapsed=30.0)
+    policy = SavePolicy(mtbi=3600)
     assert policy.interval(0.5) == pytest.approx(math.sqrt(2 * 0.5 * 3600))  # 60 s
     assert not policy.should_save(1, elapsed=59.0, cost=0.5) and policy.should_save(1, elapsed=60.0, cost=0.5)
-    assert YoungDalyPolicy(mtbi=1, floor=5.0).interval(0.01) == 5.0
+    assert SavePolicy(mtbi=1, floor=5.0).interval(0.01) == 5.0
 
 
 def test_auto_interval_is_logged_and_follows_the_measured_cost(tmp_path: Path) -> None:

@@ -47,14 +47,4 @@ def __dir__() -> list:
     return sorted(list(globals()) + list(_MODULE_OF))
 
 
-__all__ = [
-    "ATTEMPTS", "AsyncMode", "CheckpointConfig", "CheckpointManager", "CheckpointName",
-    "CheckpointSaveError", "CommitRecord", "CommitStore", "ConfigError", "DataError",
-    "DivergedError", "EXIT_OK", "EXIT_PREEMPTED", "FATAL", "LocalStorage", "METRICS", "NewerCheckpointError",
-    "OutOfSpaceError",
-    "OutputError", "PROGRESS", "PreemptionWatcher", "ProgressReporter", "ResilientLoop", "RestoreInterrupted",
-    "SavesFailingError", "Stateful", "Storage", "StructuredLogger", "TrainState", "WorkerError", "exit_now",
-    "fatal_marker_code", "ignore_termination_signals", "read_json", "record_attempt",
-    "run_training", "set_task_deadline", "state_digest", "task_namespace", "write_fatal",
-    "write_json",
-]
+__all__ = sorted(_MODULE_OF)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Mapping, Sequence
 
 from gpu_resilience_worker.config import WorkerConfig, config_from_args, guess_namespace
 from gpu_resilience_worker.checkpoint import CheckpointManager
-from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, ConfigError, WorkerError
-from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal  # noqa: F401
+from gpu_resilience_worker.errors import EXIT_OK, ConfigError, WorkerError
+from gpu_resilience_worker.fatal import check_writable, invocation, run_guarded, write_fatal
 from gpu_resilience_worker.files import METRICS, read_json
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.preemption import PreemptionWatcher, exit_now
@@ -89,22 +88,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         except WorkerError as exc:
             # a retry of this invocation finds the same error: write_fatal keeps its marker as it is
             return write_fatal(guess_namespace(argv, env), exc, logger, invocation(argv))
-        identity = config.identity
-        logger = logger.bind(job=identity.job, execution=identity.execution,
-                             task_index=identity.task_index, attempt=identity.task_attempt)
+        logger = config.identity.bind(logger)
         called_as = invocation(argv, config.data_path)
-        code = fatal_marker_code(config.namespace, logger, called_as)
-        if code is not None:
-            return code
-        try:
-            return _train(config, logger, watcher, storage, argv, env)
-        except WorkerError as exc:
-            return write_fatal(config.namespace, exc, logger, called_as)
-        except Exception as exc:  # noqa: BLE001 - the retryable catch-all
-            logger.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE,
-                         traceback=traceback.format_exc())
-            return EXIT_FAILURE
-
+        return run_guarded(config.namespace, logger, called_as,
+                           lambda: _train(config, logger, watcher, storage, argv, env))
 
 if __name__ == "__main__":
     exit_now(main())

@@ -17,7 +17,7 @@ from gpu_resilience_worker.commit import COMMIT, DATA, CommitStore
 from gpu_resilience_worker.errors import OutOfSpaceError, SavesFailingError
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - AsyncMode and CheckpointConfig: the documented import path
-    GO_ON, OUT_OF_SPACE, AsyncMode, CheckpointConfig, KeepLatestN, SaveStats, YoungDalyPolicy, failed_save_verdict,
+    GO_ON, OUT_OF_SPACE, AsyncMode, CheckpointConfig, KeepLatestN, SavePolicy, SaveStats, failed_save_verdict,
 )
 from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.snapshot import SnapshotBuffers
@@ -178,7 +178,7 @@ class CheckpointManager(CommitStore):
         if not self.config.auto_interval:
             return None
         floor = self.stats.durations[-1] if self.stats.durations else 0.0
-        return YoungDalyPolicy(self.config.mtbi_seconds, floor).interval(self.stats.cost())
+        return SavePolicy(mtbi=self.config.mtbi_seconds, floor=floor).interval(self.stats.cost())
 
     def _log_auto_interval(self) -> None:
         interval = self.auto_interval_seconds()

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from gpu_resilience_worker.errors import ConfigError
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
@@ -149,6 +149,12 @@ class TaskIdentity:
         if identity.task_index >= identity.task_count:
             raise ConfigError(f"CLOUD_RUN_TASK_INDEX={identity.task_index} >= CLOUD_RUN_TASK_COUNT")
         return identity
+
+    def bind(self, logger: Any) -> Any:
+        """:return: ``logger`` (a :class:`~gpu_resilience_worker.logs.StructuredLogger`) with this
+        identity on every line (``job``, ``execution``, ``task_index``, ``attempt``)."""
+        return logger.bind(job=self.job, execution=self.execution, task_index=self.task_index,
+                           attempt=self.task_attempt)
 
     def namespace(self, root: str, run_id: str | None) -> str:
         """:return: ``{root}/{job}[/{run_id}]/task-{index}``."""

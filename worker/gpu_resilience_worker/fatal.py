@@ -12,10 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Sequence
+import traceback
+from typing import Callable, Sequence
 
 from gpu_resilience_worker.commit import CheckpointName, read_record
-from gpu_resilience_worker.errors import EXIT_CANTCREAT, EXIT_IOERR, NewerCheckpointError, OutputError, WorkerError
+from gpu_resilience_worker.errors import (
+    EXIT_CANTCREAT, EXIT_FAILURE, EXIT_IOERR, NewerCheckpointError, OutputError, WorkerError,
+)
 from gpu_resilience_worker.files import read_json, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import LocalStorage
@@ -226,3 +229,27 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
     logger.error("an earlier attempt hit a non-retryable error; exiting at once",
                  exit_code=code, reason=record.get("reason"), file=path)
     return code
+
+
+def run_guarded(namespace: str, logger: StructuredLogger, called_as: dict | None, body: Callable[[], int]) -> int:
+    """Run one attempt's ``body`` under the exit-code rules (the bundled worker and
+    :class:`~gpu_resilience_worker.loop.ResilientLoop` alike): not at all when an earlier
+    attempt's ``FATAL`` marker applies (:func:`fatal_marker_code`).
+
+    :param namespace: the task folder.
+    :param logger: where the error lines go.
+    :param called_as: the :func:`invocation` a marker is tied to.
+    :param body: the attempt; returns its exit code.
+    :return: that code, the marker's, a :class:`WorkerError`'s (``FATAL`` written), or 1 for any
+        other exception (logged with its traceback: retryable).
+    """
+    code = fatal_marker_code(namespace, logger, called_as)
+    if code is not None:
+        return code
+    try:
+        return body()
+    except WorkerError as exc:
+        return write_fatal(namespace, exc, logger, called_as)
+    except Exception as exc:  # noqa: BLE001 - the retryable catch-all
+        logger.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE, traceback=traceback.format_exc())
+        return EXIT_FAILURE

@@ -15,18 +15,17 @@ import math
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
 from gpu_resilience_worker.config import StopTiming, TaskIdentity, task_namespace  # noqa: F401 - re-exported
-from gpu_resilience_worker.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
-from gpu_resilience_worker.fatal import check_writable, fatal_marker_code, invocation, write_fatal
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
+from gpu_resilience_worker.fatal import check_writable, invocation, run_guarded, write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import (
-    PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop, stopped_during_startup,
+    PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop,
 )
 from gpu_resilience_worker.state import TrainState, match_threads
 from gpu_resilience_worker.storage import LocalStorage, Storage
@@ -234,25 +233,14 @@ class ResilientLoop:
                 self.watcher)
         except WorkerError as exc:
             return write_fatal(self.namespace, exc, self._log, called_as)
-        identity = TaskIdentity.from_env(self._env, fallback=True)
-        self._log = self._log.bind(job=identity.job, execution=identity.execution,
-                                   task_index=identity.task_index, attempt=identity.task_attempt)
-        code = fatal_marker_code(self.namespace, self._log, called_as)
-        if code is not None:
-            return code
-        try:
-            check_writable(self.namespace)
-            return self._train(step_fn, finish)
-        except WorkerError as exc:
-            return write_fatal(self.namespace, exc, self._log, called_as)
-        except Exception as exc:  # noqa: BLE001 - the retryable catch-all
-            self._log.error(f"unexpected error: {exc!r}", exit_code=EXIT_FAILURE, traceback=traceback.format_exc())
-            return EXIT_FAILURE
+        self._log = TaskIdentity.from_env(self._env, fallback=True).bind(self._log)
+        return run_guarded(self.namespace, self._log, called_as, lambda: self._train(step_fn, finish))
 
     def _train(self, step_fn: Callable[[int], float | None],
                finish: Callable[[], Mapping[str, Any]] | None) -> int:
+        check_writable(self.namespace)
         if self.watcher.requested:  # stopped during the start-up: nothing past the last checkpoint exists
-            return stopped_during_startup(self.watcher, self._log)
+            return self._stopped_early("during start-up; exiting before the restore")
         config = CheckpointConfig(folder=self.namespace, **self._checkpoint)
         self.attempt = Attempt(self._storage, self.namespace, self.total_steps,
                                TaskIdentity.from_env(self._env, fallback=True), self._log,
@@ -263,13 +251,24 @@ class ResilientLoop:
             try:
                 self._resume(manager)
             except RestoreInterrupted:  # a SIGTERM while a checkpoint was read: nothing to save
-                return stopped_during_startup(self.watcher, self._log, during_restore=True)
+                return self._stopped_early("during the restore; exiting without it")
             self.state.history.append(self.attempt.begin(self.state.step, restore_started))
             self.attempt.loss = self.state.loss_ema
             code = self._steps(manager, step_fn)
             if code == EXIT_OK:
                 self._finish(manager, finish)
         return code
+
+    def _stopped_early(self, where: str) -> int:
+        """A stop before the first step: nothing past the newest committed checkpoint exists yet,
+        so the attempt ends at once (not after loading a checkpoint only to stop at its step).
+        :return: 143."""
+        watcher = self.watcher
+        self._log.warning(f"{watcher.signal_name} received {where}", signal=watcher.signal_name,
+                          remaining_grace_seconds=round(watcher.remaining_grace(), 3))
+        self._log.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None,
+                          last_checkpoint_step=None)
+        return EXIT_PREEMPTED
 
     def _steps(self, manager: CheckpointManager, step_fn: Callable[[int], float | None]) -> int:
         """Call ``step_fn`` until ``total_steps`` or a stop. :return: 0, or 143 after a stop."""

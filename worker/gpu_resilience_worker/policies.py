@@ -38,62 +38,33 @@ def failed_save_verdict(failed_in_a_row: int, error: BaseException) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedIntervalPolicy:
-    """Save every ``interval`` steps.
+class SavePolicy:
+    """When to save: every ``steps`` optimizer steps, when ``seconds`` passed since the last save,
+    or at the Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after it, whichever comes first
+    (a preemption is a ``force`` on :meth:`CheckpointManager.save`).
 
-    :param interval: steps between checkpoints (> 0).
+    :param steps: steps between checkpoints; default 0 (off).
+    :param seconds: wall seconds between checkpoints; default 0 (off).
+    :param mtbi: mean time between interruptions for the Young/Daly interval, seconds; default ``None`` (off).
+    :param floor: never save more often than this by the Young/Daly interval, in seconds; default 0.
     """
 
-    interval: int
-
-    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """:return: whether ``step`` is a multiple of the interval (``elapsed``, ``cost`` unused)."""
-        return step > 0 and step % self.interval == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeIntervalPolicy:
-    """Save when ``seconds`` have passed since the last save (or the start).
-
-    :param seconds: wall seconds between checkpoints (> 0).
-    """
-
-    seconds: float
-
-    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """:return: whether ``elapsed`` (seconds since the last save) reached the interval."""
-        return step > 0 and elapsed >= self.seconds
-
-
-@dataclasses.dataclass(frozen=True)
-class YoungDalyPolicy:
-    """Save at the Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after the last save.
-
-    :param mtbi: mean time between interruptions, in seconds (> 0).
-    :param floor: never save more often than this, in seconds; default 0.
-    """
-
-    mtbi: float
+    steps: int = 0
+    seconds: float = 0.0
+    mtbi: float | None = None
     floor: float = 0.0
 
-    def interval(self, cost: float) -> float:
-        """:return: the interval in seconds for a checkpoint costing ``cost`` seconds."""
-        return max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
+    def interval(self, cost: float) -> float | None:
+        """:return: the Young/Daly interval in seconds for a checkpoint costing ``cost`` seconds
+        (``None`` without ``mtbi``)."""
+        return None if self.mtbi is None else max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
 
     def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """:return: whether ``elapsed`` seconds since the last save reached the optimum."""
-        return step > 0 and elapsed >= self.interval(cost)
-
-
-@dataclasses.dataclass(frozen=True)
-class AnySavePolicy:
-    """Save when any of ``policies`` says so (preemption is a ``force`` on :meth:`CheckpointManager.save`)."""
-
-    policies: tuple[Any, ...]
-
-    def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """:return: whether any policy wants a checkpoint at ``step``."""
-        return any(policy.should_save(step, elapsed, cost) for policy in self.policies)
+        """:return: whether a checkpoint is due at ``step``, ``elapsed`` seconds after the last save,
+        for a save costing ``cost`` seconds (never at step 0)."""
+        auto = self.interval(cost)
+        return step > 0 and (bool(self.steps) and step % self.steps == 0 or bool(self.seconds) and elapsed >= self.seconds
+                             or auto is not None and elapsed >= auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,16 +162,9 @@ class CheckpointConfig:
         """Whether any save policy is on (else only forced saves write)."""
         return self.interval > 0 or self.interval_seconds > 0 or self.auto_interval
 
-    def save_policy(self) -> AnySavePolicy:
-        """:return: the combination of the configured step, time and Young/Daly policies."""
-        policies: list[Any] = []
-        if self.interval:
-            policies.append(FixedIntervalPolicy(self.interval))
-        if self.interval_seconds:
-            policies.append(TimeIntervalPolicy(self.interval_seconds))
-        if self.auto_interval:
-            policies.append(YoungDalyPolicy(self.mtbi_seconds))
-        return AnySavePolicy(tuple(policies))
+    def save_policy(self) -> SavePolicy:
+        """:return: the configured step, time and Young/Daly policy."""
+        return SavePolicy(self.interval, self.interval_seconds, self.mtbi_seconds if self.auto_interval else None)
 
 
 @dataclasses.dataclass

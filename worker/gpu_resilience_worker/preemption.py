@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Callable
+from typing import Callable
 
 from gpu_resilience_worker.errors import EXIT_PREEMPTED
 
@@ -265,27 +265,6 @@ def set_task_deadline(watcher: PreemptionWatcher, task_timeout_seconds: float | 
     margin = min(grace, task_timeout_seconds / 2)
     watcher.timeout_at = watcher.started_at + task_timeout_seconds
     watcher.deadline = watcher.timeout_at - margin
-
-
-def stopped_during_startup(watcher: PreemptionWatcher, logger: Any, during_restore: bool = False) -> int:
-    """Log that a SIGTERM (or the task deadline) came before the restore, or during it, and
-    return 143.
-
-    Nothing past the newest committed checkpoint exists yet, so the attempt ends at once instead of
-    reading and loading a checkpoint only to stop at its step (on a large model, most of the grace
-    period). Used by the bundled trainer and :class:`~gpu_resilience_worker.loop.ResilientLoop`.
-
-    :param watcher: the watcher that caught the stop.
-    :param logger: a :class:`~gpu_resilience_worker.logs.StructuredLogger`.
-    :param during_restore: the stop ended a restore that was reading a checkpoint
-        (:class:`~gpu_resilience_worker.checkpoint.RestoreInterrupted`); default ``False``.
-    :return: 143 (``EXIT_PREEMPTED``).
-    """
-    where = "during the restore; exiting without it" if during_restore else "during start-up; exiting before the restore"
-    logger.warning(f"{watcher.signal_name} received {where}",
-                   signal=watcher.signal_name, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
-    logger.warning("exiting: interrupted, resumable", exit_code=EXIT_PREEMPTED, step=None, last_checkpoint_step=None)
-    return EXIT_PREEMPTED
 
 
 def exit_now(code: int) -> None:
