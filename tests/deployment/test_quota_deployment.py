@@ -22,10 +22,10 @@ emulator answered 429 at least once (the quota was reached), and the preempted t
 retried within their execution. In the steady state the triggerer read only the region's
 listing (ListExecutions), no execution or task of its own, at most half the quota a minute: one
 trigger polling its execution (GetExecution and ListTasks every 3 s each) would make 800 reads a
-minute for twenty. Apart from the run, the triggerer's warnings that its event loop was blocked
-(every start of it, over every deployment test of the session) are counted and their longest
-block reported in the session's timing table: a measurement, not an assertion (it follows the
-machine's load; the benchmark bench_watch_scale.py reports the trigger's longest block).
+minute for twenty. Apart from the run, no warning from the triggerer that its event loop was
+blocked, over every start of it and every trigger start in the session's deployment tests (the
+first trigger of each triggerer process imports the Google clients); their count and longest
+block also go to the session's timing table.
 
 Executions are counted from the emulator's log folders and its admin endpoints, which the quota
 does not count; the test's own Cloud Run API requests (creating the jobs) happen before the
@@ -274,16 +274,19 @@ def test_preempted_tasks_were_retried_within_their_execution(sweep) -> None:
         assert reasons[0] == "preempted" and reasons[-1] is None and attempts[-1]["exitCode"] == 0, attempts
 
 
-def test_triggerer_blocked_event_loop_warnings_are_reported(sweep) -> None:
+def test_no_blocked_event_loop_warning_from_the_triggerer(sweep) -> None:
     """Issue 36 must-show 4, over the whole triggerer log: every start of the triggerer in this
     session's deployment tests (the campaign's too, when it ran before) and every trigger start.
-    The warnings' count and longest block go to the timing table (a measurement: it follows the
-    machine's load, and the standards keep timing targets out of test assertions)."""
+    Airflow's triggerer warns when its event loop did not run for longer than ``[triggerer]
+    blocked_main_thread_warning_threshold``; the first trigger of a triggerer process imports the
+    Google clients, whose allocations would start a full garbage collection that holds the loop
+    (the trigger pauses the collector for that import). Count and longest block also go to the
+    timing table."""
     log = Path(sweep.stack.workdir / "logs" / "triggerer.log").read_text(errors="replace")
-    starts = log.count("Starting the triggerer")
-    blocked = [line for line in log.splitlines() if BLOCKED_LOOP_MESSAGE in line]
-    assert starts >= 2, "the triggerer's log does not show its restart"
-    seconds = [float(m.group(1)) for line in blocked if (m := re.search(r"blocked for ([0-9.]+) seconds", line))]
-    assert len(seconds) == len(blocked), f"a warning without its seconds: {blocked}"
-    record_timing("triggerer: blocked-event-loop warnings (count, longest s)", executions=len(blocked),
+    assert log.count("Starting the triggerer") >= 2, "the triggerer's log does not show its restart"
+    warnings = [line for line in log.splitlines() if BLOCKED_LOOP_MESSAGE in line]
+    seconds = [float(m.group(1)) for line in warnings if (m := re.search(r"blocked for ([0-9.]+) seconds", line))]
+    assert len(seconds) == len(warnings), f"a warning without its seconds: {warnings}"
+    record_timing("triggerer: blocked-event-loop warnings (count, longest s)", executions=len(warnings),
                   seconds=max(seconds, default=0.0))
+    assert not warnings, "\n".join(warnings)
