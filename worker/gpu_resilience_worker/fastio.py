@@ -19,7 +19,7 @@ import sys
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from gpu_resilience_worker.snapshot import SnapshotBuffers  # noqa: F401 - re-exported (the benchmarks import it here)
 from gpu_resilience_worker.task_folder import DIGEST_CHUNK, DIGESTS, HEX_CHARS, root_digest  # noqa: F401 - re-exported
@@ -190,29 +190,28 @@ def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, dig
     """
     :return: the hex ``digest`` (default sha256) of every ``chunk_bytes`` bytes of ``data``
         (empty for no data)."""
-    view = memoryview(data).cast("B")
-    out = []
-    for offset in range(0, view.nbytes, chunk_bytes):
-        hasher = new_hasher(digest)
-        hasher.update(view[offset : offset + chunk_bytes])
-        out.append(hasher.hexdigest())
-    return out
+    hasher = ChunkHasher(chunk_bytes, digest)
+    hasher.update(memoryview(data).cast("B"))
+    return hasher.digests()
 
 
 class ChunkHasher:
     """The hash list of a byte stream fed in order: sha256 chunks hashed on the helper threads,
-    CRC chunks inline on the calling thread (they cost less than handing them over).
+    CRC chunks inline on the calling thread (they cost less than handing them over), unless
+    ``parallel`` (bytes already in memory: nothing to overlap the hashing with).
 
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
     :param digest: one of :data:`DIGESTS`; default ``sha256``.
+    :param parallel: hash every chunk on the helper threads; default for ``sha256`` only.
     """
 
-    def __init__(self, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> None:
+    def __init__(self, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256", parallel: bool | None = None) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
         new_hasher(digest)  # validates the name
         self.chunk_bytes = chunk_bytes
         self.digest = digest
+        self.parallel = digest == "sha256" if parallel is None else parallel
         self.size = 0
         self._hashers: list[Any] = []
 
@@ -236,7 +235,7 @@ class ChunkHasher:
                 groups.append((hasher, [piece]))
             position += take
             self.size += take
-        if self.digest != "sha256":  # inline: one pass, on the thread that writes or reads
+        if not self.parallel:  # inline: one pass, on the thread that writes or reads
             for hasher, pieces in groups:
                 _update_all(hasher, pieces)
             return []
@@ -339,7 +338,7 @@ class HashingWriter:
         return view.nbytes
 
     def _overlapped(self, view: memoryview) -> None:
-        inline = self._hasher.digest != "sha256"
+        inline = not self._hasher.parallel
         pending = [] if inline else self._hasher.submit(view)
         try:
             for offset in range(0, view.nbytes, CHUNK):
@@ -381,38 +380,60 @@ def file_chunk_digests(path: str, chunk_bytes: int = DIGEST_CHUNK, digest: str =
     :return: ``(size in bytes, hex digest per chunk)``.
     :raises OSError: when the file cannot be opened or mapped.
     """
-    new_hasher(digest)
+    hasher = ChunkHasher(chunk_bytes, digest, parallel=True)
     with open(path, "rb", buffering=0) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
+        if os.fstat(handle.fileno()).st_size == 0:
             return 0, []
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             if hasattr(mapped, "madvise"):
                 mapped.madvise(mmap.MADV_WILLNEED)
-            view = memoryview(mapped)
-            pool, digests, window = _pool(), [], 4 * HASH_THREADS
-            offsets = range(0, size, chunk_bytes)
-            try:
-                for first in range(0, len(offsets), window):  # a bounded number of tasks at a time
-                    futures = [pool.submit(_hex_of, view, o, chunk_bytes, digest) for o in offsets[first : first + window]]
-                    wait(futures)  # every task ends before the map closes, even when one failed
-                    digests += [future.result() for future in futures]
-            finally:
-                view.release()
-    return size, digests
+            with memoryview(mapped) as view:
+                pending = hasher.submit(view)
+                wait(pending)  # every task ends before the map closes, even when one failed
+                for future in pending:
+                    future.result()
+    return hasher.size, hasher.digests()
 
 
-def _hex_of(view: memoryview, start: int, length: int, name: str = "sha256") -> str:
-    """:return: the hex digest of ``view[start : start + length]``, hashed in :data:`CHUNK` pieces."""
-    digest = new_hasher(name)
-    end = min(start + length, view.nbytes)
-    for offset in range(start, end, CHUNK):
-        digest.update(view[offset : min(offset + CHUNK, end)])
-    return digest.hexdigest()
+def read_pipelined(handle: BinaryIO, absorb: Callable[[memoryview, int], None], limit: int | None = None,
+                   stop: Callable[[], bool] | None = None) -> int:
+    """Read ``handle`` sequentially into two reused :data:`CHUNK` buffers in turn; a helper thread
+    hands each piece to ``absorb`` (it hashes it, and may write it somewhere) while the next is read.
+
+    :param handle: an unbuffered binary file opened for reading.
+    :param absorb: called with each piece and its offset, in order, on the helper thread.
+    :param limit: bytes to read at most; default to the end.
+    :param stop: asked before each read; when it returns true, reading ends with
+        :class:`InterruptedError` (an ``OSError``: a SIGTERM during a restore); default never.
+    :return: the bytes read.
+    :raises OSError: when reading fails, or from ``stop``; what ``absorb`` raises.
+    """
+    buffers = [memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))]
+    pending: Future | None = None
+    position = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-pipelined") as helper:
+        try:
+            while limit is None or position < limit:
+                if stop is not None and stop():
+                    raise InterruptedError(f"reading stopped after {position} bytes: a stop was requested")
+                count = handle.readinto(buffers[0][: CHUNK if limit is None else min(CHUNK, limit - position)]) or 0
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                if count == 0:
+                    break
+                pending = helper.submit(absorb, buffers[0][:count], position)
+                position += count
+                buffers.reverse()
+        finally:
+            if pending is not None:
+                pending.result()
+    return position
 
 
 def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
-    """The hash list of ``handle`` read to its end, hashing each piece while the next is read.
+    """The hash list of ``handle`` read to its end, hashing each piece while the next is read
+    (:func:`read_pipelined`).
 
     :param handle: an unbuffered binary file opened for reading.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
@@ -421,15 +442,5 @@ def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, dige
     :raises OSError: when reading fails.
     """
     hasher = ChunkHasher(chunk_bytes, digest)
-    buffers = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
-    pending: list[Future] = []
-    index = 0
-    while True:
-        buffer = buffers[index % 2]
-        count = handle.readinto(buffer) or 0
-        for future in pending:  # the other buffer is free again
-            future.result()
-        if count == 0:
-            return hasher.size, hasher.digests()
-        pending = hasher.submit(buffer[:count])
-        index += 1
+    read_pipelined(handle, lambda view, _: hasher.update(view))
+    return hasher.size, hasher.digests()

@@ -10,19 +10,9 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable
 
-from gpu_resilience_worker.fastio import CHUNK, DIGEST_CHUNK, ChunkHasher
-
-
-def _never() -> bool:
-    return False
-
-
-def _check_stop(stop: Callable[[], bool], position: int) -> None:
-    if stop():
-        raise InterruptedError(f"reading stopped after {position} bytes: a stop was requested")
+from gpu_resilience_worker.fastio import DIGEST_CHUNK, ChunkHasher, read_pipelined
 
 
 class LocalCopy:
@@ -87,69 +77,22 @@ class LocalCopy:
         hasher = ChunkHasher(chunk_bytes, digest)
         if self.size == 0:
             return len(handle.read(1) or b""), []
-        stop = stop or _never
-        if self.buffer is not None:
-            position = self._fill_mapping(handle, hasher, stop)
-        else:
-            position = self._fill_file(handle, hasher, stop)
+        position = read_pipelined(handle, lambda view, offset: self._absorb(hasher, view, offset), self.size, stop)
         extra = len(handle.read(1) or b"") if position == self.size else 0
         return position + extra, hasher.digests()
 
-    def _fill_file(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
-        """Read into two reused buffers in turn; a helper thread hashes one and writes it into
-        the file (``pwrite``) while the next is read. The bytes reach the copy's pages through
-        the kernel (no page fault or zero-fill per page, as a write through a mapping of new
-        pages costs), and the buffers stay in the CPU cache for the hash."""
-        buffers = [memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))]
-        pending: Future | None = None
-        position = 0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copy") as helper:
-            try:
-                while position < self.size:
-                    _check_stop(stop, position)
-                    view = buffers[0][: min(CHUNK, self.size - position)]
-                    count = handle.readinto(view) or 0
-                    if pending is not None:
-                        pending.result()
-                        pending = None
-                    if count == 0:
-                        break
-                    pending = helper.submit(self._absorb, hasher, view[:count], position)
-                    position += count
-                    buffers.reverse()
-            finally:
-                if pending is not None:
-                    pending.result()
-        return position
-
     def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
+        """Hash a piece and put it into the copy: with ``pwrite`` into the file (the bytes reach its
+        pages through the kernel, with no page fault or zero-fill per page as a write through a
+        mapping of new pages costs, and the piece stays in the CPU cache for the hash), or into
+        the anonymous memory."""
         hasher.update(view)
+        if self.buffer is not None:
+            self.buffer[offset : offset + view.nbytes] = view
+            return
         while view.nbytes:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
-
-    def _fill_mapping(self, handle: BinaryIO, hasher: ChunkHasher, stop: Callable[[], bool]) -> int:
-        """Read straight into the anonymous memory of the copy, hashing each piece as it lands."""
-        assert self.buffer is not None
-        view = memoryview(self.buffer)[: self.size]
-        pending: list[Future] = []
-        position = 0
-        try:
-            while position < self.size:
-                _check_stop(stop, position)
-                count = handle.readinto(view[position : min(position + CHUNK, self.size)]) or 0
-                for future in pending:
-                    future.result()
-                pending = []
-                if count == 0:
-                    break
-                pending = hasher.submit(view[position : position + count])
-                position += count
-        finally:
-            for future in pending:
-                future.result()
-            view.release()
-        return position
 
     def close(self) -> None:
         """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""
