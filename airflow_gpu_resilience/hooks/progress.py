@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -292,12 +292,18 @@ class CheckpointFilesHook:
         except Exception as exc:  # best effort, as every read here
             log.debug("Cannot list gs://%s/%s*: %s", self.bucket, prefix, exc)
             return {}
-        found: dict[tuple[str, int], dict[str, Any]] = {}
-        for name in names:
-            data = self.read_json(task_index, name.rsplit("/", 1)[-1])
-            if not isinstance(data, dict):
-                continue
-            execution, attempt = data.get("execution"), data.get("attempt")
-            if isinstance(execution, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
-                found[(execution, attempt)] = data
-        return found
+        return goodput_events_by_attempt(self.read_json(task_index, name.rsplit("/", 1)[-1]) for name in names)
+
+
+def goodput_events_by_attempt(files: Iterable[Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The goodput events files' contents (decoded JSON) by ``(execution, attempt)``; a content
+    without a string ``execution`` and an integer ``attempt`` is skipped.
+
+    :param files: the decoded files, oldest name first (a later one of the same attempt wins).
+    """
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for data in files:
+        execution, attempt = (data.get("execution"), data.get("attempt")) if isinstance(data, dict) else (None, None)
+        if isinstance(execution, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
+            found[(execution, attempt)] = data
+    return found

@@ -1,6 +1,6 @@
 """The provider's reader of commit records (``hooks/progress.py``) on the shared task-folder
-fixtures (``tests/fixtures/task_folders``): the committed steps, the newest one and a newer
-release's record, the same answers the worker's verifiers give (``tests/worker/test_task_folder_fixtures.py``).
+fixtures (``tests/fixtures/task_folders``): the committed steps, the newest one, a newer
+release's record, the progress, the lost steps and the goodput events files, the same answers the worker gives (``tests/worker/test_task_folder_fixtures.py``).
 Pure: a listing of the folder and its files' bytes; the provider imports nothing from the worker."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from airflow_gpu_resilience.commit_records import NewerRecord, TaskCheckpoints, record_commits, task_checkpoints
+from airflow_gpu_resilience.hooks.progress import TaskProgress, goodput_events_by_attempt, lost_work_entries
 from tests.fixtures.task_folders.make_task_folders import fixtures
 
 FIXTURES = fixtures()
@@ -37,6 +38,27 @@ def test_the_provider_reads_every_fixture_as_expected(name: str, folder: Path, e
         reason = task.newer.reason(0)
         assert reason.startswith(f"task 0: commit record {expected['fatal']['file']} has ")
         assert ("format 99" if expected["fatal"]["format"] else "digest 'blake9'") in reason
+
+
+def run_answers(folder: Path) -> dict:
+    """:return: the fixture's progress, lost steps (``metrics.json``, else ``attempts.json``, as
+    :meth:`CheckpointFilesHook.lost_work` reads them) and goodput events as the provider reads them."""
+    def read(name: str):
+        return json.loads((folder / name).read_text()) if (folder / name).is_file() else None
+
+    progress = TaskProgress.from_json(0, read("progress.json"))
+    total = None if progress is None else progress.total_steps
+    metrics = read("metrics.json")
+    lost = lost_work_entries(0, metrics if isinstance(metrics, dict) else read("attempts.json"), total)
+    goodput = goodput_events_by_attempt(read(p.name) for p in sorted(folder.glob("goodput-*")))
+    return {"progress": progress and {"step": progress.step, "total_steps": total, "status": progress.status},
+            "lost_steps_total": sum(entry["lost_steps"] for entry in lost),
+            "goodput": {f"{execution}-{attempt}": events["status"] for (execution, attempt), events in goodput.items()}}
+
+
+@pytest.mark.parametrize("name, folder, expected", FIXTURES, ids=[f[0] for f in FIXTURES])
+def test_the_provider_reads_every_fixtures_run_files_as_expected(name: str, folder: Path, expected: dict) -> None:
+    assert run_answers(folder) == {key: expected[key] for key in ("progress", "lost_steps_total", "goodput")}
 
 
 _ONE = {"step": 20, "size": 5, "sha256": "f" * 64, "chunk_bytes": 4096, "chunks": ["0" * 8], "digest": "crc32"}

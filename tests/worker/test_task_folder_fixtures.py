@@ -1,6 +1,8 @@
 """The worker's verifiers on the shared task-folder fixtures (``tests/fixtures/task_folders``):
 the committed steps, the newest one and a newer release's record, as each fixture's
-``expected.json`` says; reading deletes nothing; a newer record stops a restore. The provider's
+``expected.json`` says; reading deletes nothing; a newer record stops a restore; the progress, the
+lost steps and the goodput events files read as the next attempt reads them, each goodput file
+named and shaped as the worker writes one. The provider's
 reader answers the same fixtures in ``tests/unit/test_task_folder_records.py``. Cost: about 1 s."""
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from gpu_resilience_worker.artifacts import ArtifactCheckpoints
+from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.checkpoint import CheckpointConfig, CheckpointManager
 from gpu_resilience_worker.commit import CommitStore
+from gpu_resilience_worker.config import TaskIdentity
 from gpu_resilience_worker.errors import NewerCheckpointError
+from gpu_resilience_worker.files import PROGRESS, read_json, record_attempt, reported_step
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
 from gpu_resilience_worker.task_folder import RECORD_SUFFIX, NewerRecordError, parse_record
@@ -119,3 +124,36 @@ def test_the_worker_writes_records_exactly_as_documented(name: str, folder: Path
             continue
         documented = json.loads(path.read_bytes())
         assert json.loads(record.to_bytes()) == {**documented, "format": 1}, path.name
+
+
+def _goodput_fields(folder: Path) -> set[str]:
+    """:return: the fields of a goodput events file the worker writes (an attempt resumed, stepped, saved, stopped)."""
+    attempt = Attempt(LocalStorage(), str(folder), 10, TaskIdentity(execution="w"), StructuredLogger(ListLog()))
+    attempt.begin(0, 1.0)
+    attempt.stepped(1)
+    attempt.saved(0.1)
+    attempt.end(143)
+    return set(json.loads(Path(attempt.path).read_text()))
+
+
+@pytest.mark.parametrize("name, folder, expected", FIXTURES, ids=[f[0] for f in FIXTURES])
+def test_the_worker_reads_every_fixtures_run_files_as_expected(name: str, folder: Path, expected: dict,
+                                                                 tmp_path: Path) -> None:
+    copy, storage = tmp_path / "task-0", LocalStorage()
+    shutil.copytree(folder, copy)
+    progress = read_json(storage, str(copy / PROGRESS))
+    answers = {"progress": progress and {"step": reported_step(progress, total_steps=progress["total_steps"]),
+                                         "total_steps": progress["total_steps"], "status": progress["status"]}}
+    attempts = record_attempt(storage, str(copy), {"execution": "next", "attempt": 0, "task_index": 0,
+                                                   "resumed_from_step": 0, "lost_steps": 0})
+    reader = Attempt(storage, str(copy), 1, TaskIdentity())
+    reader.attempts = attempts
+    answers["lost_steps_total"] = reader.lost_steps_total
+    fields, answers["goodput"] = _goodput_fields(tmp_path / "writer"), {}
+    for path in sorted(folder.glob("goodput-*")):
+        events = json.loads(path.read_text())
+        assert path.name == Path(Attempt(storage, "", 1, TaskIdentity(execution=events["execution"],
+                                                                      task_attempt=events["attempt"])).path).name
+        assert "process_start" not in events or set(events) == fields, path  # the previous release's: minimal
+        answers["goodput"][f"{events['execution']}-{events['attempt']}"] = events["status"]
+    assert answers == {key: expected[key] for key in ("progress", "lost_steps_total", "goodput")}

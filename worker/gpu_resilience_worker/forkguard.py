@@ -1,31 +1,12 @@
 """No child process may hold a file open for writing, so that none can finalize it early.
 
-The kernel sends a FUSE file system a flush at every ``close()`` of a descriptor, and a process
-started while a file is open holds its own copy of that descriptor, closed when the child exits
-or execs. Cloud Storage FUSE uploads (finalizes) a file at each flush, whoever sends it: a
-``DataLoader`` worker, a ``multiprocessing`` helper or a ``subprocess`` started during a
-background save would publish the checkpoint's first bytes as the object, and the writer's next
-write would be a staged rewrite of the whole file (on Cloud Run, memory; ``EIO`` on the
-emulator's strict volume).
-
-:func:`write_privately` opens and writes the file on a short-lived thread that first gives itself
-a descriptor table of its own (``unshare(CLONE_FILES)``): the file is in no other thread's table,
-so no child, however it starts (``os.fork()``, ``subprocess``, the ``fork``, ``spawn`` and
-``forkserver`` start methods of ``multiprocessing``), ever holds it, and no fork waits.
-
-Requirement: Linux with ``unshare(CLONE_FILES)`` allowed. The call needs no privilege on Linux
-(unlike the namespace flags), and Cloud Run jobs always run in the second-generation execution
-environment, a microVM documented with "full Linux compatibility, including support for all
-system calls, namespaces, and cgroups". Where it is refused (another kernel; a seccomp profile
-such as Docker's default, which allows ``unshare`` only with ``CAP_SYS_ADMIN``), the file is
-written in the caller and one warning is logged: a child started during that write can finalize
-the object early. That costs a failed or staged save, never a wrong checkpoint: the commit record
-is written after the data and names every file with its size, so a torn object never counts.
-
-Why no fallback: an earlier one (an ``os.register_at_fork`` hook making a fork wait for the open
-writes, with a stop check from the preemption watcher and a step-time reserve from the loop) was a
-protocol across three modules, and still could not cover ``subprocess``, ``spawn`` or
-``forkserver`` (they run no fork hooks), where this requirement is met everywhere the worker runs.
+Cloud Storage FUSE uploads (finalizes) a file at every ``close()`` of a descriptor of it, and a
+process started while a file is open holds its own copy of that descriptor. :func:`write_privately`
+writes on a short-lived thread that first gives itself a descriptor table of its own
+(``unshare(CLONE_FILES)``), so no child, however it starts, ever holds the file. The requirement
+(Linux with that call allowed: Cloud Run's second-generation environment), what happens where it
+is refused, and why there is no other fallback: "On Cloud Storage FUSE" in
+``docs/worker-contract.rst``.
 """
 
 from __future__ import annotations
@@ -83,20 +64,13 @@ def private_files_refused() -> int | None:
 
 def write_privately(function: Callable[[], _T]) -> _T:
     """Run ``function``, which opens, writes and closes files, where no child process can ever
-    hold those files: on a new thread with a descriptor table of its own.
+    hold those files: on a new thread with a descriptor table of its own; the caller waits.
 
-    The caller waits for the thread and gets its result or its exception; its signal handlers
-    still run while it waits (the main thread's, for a SIGTERM). An exception one of them raises
-    reaches the caller once the thread has ended, so that nothing cleans up after a write still
-    going on; a second one meanwhile reaches it at once. ``function`` must close every
-    descriptor it opens and hand none to another thread (its numbers mean nothing there, or
-    another file), and start no threads (they would share its table). The table starts as a copy
-    of the process's: a descriptor another thread closes meanwhile is released when the write
-    ends.
-
-    Where ``unshare`` is refused (see :func:`private_files_refused`), ``function`` runs in the
-    calling thread, and a child process started meanwhile may finalize the file early (see the
-    module's docstring).
+    The caller's signal handlers still run while it waits; an exception one of them raises
+    reaches the caller once the thread has ended (nothing may clean up after a write still going
+    on). ``function`` must close every descriptor it opens, hand none to another thread and start
+    no threads (they would share its table). Where ``unshare`` is refused
+    (:func:`private_files_refused`), ``function`` runs in the calling thread.
 
     :param function: a callable with no arguments.
     :return: what ``function`` returns.
