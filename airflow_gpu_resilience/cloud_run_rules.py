@@ -62,7 +62,10 @@ RESERVED_LABEL_PREFIXES = (
 )
 
 _JOB_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?$")
-_PROJECT_ID_RE = re.compile(r"^(?:[a-z0-9][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[1-9][0-9]{0,19}$")
+#: A domain-scoped project id's domain: two or more dot-separated labels of lowercase letters,
+#: digits and ``-`` (1-63 characters each, not starting or ending with ``-``).
+_DOMAIN = r"(?:[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?\.)+[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+_PROJECT_ID_RE = re.compile(rf"^(?:{_DOMAIN}:)?[a-z][-a-z0-9]{{4,28}}[a-z0-9]$|^[1-9][0-9]{{0,19}}$")
 _REGION_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]{1,2}$")
 _BUCKET_CHARS_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 _QUANTITY_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>[KMGT]i?|k|m)?$")
@@ -131,10 +134,11 @@ def validate_project_id(project_id: str, param: str = "project_id") -> None:
     :param param: the argument's name as the user wrote it, used in the message.
     :raises ValueError: naming ``param`` and the rule.
     """
-    if not isinstance(project_id, str) or not _PROJECT_ID_RE.match(project_id):
+    if not isinstance(project_id, str) or not _PROJECT_ID_RE.fullmatch(project_id):
         raise ValueError(
             f"{param}={project_id!r} is not a Google Cloud project id: use 6-30 lowercase letters, digits and "
-            "'-', starting with a letter and not ending with '-' (optionally after 'domain:'), or a project number"
+            "'-', starting with a letter and not ending with '-' (optionally after a domain and ':', as in "
+            "'example.com:my-project'), or a project number"
         )
 
 

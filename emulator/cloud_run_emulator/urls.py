@@ -1,8 +1,10 @@
 """The declarative route table: (HTTP method, path pattern, transcoding function of
 :mod:`.responses`, the method of :data:`~.rpcs.RPCS` it calls), after Google's HTTP rules.
 
-Patterns match the path after ``/v2/``. Segments never contain ``/`` or ``:``, so the colon
-verbs (``:run``, ``:cancel``, ``:wait``) are matched explicitly instead of by a path converter.
+Patterns match the path after ``/v2/``. Segments never contain ``/``, and none but the project
+contains ``:``, so the colon verbs (``:run``, ``:cancel``, ``:wait``) are matched explicitly
+instead of by a path converter. The project segment may hold one colon: a domain-scoped project
+id (``example.com:my-project``), which the clients put in the path as it is.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from . import responses
 from .rpcs import EXECUTIONS, JOBS, OPERATIONS, RPCS, TASKS
 
 _SEG = r"[^/:]+"
-_LOC = rf"projects/{_SEG}/locations/{_SEG}"
+_PROJECT = rf"{_SEG}(?::{_SEG})?"
+_LOC = rf"projects/{_PROJECT}/locations/{_SEG}"
 _JOB = rf"{_LOC}/jobs/{_SEG}"
 _EXEC = rf"{_JOB}/executions/{_SEG}"
 _OP = rf"{_LOC}/operations/{_SEG}"

@@ -13,8 +13,8 @@ from its documentation, not confirmed):
 - launch stage ALPHA or BETA is required for the nvidia-rtx-pro-6000 GPU and for a GPU task
   timeout over 1 h (a task without a GPU may run up to 168 h generally available: the task
   timeout page's current maximum, where older pages put everything over 24 h in Preview);
-- project ids (6-30 lowercase letters, digits, hyphens; or a project number) and regions in
-  names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
+- project ids (6-30 lowercase letters, digits, hyphens, optionally domain-scoped as in
+  ``example.com:my-project``; or a project number) and regions in names; bucket names by Cloud Storage's rules (checked before the GCS emulator sees them);
 - every GCS volume's bucket exists and its ``mountOptions`` are gcsfuse flags the emulator knows
   (see :data:`cloud_run_emulator.mount_options.GCSFUSE_MOUNT_OPTIONS`); every volume mount names a declared volume; a
   ``mountPath`` is absolute, without ``:`` or ``..``, not ``/``; a ``subPath`` is relative,
@@ -58,9 +58,13 @@ _MEM_UNITS = {"": 1 / 2**30, "k": 1e3 / 2**30, "K": 1e3 / 2**30, "M": 1e6 / 2**3
 TT = "job.template.template"
 
 
+#: A domain name as a domain-scoped project id's prefix: two or more dot-separated labels of
+#: lowercase letters, digits and hyphens, each 1-63 characters, not starting or ending with a hyphen.
+_DOMAIN = r"(?:[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?\.)+[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
 #: A project id (6-30 lowercase letters, digits or hyphens, starting with a letter, not ending
-#: with a hyphen) or a project number.
-PROJECT_ID = re.compile(r"^(?:[a-z][-a-z0-9]{4,28}[a-z0-9]|[1-9][0-9]{0,19})$")
+#: with a hyphen), optionally domain-scoped (``example.com:my-project``, as older Google Workspace
+#: projects are; Cloud Run's names carry it as it is), or a project number.
+PROJECT_ID = re.compile(rf"^(?:(?:{_DOMAIN}:)?[a-z][-a-z0-9]{{4,28}}[a-z0-9]|[1-9][0-9]{{0,19}})$")
 #: A Cloud Run region: lowercase words joined by hyphens, ending in a number (``us-central1``).
 LOCATION = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]{1,2}$")
 
@@ -73,10 +77,11 @@ def validate_project_location(project: str, location: str, field: str) -> None:
     :param field: the request field the name came in (``name``, ``parent``, ...), for the message.
     :raises InvalidArgument: naming ``field`` and the rule broken.
     """
-    if not PROJECT_ID.match(project):
+    if not PROJECT_ID.fullmatch(project):
         raise InvalidArgument(
             f"{field}: project '{project}' is not a project id (6 to 30 lowercase letters, digits or "
-            "hyphens, starting with a letter and not ending with a hyphen) or a project number.")
+            "hyphens, starting with a letter and not ending with a hyphen, optionally after 'domain:') "
+            "or a project number.")
     if not LOCATION.match(location):
         raise InvalidArgument(f"{field}: location '{location}' is not a Cloud Run region such as 'us-central1'.")
 

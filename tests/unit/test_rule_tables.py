@@ -21,6 +21,15 @@ MEMORY = ["16Gi", "16384Mi", "17G", "16k", "16K", "16", "1Ti", "16T", "512Mi", "
 JOB_NAMES = ["train", "my-job-1", "a", "a" * 63, "a" * 64, "1job", "-job", "job-", "Job", "my_job", "my.job", ""]
 BUCKETS = ["my-bucket", "ab", "abc", "a" * 63, "a" * 64, "my.bucket.example.com", "192.168.1.1", "goog-bucket",
            "my-google-bucket", "my_bucket", "-bucket", "bucket-", "Bucket", "a..b", "a.-b", "x" * 64 + ".example.com"]
+#: Project ids as they appear in ``projects/{project}``: ids, domain-scoped ids (legal Google Cloud
+#: project ids of older Google Workspace projects; Cloud Run's names carry them as they are) and
+#: project numbers. Neither side knows more of a domain than its form: two or more labels.
+PROJECT_IDS = ["my-project", "a" * 6, "a" * 30, "a" * 5, "a" * 31, "1project", "-project", "project-", "My-Project",
+               "my_project", "123456", "1", "0123", "1" * 20, "1" * 21, "example.com:my-project",
+               "sub.example.co.uk:my-project", "example.com:my", "example.com:123456", "example:my-project",
+               "example..com:my-project", "-example.com:my-project", "example-.com:my-project",
+               "Example.com:my-project", ":my-project", "example.com:", "example.com:my-project:x",
+               "example.com/my-project", "..", "my-project\n", ""]
 
 
 def _provider(parse, value):
@@ -53,6 +62,17 @@ def test_job_names(name):
     mine = _provider(provider.validate_job_name, name)
     try:
         emulator.validate_job_id(name)
+        theirs = None
+    except InvalidArgument:
+        theirs = "refused"
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("project", PROJECT_IDS)
+def test_project_ids(project):
+    mine = _provider(provider.validate_project_id, project)
+    try:
+        emulator.validate_project_location(project, "us-central1", "name")
         theirs = None
     except InvalidArgument:
         theirs = "refused"

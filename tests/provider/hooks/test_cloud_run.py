@@ -153,6 +153,20 @@ def test_run_poll_and_list(hook, job_name):
     assert hook.get_operation(operation).done is True
 
 
+def test_a_domain_scoped_project_deploys_runs_and_lists(hook, job_name):
+    """A domain-scoped project id (``example.com:my-project``, a legal Google Cloud project id)
+    goes into Cloud Run's names as it is, on both transports: the job, its run (the ``:run``
+    verb after a project segment with a colon), the wait and the listing."""
+    project = "example.com:test-project"
+    created = hook.create_job(job_name=job_name, job=spec(job_name, max_retries=0), region=REGION, project_id=project)
+    assert created.name == f"projects/{project}/locations/{REGION}/jobs/{job_name}"
+    _, execution = hook.run_job(job_name=job_name, region=REGION, project_id=project)
+    assert execution_state(hook.wait_for_execution(execution, poll_interval=0.1, timeout=60)) is ExecutionState.SUCCEEDED
+    assert [e.name for e in hook.list_executions(job_name=job_name, region=REGION, project_id=project)] == [execution]
+    with pytest.raises(gexc.NotFound):  # another project than the default one
+        hook.get_job(job_name=job_name, region=REGION)
+
+
 def test_short_execution_name_needs_job_and_region(hook):
     with pytest.raises(ValueError, match="short name"):
         hook.get_execution(execution="abc")
