@@ -1,6 +1,6 @@
 """The processes of the local Airflow stack (:mod:`airflow_stack`): each in a process group of
-its own with its log file, stopped as a group; a free loopback port, PostgreSQL's binaries, and
-one JSON request.
+its own with its log file, stopped as a group, its CPU time readable; a free loopback port,
+PostgreSQL's binaries, and one JSON request.
 """
 
 from __future__ import annotations
@@ -85,6 +85,23 @@ class _Proc:
         self.signal(signal.SIGKILL)  # whatever is left of the group (children of a dead leader, too)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU seconds of the group's leader and its live descendants so far,
+        with the children each has reaped (0.0 once the leader has ended)."""
+        import psutil
+
+        try:
+            leader = psutil.Process(self.popen.pid)
+            processes = [leader, *leader.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                times = process.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+        return total
 
     def tail(self, lines: int = 30) -> str:
         try:

@@ -44,6 +44,10 @@ def _load_stack_module():
 
 
 airflow_stack = _load_stack_module()
+import stack_sweep  # noqa: E402  (scripts/, on the path once airflow_stack is loaded)
+
+#: The deployment tests' waiting helpers (:mod:`stack_sweep`, shared with the watch-scale benchmark).
+wait_for, unpause_when_parsed = stack_sweep.wait_for, stack_sweep.unpause_when_parsed
 
 #: Settings of every Airflow process in the test deployment (what an operator of a deployment
 #: would put into ``airflow.cfg``): one retry after 2 s, so that a killed task process is retried
@@ -54,9 +58,7 @@ airflow_stack = _load_stack_module()
 TEST_AIRFLOW_CONFIG = {
     "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "1",
     "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "2",
-    "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-    "AIRFLOW__SCHEDULER__JOB_HEARTBEAT_SEC": "2",
-    "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
+    **airflow_stack.FAST_HEARTBEATS,
     "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10",
     "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
     "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([
@@ -72,42 +74,6 @@ _TIMINGS: list[dict] = []
 def record_timing(scenario: str, **values) -> None:
     """Add one row to the session's timing table (printed at the end, and ``timings.json``)."""
     _TIMINGS.append({"scenario": scenario, **values})
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    """Poll ``predicate`` every ``interval`` s until it returns something truthy.
-
-    :return: ``predicate()``'s first truthy value.
-    :raises AssertionError: after ``timeout`` s, naming ``what`` was waited for.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def unpause_when_parsed(api, dag_id: str, timeout: float = 180) -> None:
-    """Wait until the DAG processor has parsed ``dag_id`` (the REST API knows it), then unpause it.
-
-    :param api: an ``airflow_client.client.ApiClient`` (:meth:`AirflowStack.api_client`).
-    :raises AssertionError: not parsed within ``timeout`` s.
-    """
-    import airflow_client.client as client
-
-    dags = client.DAGApi(api)
-
-    def parsed():
-        try:
-            return dags.get_dag(dag_id)
-        except client.ApiException:
-            return None
-
-    wait_for(parsed, timeout, f"the DAG processor to parse {dag_id}")
-    dags.patch_dag(dag_id, client.DAGPatchBody(is_paused=False))
 
 
 @pytest.fixture(scope="session")

@@ -35,17 +35,13 @@ quota is set.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from google.api_core.client_options import ClientOptions
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import run_v2
 
-from tests.deployment.conftest import record_timing, unpause_when_parsed, wait_for
+from tests.deployment.conftest import record_timing, stack_sweep, unpause_when_parsed, wait_for
 from tests.deployment.dags.cloud_run_quota_sweep import DAG_ID, JOBS, PROJECT, REGION
 
 # serial (scripts/run_tests.sh runs it alone): a real Airflow deployment under faults, with
@@ -68,13 +64,7 @@ PAUSE_S = 5.0  # the triggerer stays down this long
 #: (a trigger that subscribes wakes the shared watcher for a poll at once).
 STEADY_WINDOW_S = 30.0
 SETTLE_S = 3.0
-#: The message of Airflow 3's triggerer when its event loop did not run for longer than
-#: ``[triggerer] blocked_main_thread_warning_threshold`` (0.2 s): ``TriggerRunner.block_watchdog``.
-BLOCKED_LOOP_MESSAGE = "Triggerer's async thread was blocked"
-
-
-def _state(value) -> str | None:
-    return None if value is None else str(getattr(value, "value", value))
+_state = stack_sweep.state
 
 
 class Sweep:
@@ -85,52 +75,26 @@ class Sweep:
 
         self.stack, self.emulator = stack, stack.emulator
         self.api = stack.api_client()
-        self.runs, self.tis = client.DagRunApi(self.api), client.TaskInstanceApi(self.api)
+        self.runs = client.DagRunApi(self.api)
         self.client_module = client
-        self.release_dir = stack.workdir / "sweep-release"
+        # one task, three retries, a command that waits for its release file
+        self.jobs = stack_sweep.ReleasableJobs(stack.emulator, PROJECT, REGION, JOBS, stack.workdir / "sweep-release")
         self.run_id = "quota-sweep"
         self.results: dict = {}
 
-    def deploy_jobs(self) -> None:
-        """Create the twenty jobs: one task, three retries, a command that waits for its release file."""
-        self.release_dir.mkdir(exist_ok=True)
-        jobs = run_v2.JobsClient(credentials=AnonymousCredentials(), transport="rest",
-                                 client_options=ClientOptions(api_endpoint=self.emulator.endpoint))
-        operations = []
-        for job in JOBS:
-            script = f'until [ -e "{self.release_dir / job}" ]; do sleep 1; done'
-            container = run_v2.Container(image=IMAGE, command=["/bin/sh", "-c", script])
-            template = run_v2.ExecutionTemplate(task_count=1, template=run_v2.TaskTemplate(
-                containers=[container], max_retries=3, timeout="1800s"))
-            operations.append(jobs.create_job(parent=f"projects/{PROJECT}/locations/{REGION}",
-                                              job=run_v2.Job(template=template), job_id=job))
-        for operation in operations:
-            operation.result(timeout=60)
-
     def release(self, indexes) -> None:
-        for index in indexes:
-            (self.release_dir / JOBS[index]).touch()
+        self.jobs.release(JOBS[index] for index in indexes)
 
     def mapped(self) -> list:
         """The execute task's twenty mapped task instances, by map index."""
-        found = self.tis.get_mapped_task_instances(DAG_ID, self.run_id, "execute_job", limit=100).task_instances
-        return sorted(found, key=lambda ti: ti.map_index)
-
-    def execution_folders(self, job: str) -> list[str]:
-        """The ids of the job's executions, from the emulator's log folders (kept after the run)."""
-        pattern = re.compile(re.escape(job) + r"-[a-z0-9]{5}")
-        logs = self.emulator.data_dir / "logs"
-        return sorted(p.name for p in logs.iterdir() if pattern.fullmatch(p.name)) if logs.is_dir() else []
+        return stack_sweep.mapped_task_instances(self.api, DAG_ID, self.run_id, "execute_job")
 
     def execution(self, index: int) -> str:
-        job = JOBS[index]
-        [execution] = wait_for(lambda: self.execution_folders(job), 60, f"the execution of {job}")
-        return f"projects/{PROJECT}/locations/{REGION}/jobs/{job}/executions/{execution}"
+        return self.jobs.execution(JOBS[index])
 
     def preempt(self, indexes) -> None:
         for index in indexes:
-            answer = self.emulator.preempt(self.execution(index), task_index=0, grace_seconds=1.0)
-            self.results.setdefault("preempted", {})[index] = answer
+            self.results.setdefault("preempted", {})[index] = self.jobs.preempt(JOBS[index], grace_seconds=1.0)
 
     def all_deferred_and_running(self) -> bool:
         """Every mapped task deferred with its trigger in a triggerer, every job's task running."""
@@ -150,28 +114,10 @@ class Sweep:
         return _state(self.runs.get_dag_run(DAG_ID, self.run_id).state)
 
 
-def _configure_emulator(emulator) -> dict:
-    """Room for twenty task processes at once, the read quota on, the counters zeroed; :return:
-    the settings to restore."""
-    before = {"transitions": emulator._admin("POST", "/_emulator/transitions", {}),
-              "quota": emulator._admin("GET", "/_emulator/quota", None)}
-    emulator._admin("POST", "/_emulator/transitions", {"maxTaskProcesses": len(JOBS) + 4})
-    emulator._admin("POST", "/_emulator/quota", {"readRequestsPerMinute": READ_QUOTA_PER_MINUTE})
-    emulator.requests(reset=True)
-    return before
-
-
-def _restore_emulator(emulator, before: dict) -> None:
-    emulator._admin("POST", "/_emulator/quota",
-                    {"readRequestsPerMinute": before["quota"]["readRequestsPerMinute"]})
-    emulator._admin("POST", "/_emulator/transitions",
-                    {"maxTaskProcesses": before["transitions"]["maxTaskProcesses"]})
-
-
 def _region_requests(s: Sweep) -> dict[str, int]:
     """The emulator's count of Cloud Run API requests per method in the sweep's project and region
     (admitted and rejected alike)."""
-    methods = s.emulator.requests(project=PROJECT, region=REGION)["methods"]
+    methods = stack_sweep.region_requests(s.emulator, PROJECT, REGION)
     return {method: tally["requests"] for method, tally in methods.items()}
 
 
@@ -229,17 +175,18 @@ def sweep(stack):
     settings restored and every job released afterwards, also after a failure."""
     s = Sweep(stack)
     unpause_when_parsed(s.api, DAG_ID)
-    s.deploy_jobs()
-    before = _configure_emulator(stack.emulator)
+    s.jobs.deploy(IMAGE)
+    # room for twenty task processes at once, the read quota on, the counters zeroed
+    before = stack_sweep.configure_emulator(stack.emulator, len(JOBS) + 4, READ_QUOTA_PER_MINUTE)
     try:
         _drive(s)
         s.results["requests"] = stack.emulator.requests(project=PROJECT, region=REGION)
     finally:
         s.release(range(len(JOBS)))
-        _restore_emulator(stack.emulator, before)
+        stack_sweep.restore_emulator(stack.emulator, before)
     s.results["run_state"] = s.run_state()
     s.results["tis"] = {ti.map_index: (_state(ti.state), ti.try_number) for ti in s.mapped()}
-    s.results["executions"] = {job: s.execution_folders(job) for job in JOBS}
+    s.results["executions"] = {job: s.jobs.execution_ids(job) for job in JOBS}
     (stack.workdir / "sweep.json").write_text(json.dumps(s.results, indent=2, default=str))
     return s
 
@@ -284,8 +231,8 @@ def test_no_blocked_event_loop_warning_from_the_triggerer(sweep) -> None:
     timing table."""
     log = Path(sweep.stack.workdir / "logs" / "triggerer.log").read_text(errors="replace")
     assert log.count("Starting the triggerer") >= 2, "the triggerer's log does not show its restart"
-    warnings = [line for line in log.splitlines() if BLOCKED_LOOP_MESSAGE in line]
-    seconds = [float(m.group(1)) for line in warnings if (m := re.search(r"blocked for ([0-9.]+) seconds", line))]
+    warnings = [line for line in log.splitlines() if stack_sweep.BLOCKED_LOOP_MESSAGE in line]
+    seconds = [blocked_for for _, blocked_for in stack_sweep.blocked_loop_warnings(log)]
     assert len(seconds) == len(warnings), f"a warning without its seconds: {warnings}"
     record_timing("triggerer: blocked-event-loop warnings (count, longest s)", executions=len(warnings),
                   seconds=max(seconds, default=0.0))
