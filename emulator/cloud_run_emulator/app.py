@@ -8,8 +8,9 @@ Admin endpoints:
   ``{"limit", "running", "peak"}``, the task processes running now and at most at once, over
   all executions, under ``serve --max-task-processes``).
 - ``POST /_emulator/reset`` -> stop the preemption schedule and all executions and forget all
-  resources, the request quota's windows and the request counters; body ``{"gcs": true}`` also
-  wipes the GCS emulator.
+  resources (Cloud Run's, Cloud Build's builds, Artifact Registry's repositories and the images
+  pushed there), the request quota's windows and the request counters; body ``{"gcs": true}``
+  also wipes the GCS emulator.
 - ``GET /_emulator/quota`` -> ``{"readRequestsPerMinute", "writeRequestsPerMinute",
   "windowSeconds", "usage": {"projects/P/locations/R": {"read", "write"}}}``: the Admin API
   request quota per project and region (0: off) and the requests admitted in the window now;
@@ -54,7 +55,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -87,6 +88,8 @@ class AppState:
     :param mounts: the :class:`~.gcsfuse.VolumeMounts` (FUSE volumes and their events), or ``None``.
     :param quota: the API request quota and counters, shared with the gRPC server (default:
         Cloud Run's limits, see :mod:`.quota`).
+    :param services: the other APIs' services on the gRPC port (Cloud Build's and Artifact
+        Registry's, :func:`~.cloud_build.services`), whose ``reset()`` forgets their resources.
     """
 
     registry: Registry
@@ -97,6 +100,7 @@ class AppState:
     logging_requests: int = 0
     mounts: Optional[object] = None
     quota: RequestQuota = dataclasses.field(default_factory=RequestQuota)
+    services: Sequence = ()
 
     def __post_init__(self) -> None:
         if self.schedule is None:
@@ -138,6 +142,12 @@ def dispatch(state: AppState, method: str, path: str, query: dict, body: bytes) 
 def _locked(cond, func, *args):
     with cond:
         return func(*args)
+
+
+def _reset_services(services: Sequence) -> None:
+    """Forget the other APIs' resources (the caller holds the registry's lock)."""
+    for service in services:
+        service.reset()
 
 
 def create_app(state: AppState) -> FastAPI:
@@ -194,6 +204,7 @@ def _add_admin_routes(app: FastAPI, state: AppState) -> None:
         body = await _json_body(request)
         state.schedule.stop()
         await run_in_threadpool(state.registry.reset)
+        await run_in_threadpool(_locked, state.registry.cond, _reset_services, state.services)
         state.quota.reset()
         if state.mounts is not None:
             await run_in_threadpool(state.mounts.stop)

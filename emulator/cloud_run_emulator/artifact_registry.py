@@ -294,6 +294,15 @@ class ArtifactRegistryService:
         stored.tags.discard(tag)
         return empty_pb2.Empty()
 
+    def reset(self) -> None:
+        """Forget every repository and the images pushed to it, their references in the image
+        table included (the table file's own entries stay)."""
+        for versions in self.images.values():
+            for stored in list(versions.values()):
+                self._forget(stored)
+        self.repositories.clear()
+        self.images.clear()
+
     def rpcs(self) -> list:
         """The served methods, as :class:`~.rpcs.Rpc` entries bound to this service."""
         def rpc(method, request, handler, mutating=False, resource="name"):

@@ -132,6 +132,11 @@ class CloudBuildService:
         page, token = paginate(builds, r.page_size, r.page_token)
         return cb.ListBuildsResponse(builds=page, next_page_token=token)
 
+    def reset(self) -> None:
+        """Forget every build (the caller holds the registry's lock). A build still running
+        goes on to its end on its own thread, unlisted; its push then finds no repository."""
+        self.builds.clear()
+
     def rpcs(self) -> list:
         """The served methods, as :class:`~.rpcs.Rpc` entries bound to this service."""
         return [
@@ -295,12 +300,13 @@ class CloudBuildService:
             gcs.reconcile([bucket])
 
 
-def services(registry) -> list:
-    """The Cloud Build and Artifact Registry methods of an emulator, over its image table (what
-    :func:`~.grpc_server.start` serves beside Cloud Run's).
+def services(registry) -> tuple:
+    """The Cloud Build and Artifact Registry services of an emulator, over its image table: their
+    methods (``rpcs()``) are what :func:`~.grpc_server.start` serves beside Cloud Run's, and
+    ``reset()`` forgets their resources (``POST /_emulator/reset``).
 
     :param registry: the emulator's :class:`~.backend.Registry`.
-    :return: :class:`~.rpcs.Rpc` entries.
+    :return: ``(CloudBuildService, ArtifactRegistryService)``.
     """
     artifacts = ArtifactRegistryService(registry.config.images)
-    return CloudBuildService(registry, artifacts).rpcs() + artifacts.rpcs()
+    return CloudBuildService(registry, artifacts), artifacts

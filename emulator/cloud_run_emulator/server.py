@@ -113,12 +113,14 @@ def serve(config: ServeConfig) -> None:
     runtime = RuntimeConfig(data_dir=data_dir, images=ImageTable.load(config.images_file), gcs=gcs,
                             policy=config.policy, mounts=mounts)
     registry = Registry(runtime, endpoint)
-    state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts, quota=RequestQuota(config.quota))
+    others = cloud_build.services(registry)
+    state = AppState(registry, ApiFaults(), gcs, data_dir, mounts=mounts, quota=RequestQuota(config.quota),
+                     services=others)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     identity = google_endpoint.make_identity(data_dir / "google-tls") if config.google_endpoint else None
     rpc_server, grpc_endpoint, tls_port = grpc_server.start(registry, state.faults, state.quota, config.grpc_port,
                                                             identity[:2] if identity else None,  # first to fail
-                                                            others=cloud_build.services(registry))
+                                                            others=[r for service in others for r in service.rpcs()])
     proxy = google_endpoint.ConnectProxy(tls_port).start() if identity else None
     print(mounts.banner(), file=sys.stderr, flush=True)
     mounts.start()
