@@ -31,11 +31,13 @@ WORKER_EXTRAS_AIRFLOW2 := trainer
 # operators against the emulator on their default gRPC transport. Not the unit tests that import neither Airflow
 # nor a Google client (the goodput account, the job-cleanup decision table, the test suite's own
 # TESTS_REQUIRE_FULL_ENV switch, the save-cost benchmark's tables): pure Python, the same on either release. Nor the training
-# chained through about five task timeouts (2.5 min of real worker attempts): what it adds to the
+# chained through several task timeouts (minutes of real worker attempts): what it adds to the
 # other re-run tests of its file, which run here, is the worker's deadline stop, which does not
 # depend on the Airflow release (the operator's re-run path is the same code on both). Nor the
 # chains of every way in (test_framework_chains.py): its framework jobs need the extras this
-# environment does not install, and its operator path is the one the re-run tests run here.
+# environment does not install, and its operator path is the one the re-run tests run here. The
+# other tests with an emulator of their own run here over gRPC only (their REST variants on
+# Airflow 3: tests/provider/conftest.py deselects them here and says why).
 AIRFLOW2_TESTS := tests/unit tests/provider tests/system/test_dags.py tests/emulator/test_google_provider.py \
 	--ignore=tests/unit/test_goodput.py --ignore=tests/unit/test_job_cleanup.py --ignore=tests/unit/test_full_env_switch.py \
 	--ignore=tests/unit/test_bench_save_cost.py --ignore=tests/provider/operators/test_framework_chains.py \

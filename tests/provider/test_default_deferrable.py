@@ -27,7 +27,11 @@ from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE
 REPO = Path(__file__).resolve().parents[2]
 START = pendulum.datetime(2026, 1, 1, tz="UTC")
 
-pytestmark = pytest.mark.usefixtures("airflow_db")
+# One transport (gRPC, Cloud Run's default): what these tests tell apart is the option's effect
+# on ``deferrable``, read at import and the same on either transport; each costs a fresh Airflow
+# interpreter. The operator's and the sensor's deferred and waiting runs over both transports are
+# tests/provider/operators/test_cloud_run.py's and tests/provider/sensors/test_cloud_run.py's.
+pytestmark = [pytest.mark.usefixtures("airflow_db"), pytest.mark.parametrize("transport", ["grpc"], indirect=True)]
 
 
 def execute_dag(dag_id: str, job_name: str):

@@ -21,6 +21,13 @@ from tests.provider.conftest import PROJECT, REGION
 
 
 @pytest.fixture
+def transport() -> str:
+    """One transport: these hooks talk to Cloud Storage only, which the Cloud Run transport
+    (the conftest's ``transport``) does not reach."""
+    return "grpc"
+
+
+@pytest.fixture
 def client(emulator) -> storage.Client:
     return storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                           client_options={"api_endpoint": emulator.gcs_endpoint})

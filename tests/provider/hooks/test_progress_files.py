@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from airflow_gpu_resilience.hooks.progress import CheckpointFilesHook
 from tests.provider.conftest import BUCKET, PROJECT
 from tests.unit.test_progress_files import warned  # noqa: F401 - a fixture: the module's warnings
+
+
+@pytest.fixture
+def transport() -> str:
+    """One transport: this hook reads Cloud Storage only, which the Cloud Run transport (the
+    conftest's ``transport``) does not reach."""
+    return "grpc"
 
 
 def test_a_step_of_10_to_the_12_in_progress_json_bounds_the_lost_work(emulator, gcp_conn, gcs_emulator_host, warned):
