@@ -104,6 +104,23 @@ def run_clients(endpoint: str) -> dict:
             "tasks": run_v2.TasksClient(**options)}
 
 
+def completion_times(endpoint: str, project: str, region: str) -> dict:
+    """Every ended execution of a region, from one paged ``ListExecutions`` of ``jobs/-`` over
+    REST: Admin API reads, which the emulator's quota counts (read it with the quota off).
+
+    :return: ``{execution name: {"job": its job's id, "end": its completionTime, epoch s}}``.
+    """
+    listing = run_clients(endpoint)["executions"].list_executions(parent=f"projects/{project}/locations/{region}/jobs/-")
+    return {e.name: {"job": e.name.split("/")[5], "end": e.completion_time.timestamp()}
+            for e in listing if e.completion_time}
+
+
+def python_path(first: Optional[Path]) -> str:
+    """:return: this process's ``PYTHONPATH`` with the folder ``first`` (a source tree) before its
+    entries; unchanged when ``first`` is ``None``."""
+    return os.pathsep.join(p for p in (str(first) if first else "", os.environ.get("PYTHONPATH", "")) if p)
+
+
 def storage_client(gcs_endpoint: str):
     """:return: a ``google-cloud-storage`` client on the emulator's GCS endpoint."""
     from google.auth.credentials import AnonymousCredentials
@@ -157,6 +174,32 @@ def median(values: Iterable[float]) -> Optional[float]:
         return None
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def percentile(values: Iterable[float], q: float) -> Optional[float]:
+    """:return: the ``q`` quantile (0..1) of ``values`` by nearest rank, or ``None`` when there are none."""
+    ordered = sorted(values)
+    return None if not ordered else ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def rounded(value: Optional[float], digits: int = 2) -> Optional[float]:
+    """:return: ``value`` rounded to ``digits`` decimals, ``None`` as ``None``."""
+    return None if value is None else round(value, digits)
+
+
+def api_calls(methods: dict) -> dict:
+    """Reads, writes and 429s of the emulator's request counters, a write being a method that
+    changes state (the emulator's own table, which its quota uses too).
+
+    :param methods: ``{method: {"requests", "quotaExceeded"}}`` (``/_emulator/requests``' ``methods``).
+    :return: ``{"reads", "writes", "quota_429"}``.
+    """
+    from cloud_run_emulator.rpcs import RPCS
+
+    writes = {rpc.method for rpc in RPCS.values() if rpc.mutating}
+    return {"reads": sum(m["requests"] for name, m in methods.items() if name not in writes),
+            "writes": sum(m["requests"] for name, m in methods.items() if name in writes),
+            "quota_429": sum(m["quotaExceeded"] for m in methods.values())}
 
 
 def table(headers: list, rows: list) -> str:
