@@ -25,7 +25,7 @@ from gpu_resilience_worker.fastio import DIGESTS, chunk_digests, crc32c_availabl
 from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
-from gpu_resilience_worker.task_folder import NewerRecordError
+from gpu_resilience_worker.errors import NewerCheckpointError
 from tests.conftest import missing_from_env
 from tests.worker.test_checkpoint_unit import Box, ListLog
 
@@ -215,7 +215,7 @@ def test_new_checkpoints_use_the_cheaper_digest() -> None:
     assert CommitRecord.from_bytes(record.to_bytes()) == record
     with pytest.raises(ValueError, match="invalid digest"):  # a sha256-sized digest in a crc32 record
         CommitRecord.from_bytes(record.to_bytes().replace(record.data.chunks[0].encode(), b"a" * 64))
-    with pytest.raises(NewerRecordError, match="digest 'md5'"):  # a digest not known here: a newer release's
+    with pytest.raises(NewerCheckpointError, match="digest 'md5'"):  # a digest not known here: a newer release's
         CommitRecord.from_bytes(record.to_bytes().replace(b'"crc32"', b'"md5"'))
 
 

@@ -23,7 +23,7 @@ from gpu_resilience_worker.errors import NewerCheckpointError
 from gpu_resilience_worker.files import PROGRESS, read_json, record_attempt, reported_step
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.storage import LocalStorage
-from gpu_resilience_worker.task_folder import RECORD_SUFFIX, NewerRecordError, parse_record
+from gpu_resilience_worker.task_folder import RECORD_SUFFIX, parse_record
 from tests.fixtures.task_folders.make_task_folders import differences, fixtures
 from tests.worker.test_checkpoint_unit import ListLog
 
@@ -120,7 +120,7 @@ def test_the_worker_writes_records_exactly_as_documented(name: str, folder: Path
     for path in sorted(folder.glob(f"*{RECORD_SUFFIX}")):
         try:
             record = parse_record(path.read_bytes())
-        except (ValueError, NewerRecordError):
+        except (ValueError, NewerCheckpointError):
             continue
         documented = json.loads(path.read_bytes())
         assert json.loads(record.to_bytes()) == {**documented, "format": 1}, path.name

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from gpu_resilience_worker.errors import NewerCheckpointError
 from gpu_resilience_worker.task_folder import (
-    FORMAT, CommitRecord, FileEntry, NewerRecordError, goodput_file_name, parse_record,
+    FORMAT, CommitRecord, FileEntry, goodput_file_name, parse_record,
 )
 from tests.worker.conftest import REPO_ROOT
 
@@ -42,11 +43,11 @@ RECORDS = {
     "folder, format 1": (_with(_FOLDER, format=1), ("folder", 1)),
     "folder, the artifact is one file": (
         _with(_FOLDER, name="step-3.ckpt", files=[{**_ENTRY, "path": "step-3.ckpt"}]), ("folder", 1)),
-    "format 99: a newer release's": (_with(_FILE, format=99), (NewerRecordError, "format 99")),
-    "format 2 of a folder: a newer release's": (_with(_FOLDER, format=FORMAT + 1), (NewerRecordError, "format 2")),
-    "format 99 with nothing else known": (b'{"format": 99, "shards": []}', (NewerRecordError, "format 99")),
-    "digest blake9: a newer release's": (_with(_FILE, digest="blake9"), (NewerRecordError, "digest 'blake9'")),
-    "a folder's file with digest blake9": (_entry(digest="blake9"), (NewerRecordError, "digest 'blake9'")),
+    "format 99: a newer release's": (_with(_FILE, format=99), (NewerCheckpointError, "format 99")),
+    "format 2 of a folder: a newer release's": (_with(_FOLDER, format=FORMAT + 1), (NewerCheckpointError, "format 2")),
+    "format 99 with nothing else known": (b'{"format": 99, "shards": []}', (NewerCheckpointError, "format 99")),
+    "digest blake9: a newer release's": (_with(_FILE, digest="blake9"), (NewerCheckpointError, "digest 'blake9'")),
+    "a folder's file with digest blake9": (_entry(digest="blake9"), (NewerCheckpointError, "digest 'blake9'")),
     "format as a string": (_with(_FILE, format="1"), (ValueError, "no valid format")),
     "format 0": (_with(_FILE, format=0), (ValueError, "no valid format")),
     "format true": (_with(_FILE, format=True), (ValueError, "no valid format")),
@@ -85,9 +86,10 @@ def test_parse_record(raw: bytes, outcome: tuple) -> None:
 
 def test_a_newer_record_is_not_a_torn_one() -> None:
     """Callers that skip a ``ValueError`` (a torn record) must not skip a newer release's."""
-    assert not issubclass(NewerRecordError, ValueError)
-    refused = NewerRecordError(format=7)
-    assert (refused.format, refused.digest) == (7, None)
+    assert not issubclass(NewerCheckpointError, ValueError)
+    with pytest.raises(NewerCheckpointError) as refused:
+        parse_record(_with(_FILE, format=7))
+    assert (refused.value.format, refused.value.digest, refused.value.exit_code) == (7, None, 78)
 
 
 def test_both_shapes_round_trip_and_carry_the_format() -> None:

@@ -24,8 +24,7 @@ from gpu_resilience_worker.restore_copy import LocalCopy
 from gpu_resilience_worker.snapshot import save_without_crc32
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import (  # noqa: F401 - re-exported: the layout's names
-    COMMIT, DATA, DIGEST_CHUNK, MAX_RECORD_BYTES, CheckpointName, CommitRecord, FileEntry, Naming, NewerRecordError,
-    parse_record,
+    COMMIT, DATA, DIGEST_CHUNK, MAX_RECORD_BYTES, CheckpointName, CommitRecord, FileEntry, Naming, parse_record,
 )
 
 
@@ -51,8 +50,8 @@ def read_record(storage: Storage, path: str) -> CommitRecord:
         raise ValueError(f"commit record is larger than {MAX_RECORD_BYTES} bytes")
     try:
         return parse_record(b"".join(parts))
-    except NewerRecordError as exc:
-        raise NewerCheckpointError(path, exc.format, exc.digest, exc.describe()) from None
+    except NewerCheckpointError as exc:
+        raise NewerCheckpointError(exc.detail, exc.format, exc.digest, path) from None
 
 
 class StateWriter:

@@ -37,23 +37,23 @@ class ConfigError(WorkerError):
 
 
 class NewerCheckpointError(ConfigError):
-    """A commit record in the task folder was written by a newer release of the worker (a
-    ``format`` or a chunk ``digest`` this release does not know): not retryable, exit 78, and
-    nothing in the folder is deleted (why: :mod:`gpu_resilience_worker.task_folder`). The
-    ``FATAL`` marker records ``newer_record`` = ``{file, format, digest}``, obeyed only while that
-    record still cannot be read (:func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
+    """A commit record written by a newer release of the worker (a ``format`` or a chunk
+    ``digest`` this release does not know): not a torn record (not a ``ValueError``), and not
+    retryable: exit 78, and nothing in the folder is deleted (why: :mod:`gpu_resilience_worker.task_folder`).
+    The ``FATAL`` marker records ``newer_record`` = ``{file, format, digest}``, obeyed only while
+    that record still cannot be read (:func:`~gpu_resilience_worker.fatal.fatal_marker_code`).
 
-    :param record: the record's path.
-    :param format: its ``format`` when that is the newer part, else ``None``.
-    :param digest: its unknown digest when that is the newer part, else ``None``.
     :param detail: what is newer, in words (e.g. ``format 99 (this release reads formats up to 1)``).
+    :param format: the record's ``format`` when that is the newer part, else ``None``.
+    :param digest: its unknown digest when that is the newer part, else ``None``.
+    :param record: the record's path; ``""`` while only its bytes are known.
     """
 
-    def __init__(self, record: str, format: int | None, digest: str | None, detail: str) -> None:
+    def __init__(self, detail: str, format: int | None = None, digest: str | None = None, record: str = "") -> None:
         super().__init__(f"commit record {record} has {detail}: a newer release of the worker wrote it (was the "
                          "image rolled back?); nothing was resumed or deleted. Run a release that reads it, or move "
                          "that checkpoint out of the folder to resume from an older one")
-        self.record, self.format, self.digest = record, format, digest
+        self.detail, self.record, self.format, self.digest = detail, record, format, digest
         self.marker_fields = {"newer_record": {"file": record, "format": format, "digest": digest}}
 
 

@@ -9,7 +9,7 @@ previous release wrote; this module is its one implementation.
 A checkpoint is committed when its record parses and every file it lists has the recorded size
 and chunk digests. A newer release's record (a ``format`` above :data:`FORMAT`, or a ``digest``
 not in :data:`DIGESTS`) is not a torn record: :func:`parse_record` raises
-:class:`NewerRecordError`, and a reader must then neither use an older checkpoint in its place nor
+:class:`~gpu_resilience_worker.errors.NewerCheckpointError`, and a reader must then neither use an older checkpoint in its place nor
 delete anything (the worker exits 78, see
 :class:`~gpu_resilience_worker.errors.NewerCheckpointError`).
 """
@@ -21,6 +21,8 @@ import hashlib
 import json
 import re
 from typing import Any, Iterable
+
+from gpu_resilience_worker.errors import NewerCheckpointError
 
 #: The commit-record format this release writes and the newest it reads.
 FORMAT = 1
@@ -146,25 +148,6 @@ def root_digest(chunks: Iterable[str]) -> str:
     return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
 
 
-class NewerRecordError(Exception):
-    """A commit record written by a newer release: a ``format`` above :data:`FORMAT`, or a chunk
-    ``digest`` not in :data:`DIGESTS`. Not a torn record (deliberately not a ``ValueError``).
-
-    :param format: the record's ``format`` when it is newer, else ``None``.
-    :param digest: the unknown digest, else ``None``.
-    """
-
-    def __init__(self, format: int | None = None, digest: str | None = None) -> None:
-        self.format, self.digest = format, digest
-        super().__init__(self.describe())
-
-    def describe(self) -> str:
-        """:return: e.g. ``format 99 (this release reads formats up to 1)``."""
-        if self.format is not None:
-            return f"format {self.format} (this release reads formats up to {FORMAT})"
-        return f"digest {self.digest!r} (this release knows {', '.join(DIGESTS)})"
-
-
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
     """One file a commit record commits.
@@ -258,13 +241,13 @@ def _count(value: Any) -> bool:
 
 
 def _check_digests(obj: dict[str, Any]) -> None:
-    """Raise :class:`NewerRecordError` for a newer ``format`` or an unknown ``digest`` name,
+    """Raise :class:`NewerCheckpointError` for a newer ``format`` or an unknown ``digest`` name,
     ``ValueError`` for a ``format`` or ``digest`` of the wrong type."""
     version = obj.get("format", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValueError("commit record has no valid format (an int >= 1)")
     if version > FORMAT:
-        raise NewerRecordError(format=version)
+        raise NewerCheckpointError(f"format {version} (this release reads formats up to {FORMAT})", format=version)
     files = obj.get("files")
     holders = [f for f in files if isinstance(f, dict)] if isinstance(files, list) else [obj]
     for holder in holders:
@@ -272,7 +255,7 @@ def _check_digests(obj: dict[str, Any]) -> None:
         if not isinstance(kind, str):
             raise ValueError(f"commit record's digest must be one of {DIGESTS}")
         if kind not in DIGESTS:
-            raise NewerRecordError(digest=kind)
+            raise NewerCheckpointError(f"digest {kind!r} (this release knows {', '.join(DIGESTS)})", digest=kind)
 
 
 def _file_entry(obj: Any, path: str) -> FileEntry:
@@ -315,7 +298,7 @@ def parse_record(raw: bytes) -> CommitRecord:
 
     :param raw: the record's bytes (a reader reads at most :data:`MAX_RECORD_BYTES` + 1 of them).
     :return: the record.
-    :raises NewerRecordError: a newer release's record (a ``format`` above :data:`FORMAT`, or an
+    :raises NewerCheckpointError: a newer release's record (a ``format`` above :data:`FORMAT`, or an
         unknown ``digest``): not to be used, skipped past or deleted.
     :raises ValueError: a torn or malformed record, or one whose hash lists do not cover their
         sizes or do not hash to its ``sha256``.
