@@ -167,10 +167,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     tests); their gRPC variants run there, and both variants on Airflow 3 (``make test``).
 
     Why the Airflow release does not matter to the transport: REST and gRPC differ only in the
-    Cloud Run client the hook builds (the google provider's ``GoogleBaseHook`` and
-    ``google-cloud-run``, the same pinned releases in both environments), never in the
-    operator's or Airflow's code, which the gRPC variant runs on each release; and every test of
-    the session's emulator still runs both variants on both releases.
+    Cloud Run clients the hook builds (the google provider's ``GoogleBaseHook`` and
+    ``google-cloud-run``, the same pinned releases in both environments) and in how the trigger
+    calls them (a thread per call or native ``grpc.aio``), none of it Airflow's code; what does
+    depend on the release (connections, operators, deferral) the gRPC variant runs on each. The
+    tests of the session's emulator run both variants on both releases.
     """
     from airflow import __version__ as airflow_version
 
