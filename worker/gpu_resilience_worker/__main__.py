@@ -63,10 +63,10 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
     check_writable(config.namespace)
     for name, value in REPRODUCIBILITY_ENV.items():  # read when MKL and OpenMP load, with torch below
         os.environ.setdefault(name, value)
-    from gpu_resilience_worker.train import Trainer  # torch is imported only when there is work to do
+    from gpu_resilience_worker import train  # torch is imported only when there is work to do
 
     config.timing.apply(watcher)  # the deadline counts during the imports and the build too
-    return Trainer(config, logger, watcher, storage, argv=list(argv), env=env).run()
+    return train.run(config, logger, watcher, storage, argv=list(argv), env=env)
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, *,

@@ -27,19 +27,6 @@ DEFAULT_DATA = "data/digits.npz"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
 #: The largest number of seconds a duration variable may say: Cloud Run's longest task timeout
 #: (168 hours). Beyond it a wait overflows the platform's timestamps (``inf``, ``1e300``).
 MAX_SECONDS = 604800.0
@@ -48,18 +35,23 @@ MAX_SECONDS = 604800.0
 MAX_THREADS = 1024
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float | None, *, positive: bool = False) -> float | None:
+def _env_number(env: Mapping[str, str], name: str, default: float | None, *, integer: bool = False,
+                minimum: float = 0, strict: bool = False) -> float | None:
+    """:return: the variable ``name`` as an int (``integer``) or a number of seconds in
+    [``minimum``, :data:`MAX_SECONDS`] (above ``minimum`` when ``strict``), ``default`` when unset or
+    empty. :raises ConfigError: naming the variable, its value and the range."""
     raw = env.get(name, "")
     if raw == "":
         return default
     try:
-        value = float(raw)
+        value = int(raw) if integer else float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    above_low = value > 0 if positive else value >= 0
-    if not (above_low and value <= MAX_SECONDS):  # also refuses nan
-        raise ConfigError(f"{name}={raw!r} must be a number of seconds {'>' if positive else '>='} 0 "
-                          f"and <= {MAX_SECONDS:g}")
+        raise ConfigError(f"{name}={raw!r} is not {'an integer' if integer else 'a number'}") from None
+    if integer and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    if not integer and not ((value > minimum if strict else value >= minimum) and value <= MAX_SECONDS):
+        raise ConfigError(f"{name}={raw!r} must be a number of seconds {'>' if strict else '>='} {minimum:g} "
+                          f"and <= {MAX_SECONDS:g}")  # also refuses nan
     return value
 
 
@@ -88,9 +80,9 @@ class StopTiming:
             [0, :data:`MAX_SECONDS`], or ``TASK_TIMEOUT_SECONDS`` set but not in (0, :data:`MAX_SECONDS`].
         """
         env = os.environ if env is None else env
-        grace = _env_float(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS) if grace_seconds is None \
+        grace = _env_number(env, "PREEMPTION_GRACE_SECONDS", DEFAULT_GRACE_SECONDS) if grace_seconds is None \
             else grace_seconds
-        timeout = _env_float(env, "TASK_TIMEOUT_SECONDS", None, positive=True) if task_timeout_seconds is None \
+        timeout = _env_number(env, "TASK_TIMEOUT_SECONDS", None, strict=True) if task_timeout_seconds is None \
             else task_timeout_seconds
         return cls(float(grace), None if timeout is None else float(timeout))
 
@@ -142,9 +134,9 @@ class TaskIdentity:
             job=_safe_name(env.get("CLOUD_RUN_JOB") or "local", "CLOUD_RUN_JOB"),
             execution=_safe_name(env["CLOUD_RUN_EXECUTION"], "CLOUD_RUN_EXECUTION")
             if env.get("CLOUD_RUN_EXECUTION") else "",
-            task_index=_env_int(env, "CLOUD_RUN_TASK_INDEX", 0),
-            task_attempt=_env_int(env, "CLOUD_RUN_TASK_ATTEMPT", 0),
-            task_count=_env_int(env, "CLOUD_RUN_TASK_COUNT", 1, minimum=1),
+            task_index=int(_env_number(env, "CLOUD_RUN_TASK_INDEX", 0, integer=True)),
+            task_attempt=int(_env_number(env, "CLOUD_RUN_TASK_ATTEMPT", 0, integer=True)),
+            task_count=int(_env_number(env, "CLOUD_RUN_TASK_COUNT", 1, integer=True, minimum=1)),
         )
         if identity.task_index >= identity.task_count:
             raise ConfigError(f"CLOUD_RUN_TASK_INDEX={identity.task_index} >= CLOUD_RUN_TASK_COUNT")

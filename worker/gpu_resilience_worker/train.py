@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -98,9 +98,10 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((predicted == y).float().mean().item())
 
 
-class Trainer:
-    """Runs one attempt of the bundled worker: builds the run, then trains it through
-    :class:`~gpu_resilience_worker.loop.ResilientLoop`.
+def run(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher, storage: Storage | None = None,
+        *, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Run one attempt of the bundled worker: build the run from the seed, then train it through
+    :class:`~gpu_resilience_worker.loop.ResilientLoop` with the flags' settings.
 
     :param config: the validated configuration.
     :param logger: structured logger.
@@ -108,89 +109,53 @@ class Trainer:
     :param storage: storage backend; default local files.
     :param argv: the worker's arguments, which a ``FATAL`` marker is tied to; default none.
     :param env: the environment (the task identity); default ``os.environ``.
+    :return: the exit code of :meth:`ResilientLoop.run` (0 done, 143 interrupted, ...).
+    :raises ConfigError: bad settings. :raises DataError: bad data (both before training).
     """
+    train, checkpoint = config.train, config.checkpoint
+    configure_torch(train.threads)
+    device = select_device(train.device)
+    data = load_dataset(config.data_path)
+    data = Dataset(*(t.to(device) for t in dataclasses.astuple(data)))
+    parts = build_components(config, data, device)
+    logger.info(
+        "training setup", device=str(device), lr=train.lr, hidden=train.hidden, sweep_member=config.sweep_member,
+        task_count=config.identity.task_count, checkpoint_every_steps=checkpoint.interval or None,
+        checkpoint_every_seconds=checkpoint.interval_seconds or None, checkpoint_interval_auto=checkpoint.auto_interval,
+        checkpointing=checkpoint.enabled, save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
+        threads=torch.get_num_threads(), mkl_cbwr=os.environ.get("MKL_CBWR"), mkl_dynamic=os.environ.get("MKL_DYNAMIC"),
+        omp_dynamic=os.environ.get("OMP_DYNAMIC"),
+    )
+    loop = ResilientLoop(
+        parts.stateful(), total_steps=train.steps, folder=config.namespace, checkpoint_every=checkpoint.interval,
+        checkpoint_every_seconds=checkpoint.interval_seconds, auto_interval=checkpoint.auto_interval,
+        mtbi_seconds=checkpoint.mtbi_seconds, keep_latest_k=checkpoint.keep_latest_k,
+        async_save=checkpoint.async_mode is not ckpt.AsyncMode.DISABLED, preemption_save=config.preemption_save,
+        grace_seconds=config.timing.grace_seconds, task_timeout_seconds=config.timing.task_timeout_seconds,
+        watcher=watcher, logger=logger, storage=storage, env=env, argv=list(argv or []), input_path=config.data_path,
+        progress_interval=config.progress_interval, checkpointing=checkpoint.enabled, threads=train.threads,
+        train_state=parts.state,
+    )
+    parts.model.train()
 
-    def __init__(self, config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher,
-                 storage: Storage | None = None, *, argv: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.config = config
-        self._log = logger
-        self._watcher = watcher
-        self._storage = storage
-        self._argv, self._env = list(argv or []), env
-        self.loop: ResilientLoop | None = None
-
-    def run(self) -> int:
-        """Train to the end or until preempted.
-
-        :return: the exit code: 0 when done, 143 when interrupted, a non-retryable code with
-            ``FATAL`` written (:meth:`ResilientLoop.run`), 1 for an unexpected error.
-        :raises ConfigError: bad settings. :raises DataError: bad data (both before training).
-        """
-        config, train = self.config, self.config.train
-        configure_torch(train.threads)
-        device = select_device(train.device)
-        data = load_dataset(config.data_path)
-        data = Dataset(*(t.to(device) for t in dataclasses.astuple(data)))
-        parts = build_components(config, data, device)
-        self._log_setup(device)
-        checkpoint = config.checkpoint
-        self.loop = loop = ResilientLoop(
-            parts.stateful(), total_steps=train.steps, folder=config.namespace, checkpoint_every=checkpoint.interval,
-            checkpoint_every_seconds=checkpoint.interval_seconds, auto_interval=checkpoint.auto_interval,
-            mtbi_seconds=checkpoint.mtbi_seconds, keep_latest_k=checkpoint.keep_latest_k,
-            async_save=checkpoint.async_mode is not ckpt.AsyncMode.DISABLED, preemption_save=config.preemption_save,
-            grace_seconds=config.timing.grace_seconds, task_timeout_seconds=config.timing.task_timeout_seconds,
-            watcher=self._watcher, logger=self._log, storage=self._storage, env=self._env, argv=self._argv,
-            input_path=config.data_path, progress_interval=config.progress_interval,
-            checkpointing=checkpoint.enabled, threads=train.threads, train_state=parts.state,
-        )
-        parts.model.train()
-
-        def step(done: int) -> float:
-            loss = self._train_step(parts, data)
-            if train.step_delay:
-                loop.wait(train.step_delay)
-            return loss
-
-        return loop.run(step, lambda: self.final_metrics(parts, data))
-
-    def _log_setup(self, device: torch.device) -> None:
-        config, train = self.config, self.config.train
-        checkpoint = config.checkpoint
-        self._log.info(
-            "training setup", device=str(device), lr=train.lr, hidden=train.hidden,
-            sweep_member=config.sweep_member, task_count=config.identity.task_count,
-            checkpoint_every_steps=checkpoint.interval or None,
-            checkpoint_every_seconds=checkpoint.interval_seconds or None,
-            checkpoint_interval_auto=checkpoint.auto_interval, checkpointing=checkpoint.enabled,
-            save_mode=checkpoint.async_mode.value, preemption_save=config.preemption_save,
-            threads=torch.get_num_threads(), mkl_cbwr=os.environ.get("MKL_CBWR"),
-            mkl_dynamic=os.environ.get("MKL_DYNAMIC"), omp_dynamic=os.environ.get("OMP_DYNAMIC"),
-        )
-
-    def _train_step(self, parts: Components, data: Dataset) -> float:
+    def step(done: int) -> float:
         indices = parts.sampler.next_indices().to(data.x_train.device)
         parts.optimizer.zero_grad(set_to_none=True)
-        logits = parts.model(data.x_train[indices])
-        loss = nn.functional.cross_entropy(logits, data.y_train[indices])
+        loss = nn.functional.cross_entropy(parts.model(data.x_train[indices]), data.y_train[indices])
         value = float(loss.item())
         if not math.isfinite(value):
-            raise DivergedError(f"training diverged: the loss is {value} at step {parts.state.step + 1} "
+            raise DivergedError(f"training diverged: the loss is {value} at step {done + 1} "
                                 f"(lower --lr, or check the input data)")
         loss.backward()
         parts.optimizer.step()
         parts.lr_scheduler.step()
+        if train.step_delay:
+            loop.wait(train.step_delay)
         return value
 
-    def final_metrics(self, parts: Components, data: Dataset) -> dict[str, Any]:
-        """What the bundled worker adds to the loop's ``metrics.json``.
+    def final_metrics() -> dict[str, Any]:  # the held-out accuracy and the final states' digests
+        return {"accuracy": evaluate(parts.model, data.x_test, data.y_test), "test_samples": int(data.y_test.shape[0]),
+                "model_sha256": state_digest(parts.model.state_dict()),
+                "optimizer_sha256": state_digest(parts.optimizer.state_dict())}
 
-        :return: the held-out accuracy and the digests of the final model and optimizer states.
-        """
-        return {
-            "accuracy": evaluate(parts.model, data.x_test, data.y_test),
-            "test_samples": int(data.y_test.shape[0]),
-            "model_sha256": state_digest(parts.model.state_dict()),
-            "optimizer_sha256": state_digest(parts.optimizer.state_dict()),
-        }
+    return loop.run(step, final_metrics)
