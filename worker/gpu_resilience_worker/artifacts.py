@@ -19,7 +19,7 @@ from typing import Callable
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.commit import CommitStore
 from gpu_resilience_worker.config import StopTiming
-from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpointError
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpointError, check_number
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
@@ -50,10 +50,9 @@ class ArtifactCheckpoints(CommitStore):
         if not isinstance(folder, (str, os.PathLike)) or not str(folder):
             raise ValueError(f"folder must be a non-empty path, got {folder!r}")
         naming = Naming.folder_shape(prefix, suffix)
-        if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 2:
-            raise ValueError(f"keep_latest_k must be an int >= 2 (the newest may be in flight), got {keep_latest_k!r}")
-        if grace_seconds is not None and not grace_seconds > 0:
-            raise ValueError(f"grace_seconds must be > 0 seconds, got {grace_seconds!r}")
+        check_number("keep_latest_k", keep_latest_k, minimum=2, integer=True)  # the newest may be in flight
+        if grace_seconds is not None:
+            check_number("grace_seconds", grace_seconds, minimum=0, strict=True)
         self.log = logger or StructuredLogger()
         super().__init__(os.path.abspath(os.fspath(folder)), LocalStorage(), self.log, naming)
         self.keep = KeepLatestN(keep_latest_k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 EXIT_OK = 0
@@ -94,3 +95,15 @@ class DivergedError(WorkerError):
     """Training diverged (a non-finite loss): the same settings diverge again, exit 70."""
 
     exit_code = EXIT_SOFTWARE
+
+
+def check_number(name: str, value: Any, *, minimum: float, integer: bool = False, strict: bool = False) -> None:
+    """Refuse a parameter that is not an int (``integer``) or a finite number, at least ``minimum``
+    (above it when ``strict``).
+
+    :raises ValueError: ``{name} must be ...``, naming the parameter as the caller wrote it.
+    """
+    kind = "an int" if integer else "a finite number"
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    if not (ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+        raise ValueError(f"{name} must be {kind} {'>' if strict else '>='} {minimum:g}, got {value!r}")

@@ -20,28 +20,17 @@ from typing import Any, Callable, Mapping, Sequence
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.checkpoint import TRAIN_STATE, CheckpointManager, CheckpointSaveError, RestoreInterrupted, Stateful
 from gpu_resilience_worker.config import StopTiming, TaskIdentity, task_namespace  # noqa: F401 - re-exported
-from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, DivergedError, WorkerError, check_number
 from gpu_resilience_worker.fatal import check_writable, invocation, run_guarded, write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
-from gpu_resilience_worker.preemption import (
-    PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop,
-)
+from gpu_resilience_worker.preemption import PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop
 from gpu_resilience_worker.state import TrainState, match_threads
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
 #: before the expected kill).
 EXIT_RESERVE_SECONDS = 1.0
-
-
-def _check_number(name: str, value: Any, *, minimum: float, integer: bool = False,
-                  strict: bool = False) -> None:
-    kind = "an int" if integer else "a finite number"
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise ValueError(f"{name} must be {kind} {'>' if strict else '>='} {minimum:g}, got {value!r}")
 
 
 #: The loop's numeric options: (minimum, an int, strictly above the minimum); ``None`` is allowed
@@ -65,7 +54,7 @@ def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: An
     for name, value in numbers.items():
         minimum, integer, strict = _NUMBERS[name]
         if value is not None or name not in ("grace_seconds", "task_timeout_seconds"):
-            _check_number(name, value, minimum=minimum, integer=integer, strict=strict)
+            check_number(name, value, minimum=minimum, integer=integer, strict=strict)
     if preemption_save not in PREEMPTION_SAVES:
         raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
     if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):

@@ -67,8 +67,9 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-class LocalStorage:
-    """:class:`Storage` on a local or FUSE-mounted POSIX file system."""
+class LocalStorage(Storage):
+    """:class:`Storage` on a local or FUSE-mounted POSIX file system (methods documented there
+    are not documented again)."""
 
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
         """Write, flush and fsync ``data`` to ``path``, as a new file written sequentially from
@@ -116,12 +117,10 @@ class LocalStorage:
         _fsync_dir(folder)
 
     def read(self, path: str) -> bytes:
-        """:return: the bytes of ``path``."""
         with open(path, "rb") as handle:
             return handle.read()
 
     def open_read(self, path: str) -> BinaryIO:
-        """:return: ``path`` opened for unbuffered binary reading."""
         return open(path, "rb", buffering=0)
 
     def size(self, path: str) -> int:
@@ -132,14 +131,12 @@ class LocalStorage:
         return info.st_size
 
     def list(self, folder: str) -> list[str]:
-        """:return: sorted entry names in ``folder`` (empty if it does not exist)."""
         try:
             return sorted(os.listdir(folder))
         except FileNotFoundError:
             return []
 
     def remove(self, path: str) -> None:
-        """Delete ``path`` if it exists."""
         try:
             os.remove(path)
         except FileNotFoundError:
@@ -179,5 +176,4 @@ class LocalStorage:
             os.close(fd)
 
     def local_path(self, path: str) -> str:
-        """:return: ``path`` itself: every path of this storage is local."""
         return path

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch import Callback
 
 from gpu_resilience_worker.artifacts import ArtifactCheckpoints
-from gpu_resilience_worker.errors import EXIT_OK
+from gpu_resilience_worker.errors import EXIT_OK, check_number
 from gpu_resilience_worker.logs import StructuredLogger
 
 PREFIX, SUFFIX = "step-", ".ckpt"
@@ -59,8 +59,7 @@ class CommitCheckpoint(Callback):
 
     def __init__(self, dirpath: str, every_n_steps: int, keep_latest_k: int = 2,
                  grace_seconds: float | None = None, logger: StructuredLogger | None = None) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be an int > 0, got {every_n_steps!r}")
+        check_number("every_n_steps", every_n_steps, minimum=0, integer=True, strict=True)
         self.every_n_steps = every_n_steps
         self.checkpoints = ArtifactCheckpoints(dirpath, prefix=PREFIX, suffix=SUFFIX, keep_latest_k=keep_latest_k,
                                                grace_seconds=grace_seconds, logger=logger)
@@ -186,10 +185,8 @@ class ResumableLoader:
 
     def __init__(self, dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, lookahead: int = 0) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be an int > 0, got {batch_size!r}")
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        check_number("batch_size", batch_size, minimum=0, integer=True, strict=True)
+        check_number("lookahead", lookahead, minimum=0, integer=True)
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
         self.shuffle, self.drop_last, self.lookahead = shuffle, drop_last, lookahead
         self.epoch, self._yielded, self._skip, self._started = 0, 0, 0, False
