@@ -163,3 +163,19 @@ def test_a_forged_progress_file_loses_at_most_the_steps_left_in_the_run(tmp_path
     assert json.loads((tmp_path / "attempts.json").read_text())["attempts"][-1]["lost_steps"] == 10
     assert attempt.events["steps_recomputed"] == 10
     assert "lost 10 steps" in out.getvalue() and "999999" not in out.getvalue()
+
+
+@pytest.mark.parametrize(("since_last", "max_wait", "rest", "slept"), [
+    (5.0, -0.5, 0.0, []),  # a second passed: a write may go even with no time to wait
+    (0.2, -0.5, 0.8, []),  # within the second, no time to wait: skipped
+    (0.2, 0.5, 0.8, []),  # within the second, the rest longer than the wait allowed: skipped
+    (0.2, 1.0, 0.0, [0.8]),  # within the second: the rest is slept, then it may go
+])
+def test_the_one_second_rule_waits_only_as_long_as_allowed(since_last, max_wait, rest, slept):
+    from gpu_resilience_worker.files import AdvisoryFile
+
+    sleeps = []
+    advisory = AdvisoryFile(LocalStorage(), "unused", None, clock=lambda: 10.0, sleep=sleeps.append)
+    advisory.last_write = 10.0 - since_last
+    assert advisory.wait_for_rule(max_wait) == pytest.approx(rest)
+    assert sleeps == pytest.approx(slept)

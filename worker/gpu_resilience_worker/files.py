@@ -65,10 +65,11 @@ class AdvisoryFile:
         :return: 0 when a write may go now, else the seconds it would have to wait.
         """
         rest = MIN_REWRITE_SECONDS - (self.clock() - self.last_write)
+        if rest <= 0:
+            return 0.0
         if rest > max_wait:
             return rest
-        if rest > 0:
-            self._sleep(rest)
+        self._sleep(rest)
         return 0.0
 
     def write(self, data: bytes) -> bool:
