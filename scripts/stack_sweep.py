@@ -199,17 +199,33 @@ def trigger_times(logs_dir: Path, dag_id: str, run_id: str, task_id: str) -> dic
     for path in sorted(folder.glob("map_index=*/attempt=*.log.trigger.*.log")):
         index = int(path.parent.name.split("=", 1)[1])
         mine = times.setdefault(index, {"start": None, "fired": None})
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            event, at = str(record.get("event", "")), _epoch(record.get("timestamp", ""))
-            key = ("start" if event.startswith("trigger ") and event.endswith(" starting") and
-                   _TRIGGER_NAME.search(event) else "fired" if event == "Trigger fired event" else None)
-            if key and at is not None and (mine[key] is None or at < mine[key]):
+        for key, at in _trigger_log(path).items():
+            if at is not None and (mine[key] is None or at < mine[key]):
                 mine[key] = at
     return times
+
+
+def trigger_starts(logs_dir: Path) -> list[float]:
+    """Every trigger run's start in a deployment, over every DAG, run, task (mapped or not) and
+    triggerer: each trigger log file's start line (see :func:`trigger_times`), in epoch seconds, sorted."""
+    return sorted(at for path in Path(logs_dir).glob("dag_id=*/**/*.log.trigger.*.log")
+                  if (at := _trigger_log(path)["start"]) is not None)
+
+
+def _trigger_log(path: Path) -> dict:
+    """One trigger log file's first start line and first event: ``{"start", "fired"}``, epoch s or ``None``."""
+    found: dict = {"start": None, "fired": None}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        event, at = str(record.get("event", "")), _epoch(record.get("timestamp", ""))
+        key = ("start" if event.startswith("trigger ") and event.endswith(" starting") and
+               _TRIGGER_NAME.search(event) else "fired" if event == "Trigger fired event" else None)
+        if key and at is not None and (found[key] is None or at < found[key]):
+            found[key] = at
+    return found
 
 
 def _epoch(stamp: str) -> Optional[float]:

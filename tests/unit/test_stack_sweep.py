@@ -78,3 +78,21 @@ def test_trigger_times(sweep, tmp_path, files, expected) -> None:
     found = sweep.trigger_times(tmp_path, "d", "r", "execute_job")
     assert found == {index: {key: None if stamp is None else _epoch(stamp) for key, stamp in times.items()}
                      for index, times in expected.items()}
+
+
+def test_trigger_starts_are_every_trigger_runs_start_of_every_task(sweep, tmp_path) -> None:
+    """Mapped or not, every DAG and run, each triggerer's run of a trigger (a restart's too)."""
+    files = {"dag_id=d/run_id=r/task_id=execute_job/map_index=0/attempt=1.log.trigger.4.log": [
+                 _line("2026-12-06T10:41:00Z", "trigger d/r/execute_job/0/1 (ID 2) starting"), "not json"],
+             "dag_id=d/run_id=r/task_id=execute_job/map_index=0/attempt=1.log.trigger.7.log": [
+                 _line("2026-12-06T10:41:40Z", "trigger d/r/execute_job/0/1 (ID 2) starting"),
+                 _line("2026-12-06T10:41:50Z", "Trigger fired event")],
+             "dag_id=e/run_id=s/task_id=execute_job/attempt=2.log.trigger.7.log": [
+                 _line("2026-12-06T10:41:41Z", "trigger e/s/execute_job/-1/2 (ID 9) starting")],
+             "dag_id=e/run_id=s/task_id=execute_job/attempt=2.log": [
+                 _line("2026-12-06T10:40:00Z", "trigger e/s/execute_job/-1/2 (ID 9) starting")]}
+    for name, lines in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    expected = ("2026-12-06T10:41:00Z", "2026-12-06T10:41:40Z", "2026-12-06T10:41:41Z")
+    assert sweep.trigger_starts(tmp_path) == [_epoch(stamp) for stamp in expected]
