@@ -38,8 +38,11 @@ from tests.provider.conftest import BUCKET, PROJECT, REGION, STUB_IMAGE, bucket_
 from tests.provider.operators.dag_factory import CAPTURED
 from tests.logs import worker_records
 
-# serial (scripts/run_tests.sh runs it alone): real worker attempts chained through short task timeouts: another test beside them slowed the worker's start-up past them.
-pytestmark = [pytest.mark.usefixtures("airflow_db"), pytest.mark.serial]
+pytestmark = pytest.mark.usefixtures("airflow_db")
+#: For the bundled worker's runs against task deadlines (scripts/run_tests.sh runs them alone):
+#: another test beside them slowed the worker's start-up past its deadline. The stand-in task's
+#: runs (a ``python -c`` stub, 2 s task timeouts) share the cores as the other operator tests do.
+SERIAL = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[3]
 #: The bundled worker (``python -m gpu_resilience_worker train``) in :func:`worker_emulator`'s table.
@@ -117,6 +120,7 @@ class _TI:
 
 
 
+@SERIAL
 def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions(worker_emulator, job_name):
     """Issue 16, must-show 1: task timeout ``CHAIN_TASK_TIMEOUT`` (the override; the job's own is
     10 s longer), ``CHAIN_STEPS`` training steps at 0.4 s, ``max_retries`` 1: the job finishes
@@ -234,6 +238,7 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     assert report["table"].splitlines()[-1] in out.out + out.err
 
 
+@SERIAL
 def test_a_failed_tasks_account_counts_its_uncommitted_steps_as_wasted(worker_emulator, job_name, capfd):
     """Issue 16 item b with the real worker: one attempt trains without checkpointing until its
     deadline stop (task timeout ``CHAIN_TASK_TIMEOUT``), so the execution makes no progress and, with
