@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import errno
 import math
-from typing import Any, Iterable
+from typing import Iterable
 
 
 #: Checkpoint saves that fail in a row before the attempt ends, in every driver (the bundled

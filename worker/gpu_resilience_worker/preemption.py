@@ -18,8 +18,6 @@ import time
 from types import FrameType
 from typing import Callable
 
-from gpu_resilience_worker.errors import EXIT_PREEMPTED
-
 DEFAULT_GRACE_SECONDS = 10.0
 
 #: ``preemption_save`` choices: save at the stop only when it fits in the grace period
