@@ -18,6 +18,7 @@ import importlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from types import ModuleType
@@ -52,15 +53,29 @@ _ASYNC_HOOK_MODULE = "airflow_gpu_resilience.hooks.cloud_run_async"
 
 _IMPORTED: dict[str, ModuleType] = {}
 _IMPORT_LOCK = threading.Lock()
+#: The imports in flight, per event loop: module name -> the one thread's future.
+_IMPORTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 async def _import(name: str) -> ModuleType:
     """:func:`_import_unscanned` in a thread until it returned once, so that the Google clients'
-    import never blocks the triggerer's event loop. Triggers starting together each wait in their
-    thread: none sees the module half-imported."""
+    import never blocks the triggerer's event loop.
+
+    Triggers that start together wait for one thread per module (its future, shielded): none
+    sees the module half-imported, and a thousand triggers starting in one turn of the loop add a
+    thousand waiters to one future instead of queueing a thousand jobs to the executor in that
+    turn. A cancelled trigger leaves the import to the others; a failed import fails its waiters,
+    and the next trigger tries again.
+    """
     module = _IMPORTED.get(name)
-    if module is None:
-        module = _IMPORTED[name] = await asyncio.to_thread(_import_unscanned, name)
+    if module is not None:
+        return module
+    in_flight = _IMPORTING.setdefault(asyncio.get_running_loop(), {})
+    importing = in_flight.get(name)
+    if importing is None:
+        importing = in_flight[name] = asyncio.ensure_future(asyncio.to_thread(_import_unscanned, name))
+        importing.add_done_callback(lambda _: in_flight.pop(name, None))
+    module = _IMPORTED[name] = await asyncio.shield(importing)
     return module
 
 
@@ -218,8 +233,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
         """Subscribe to the execution's watcher; the event once its watch ends or ``timeout`` passes.
         The subscription ends with this call (also when it is cancelled)."""
         started = time.monotonic()
-        watcher = await _import(_WATCHER_MODULE)
-        outcome = await _import(_OUTCOME_MODULE)
+        watcher = await _import(_WATCHER_MODULE)  # the outcome module comes with it; read for the event only
         async with watcher.watch_execution(
             self.execution, gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain,
             transport=self.transport, poll_interval=self.poll_interval,
@@ -231,6 +245,7 @@ class CloudRunGpuExecutionTrigger(BaseTrigger):
                 return self._event(ExecutionEventStatus.TIMEOUT, f"still running after {self.timeout} s", watched)
         if result.error is not None:
             return self._event(ExecutionEventStatus.ERROR, result.error, watched)
+        outcome = await _import(_OUTCOME_MODULE)
         status = ExecutionEventStatus[outcome.execution_state(result.execution).name]
         return self._event(status, outcome.completion_message(result.execution), watched)
 

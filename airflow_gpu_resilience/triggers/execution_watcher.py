@@ -34,7 +34,7 @@ import random
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,7 +52,7 @@ from airflow_gpu_resilience.triggers.watch_rules import (
     counts_of,
     needs_tasks,
     region_wide_is_fewer,
-    task_groups,
+    task_execution,
     watch_interval,
 )
 
@@ -65,8 +65,10 @@ _T = TypeVar("_T")
 PAGE_SIZE = 1000
 #: Per-execution ListTasks requests in flight at once.
 TASK_READS_AT_ONCE = 8
-#: Executions handled between two hand-backs of the event loop within a poll.
-ITEMS_PER_TURN = 50
+#: Longest stretch (seconds) a poll works on listed items before it hands the event loop back, so
+#: that other triggers run in between: the items' cost varies (an execution whose attempts are
+#: recorded takes far longer than one that is only counted), a time slice does not.
+TURN_SECONDS = 0.005
 #: Errors after which the next poll is delayed (never the end of a watch).
 RETRYABLE = (*TRANSIENT_ERRORS, gexc.RetryError)
 
@@ -283,11 +285,7 @@ class ExecutionWatcher:
         if self._region_wide_ok and region_wide_is_fewer(task_counts, region_tasks, PAGE_SIZE):
             parent = f"projects/{self.key.project}/locations/{self.key.region}/jobs/-/executions/-"
             try:
-                listed, token = await self.hook.list_tasks_page(parent, page_size=PAGE_SIZE)
-                while token:
-                    more, token = await self.hook.list_tasks_page(parent, token, PAGE_SIZE)
-                    listed.extend(more)
-                return task_groups(listed, task_counts)
+                return await self._region_tasks(parent, task_counts)
             except RETRYABLE:
                 raise
             except gexc.GoogleAPIError as exc:  # a server that refuses the wildcard: one per execution
@@ -307,13 +305,40 @@ class ExecutionWatcher:
         names = list(task_counts)
         return dict(zip(names, await asyncio.gather(*(one(name) for name in names))))
 
+    async def _region_tasks(self, parent: str, wanted: Iterable[str]) -> dict[str, list]:
+        """Every page of the region-wide ListTasks ``parent``, grouped by execution as it arrives.
 
-async def _in_turns(items: Iterable[_T], turn: int = ITEMS_PER_TURN) -> AsyncIterator[_T]:
-    """``items``, handing the event loop back after every ``turn`` of them (other triggers run)."""
-    for count, item in enumerate(items, 1):
+        :return: each of ``wanted`` -> its tasks in the listing's order (an empty list for one
+            with none listed).
+        """
+        groups: dict[str, list] = {name: [] for name in wanted}
+        token = ""
+        while True:
+            listed, token = await self.hook.list_tasks_page(parent, token, PAGE_SIZE)
+            async for task in _in_turns(listed):
+                group = groups.get(task_execution(task.name))
+                if group is not None:
+                    group.append(task)
+            if not token:
+                return groups
+
+
+async def _in_turns(items: Iterable[_T], turn: float = TURN_SECONDS,
+                    clock: Callable[[], float] = time.perf_counter) -> AsyncIterator[_T]:
+    """``items``, handing the event loop back (``asyncio.sleep(0)``: one turn of the loop, other
+    triggers run) whenever ``turn`` seconds have passed since it last did, the caller's work on
+    the items included; at least one item per turn.
+
+    :param items: what to iterate.
+    :param turn: seconds per turn (default :data:`TURN_SECONDS`).
+    :param clock: the clock (default ``time.perf_counter``).
+    """
+    ends = clock() + turn
+    for item in items:
         yield item
-        if count % turn == 0:
+        if clock() >= ends:
             await asyncio.sleep(0)
+            ends = clock() + turn
 
 
 #: The watchers of each event loop, by key.

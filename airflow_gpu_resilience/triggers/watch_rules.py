@@ -8,6 +8,7 @@
   dipping or, at the latest, by :data:`TASK_REFRESH_SECONDS`.
 - :func:`region_wide_is_fewer`: one ``ListTasks`` of every task of the region
   (``jobs/-/executions/-``) or one per execution, whichever takes fewer requests.
+- :func:`task_execution`: which execution a task of a region-wide ``ListTasks`` belongs to.
 - :func:`backoff_delay`: the wait after failed polls (429, 503, a timeout), with jitter, so that
   several triggerers do not retry in step.
 """
@@ -119,16 +120,11 @@ def backoff_delay(failures: int, interval: float, rng: random.Random) -> float:
     return max(interval, ceiling / 2 + rng.uniform(0, ceiling / 2))
 
 
-def task_groups(tasks: Iterable, wanted: Iterable[str]) -> dict[str, list]:
-    """Region-wide ``ListTasks`` results grouped by execution, for the executions in ``wanted``.
+def task_execution(task_name: str) -> str:
+    """The full name of a task's execution, from the task's full name (how a region-wide
+    ``ListTasks`` is grouped by execution).
 
-    :param tasks: ``run_v2.Task`` objects of any executions.
-    :param wanted: full execution names.
-    :return: execution name -> its tasks sorted by index (an empty list for one with none listed).
+    :param task_name: ``projects/P/locations/R/jobs/J/executions/E/tasks/T``.
+    :return: ``projects/P/locations/R/jobs/J/executions/E``; a name without ``/tasks/`` unchanged.
     """
-    groups: dict[str, list] = {name: [] for name in wanted}
-    for task in tasks:
-        group = groups.get(task.name.rsplit("/tasks/", 1)[0])
-        if group is not None:
-            group.append(task)
-    return {name: sorted(group, key=lambda task: task.index) for name, group in groups.items()}
+    return task_name.rsplit("/tasks/", 1)[0]

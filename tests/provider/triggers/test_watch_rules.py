@@ -17,7 +17,7 @@ from airflow_gpu_resilience.triggers.watch_rules import (
     needs_tasks,
     pages,
     region_wide_is_fewer,
-    task_groups,
+    task_execution,
     watch_interval,
 )
 
@@ -98,12 +98,10 @@ def test_backoff_delay_has_jitter():
     assert len({round(backoff_delay(3, 10.0, rng), 6) for _ in range(20)}) > 1
 
 
-def test_task_groups_keeps_the_wanted_executions_sorted():
-    def task(execution: str, index: int):
-        return SimpleNamespace(name=f"{execution}/tasks/{execution.rsplit('/', 1)[1]}-task{index}", index=index)
-
-    a, b, c = (f"projects/p/locations/r/jobs/j/executions/j-{x}" for x in "abc")
-    listed = [task(b, 1), task(a, 0), task(b, 0), task(c, 0)]
-    groups = task_groups(listed, [a, b, "projects/p/locations/r/jobs/j/executions/j-gone"])
-    assert {name: [t.index for t in tasks] for name, tasks in groups.items()} == {
-        a: [0], b: [0, 1], "projects/p/locations/r/jobs/j/executions/j-gone": []}
+@pytest.mark.parametrize("task_name, expected", [
+    ("projects/p/locations/r/jobs/j/executions/j-a/tasks/j-a-task0", "projects/p/locations/r/jobs/j/executions/j-a"),
+    ("projects/p/locations/r/jobs/j/executions/j-a/tasks/j-a-task12", "projects/p/locations/r/jobs/j/executions/j-a"),
+    ("projects/p/locations/r/jobs/j/executions/j-a", "projects/p/locations/r/jobs/j/executions/j-a"),
+])
+def test_task_execution(task_name, expected):
+    assert task_execution(task_name) == expected

@@ -7,13 +7,15 @@ the emulator, on both transports, and reads the emulator's per-method request co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import json
 import subprocess
 import sys
 
 import pytest
 
-from airflow_gpu_resilience.triggers import execution_watcher
+from airflow_gpu_resilience.triggers import cloud_run, execution_watcher
 from airflow_gpu_resilience.triggers.cloud_run import CloudRunGpuExecutionTrigger
 from tests.provider.conftest import PROJECT, REGION, wait_until_running
 from tests.provider.triggers.test_cloud_run import start
@@ -118,6 +120,95 @@ def test_a_cancelled_trigger_unsubscribes_and_the_watcher_stops(hook, job_name, 
         assert reads(emulator)["ListExecutions"] == watcher.polls
     finally:
         hook.cancel_execution(execution=execution, wait=True)
+
+
+@pytest.mark.parametrize("transport", ["grpc"], indirect=True)  # the watcher's scheduling, not its transport
+def test_triggers_joining_a_running_watcher_wait_for_its_next_poll(hook, job_name, emulator):
+    """A trigger that subscribes between two polls is served by the next one: no listing of its
+    own (the watcher polls at once only when it starts)."""
+    executions = [start(hook, f"{job_name}-{i}", ["sleep", "60"]) for i in range(4)]
+
+    async def scenario():
+        triggers = [CloudRunGpuExecutionTrigger(execution=name, poll_interval=3600.0, cancel_on_kill=False)
+                    for name in executions]
+        waiting = [asyncio.ensure_future(anext(triggers[0].run()))]
+        watcher = await running_watcher()
+        while watcher.watched[executions[0]].counts is None:  # the first poll has listed the region
+            await asyncio.sleep(0.01)
+        for trigger in triggers[1:]:  # one at a time, each subscribed before the next
+            waiting.append(asyncio.ensure_future(anext(trigger.run())))
+            while trigger.execution not in watcher.watched:
+                await asyncio.sleep(0.01)
+        for _ in range(20):  # a woken watcher would count its next poll within a few turns
+            await asyncio.sleep(0)
+        polls = watcher.polls
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await asyncio.wait_for(watcher.task, timeout=10)
+        return polls, watcher
+
+    emulator.requests(reset=True)
+    try:
+        polls, watcher = asyncio.run(scenario())
+        assert (polls, watcher.polls) == (1, 1)
+        assert reads(emulator)["ListExecutions"] == 1
+    finally:
+        for execution in executions:
+            hook.cancel_execution(execution=execution, wait=True)
+
+
+def test_a_poll_hands_the_loop_back_once_a_turn_has_held_it():
+    """A poll's work on listed items yields to the other triggers after each time slice, whatever
+    the items cost (the caller's work on each item counted): here a clock the items advance."""
+    now = [0]
+
+    async def turns_of(costs: list[int]) -> list[int]:
+        ticks, seen = [0], []
+
+        async def ticker():  # one tick per turn of the event loop
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        async for cost in execution_watcher._in_turns(costs, turn=5, clock=lambda: now[0]):
+            seen.append(ticks[0])
+            now[0] += cost
+        ticking.cancel()
+        return [len(list(group)) for _, group in itertools.groupby(seen)]
+
+    assert asyncio.run(turns_of([1] * 12)) == [5, 5, 2]
+    assert asyncio.run(turns_of([1, 7, 1, 1, 9, 1])) == [2, 3, 1]
+    assert asyncio.run(turns_of([])) == []
+
+
+def test_triggers_starting_together_share_one_import_thread(tmp_path, monkeypatch):
+    """Triggers that start in one turn of the loop wait for one thread's import of a module, not a
+    thread each; a waiter cancelled meanwhile leaves the import to the others."""
+    (tmp_path / "watch_import_probe.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "watch_import_probe", raising=False)
+    monkeypatch.setattr(cloud_run, "_IMPORTED", {})
+
+    class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+        jobs = 0
+
+        def submit(self, *args, **kwargs):
+            CountingExecutor.jobs += 1
+            return super().submit(*args, **kwargs)
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(CountingExecutor(max_workers=4))
+        waiters = [asyncio.ensure_future(cloud_run._import("watch_import_probe")) for _ in range(50)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()
+        return await asyncio.gather(*waiters[1:])
+
+    modules = asyncio.run(scenario())
+    assert CountingExecutor.jobs == 1
+    assert {module.VALUE for module in modules} == {42} and len({id(m) for m in modules}) == 1
 
 
 def test_importing_the_trigger_module_imports_no_google_client():
