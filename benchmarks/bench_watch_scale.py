@@ -25,6 +25,7 @@ the event loop under 0.1 s, and the trigger's import under 0.2 s.
 
     .venv/bin/python benchmarks/bench_watch_scale.py                 # both modes, old and new
     .venv/bin/python benchmarks/bench_watch_scale.py --deployment-sizes 1,10 --loop-sizes '' --variants new
+    .venv/bin/python benchmarks/bench_watch_scale.py --deployment-sizes '' --variants new --update  # one row
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                             help="[triggerer] blocked_main_thread_warning_threshold, s (default 0.15)")
     deployment.add_argument("--run-timeout", type=float, default=900.0,
                             help="s from a DAG run's trigger until every trigger must run (default 900)")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the rows this run measures (mode, trigger, N) in the results file and keep "
+                             "its other rows, each dated by its run (default: write this run's rows only)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -193,13 +197,14 @@ def run_all(args: argparse.Namespace, sources: dict, workdir: Path) -> list:
     return rows
 
 
-def watched_by(args: argparse.Namespace) -> dict:
-    """What each mode ran, in words (the report's and the table's header)."""
+def watched_by(args: argparse.Namespace, rows: list) -> dict:
+    """What each mode ran (the sizes of ``rows``), in words (the report's and the table's header)."""
+    sizes = {mode: sorted({r["n"] for r in rows if r["mode"] == mode}) for mode in MODES}
     return {
-        "deployment": f"N = {args.deployment_sizes}: N deferred execute operators in a real Airflow deployment "
+        "deployment": f"N = {sizes['deployment']}: N deferred execute operators in a real Airflow deployment "
                       f"(PostgreSQL, LocalExecutor with parallelism {args.parallelism}, DAG processor, triggerer, API "
                       "server), their triggers in its triggerer; every Cloud Run request of the region counted",
-        "event loop": f"N = {args.loop_sizes}: the real CloudRunGpuExecutionTrigger class of each source tree, N of "
+        "event loop": f"N = {sizes['event loop']}: the real CloudRunGpuExecutionTrigger class of each source tree, N of "
                       "them in one event loop of one process, over gRPC to the emulator (a deployment on two cores "
                       "does not start that many task instances in a reasonable time)",
     }
@@ -221,16 +226,21 @@ def main(argv=None) -> int:
     imports = {variant: watch_scale_loop.import_seconds(sources[variant]) for variant in args.variants}
     print("trigger module import over `import airflow.triggers.base` (s): "
           + ", ".join(f"{v} {s}" for v, s in imports.items()), flush=True)
-    rows = run_all(args, sources, workdir)
+    rows, earlier = run_all(args, sources, workdir), []
     machine["load_at_end"] = common.load()
+    if args.update:
+        rows, earlier = common.merge_rows(args.out / "watch_scale.json", rows,
+                                          lambda r: (r["mode"], r["variant"], r["n"]), machine)
     report = {"benchmark": "watch_scale", "machine": machine, "elapsed_s": round(time.monotonic() - started, 1),
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
-              "watched_by": watched_by(args), "import_seconds": imports, "rows": rows,
+              "watched_by": watched_by(args, rows), "import_seconds": imports, "rows": rows, "earlier_runs": earlier,
               "targets": targets(rows, args.poll, imports), "workdir": str(workdir)}
     lines = [*common.machine_lines(machine), *(f"{mode}: {text}" for mode, text in report["watched_by"].items()),
              f"poll_interval {args.poll} s; read quota {args.read_quota}/min; the deployment's blocked-loop "
              f"threshold {args.block_threshold} s (Airflow's figure counts its watchdog's 0.1 s sleep)",
-             f"trigger import (s): {imports}", common.table(HEADERS, table_rows(rows)),
+             f"trigger import (s): {imports}",
+             *(f"rows of the run of {r['date']} kept (load {r['load_at_start']} to {r['load_at_end']})" for r in earlier),
+             common.table(HEADERS, table_rows(rows)),
              f"targets (new watcher): {report['targets']}"]
     print("\n".join(lines))
     report["table"] = lines

@@ -1,8 +1,10 @@
 """Helpers shared by the benchmarks.
 
 Machine description and load, the offline google-auth environment, ``run_v2`` / Storage
-clients on the emulator, the digits dataset, worker log parsing, a counting HTTP proxy (the
-emulator keeps no request counts), text tables and result files, and the raw I/O the checkpoint
+clients on the emulator, the digits dataset, worker log parsing, the emulator's request counters
+summed into reads, writes and 429s (:func:`api_calls`), a counting HTTP proxy (for counts by
+request path, which the emulator's per-method counters do not give), text tables and result
+files (an update of some rows of one: :func:`merge_rows`), and the raw I/O the checkpoint
 benchmarks measure against (:func:`timed`, :func:`drop_cache`, :func:`raw_write`,
 :func:`raw_read`). Nothing here imports Airflow.
 """
@@ -211,6 +213,35 @@ def table(headers: list, rows: list) -> str:
     return "\n".join(lines)
 
 
+def merge_rows(path: Path, rows: list, key, run: dict) -> tuple:
+    """An update of some rows of a results file: this run's rows replace the earlier report's rows
+    of the same key, in place; the earlier rows this run did not measure are kept; every row says
+    which run measured it (``run_date``).
+
+    :param path: the earlier report (JSON with ``machine`` and ``rows``); missing or unreadable:
+        nothing is kept.
+    :param rows: this run's rows (dicts).
+    :param key: a row's identity, e.g. ``lambda r: (r["mode"], r["variant"], r["n"])``.
+    :param run: this run's :func:`machine_info` (its ``date`` dates the new rows).
+    :return: ``(rows, earlier_runs)``: the merged rows, and for each earlier run that measured a
+        kept row its date, load and ``config``.
+    """
+    fresh = {key(row): {**row, "run_date": run["date"]} for row in rows}
+    try:
+        earlier = json.loads(Path(path).read_text())
+        earlier_date = earlier["machine"]["date"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return list(fresh.values()), []
+    merged = [fresh.pop(key(row), None) or {**row, "run_date": row.get("run_date", earlier_date)}
+              for row in earlier.get("rows", [])]
+    merged += fresh.values()
+    runs = {r["date"]: r for r in earlier.get("earlier_runs", [])}
+    runs[earlier_date] = {"date": earlier_date, "load_at_start": earlier["machine"].get("load_at_start"),
+                          "load_at_end": earlier["machine"].get("load_at_end"), "config": earlier.get("config")}
+    kept = sorted({row["run_date"] for row in merged} - {run["date"]})
+    return merged, [runs[date] for date in kept if date in runs]
+
+
 def write_json(path: Path, data: dict, limit: int = 100_000) -> int:
     """Write ``data`` as indented JSON; :return: its size. :raises ValueError: over ``limit`` bytes."""
     text = json.dumps(data, indent=1, sort_keys=False) + "\n"
@@ -224,9 +255,11 @@ def write_json(path: Path, data: dict, limit: int = 100_000) -> int:
 class CountingProxy:
     """A loopback HTTP proxy in front of the emulator that counts the requests it forwards.
 
-    The emulator logs no requests, so clients are pointed at :attr:`endpoint` instead; every
-    request is forwarded unchanged to ``target`` and counted by ``(method, kind)``, where kind
-    is the resource the ``/v2`` path names (``executions``, ``tasks``, ``jobs``, ``operations``).
+    The emulator counts requests per project, region and method (``/_emulator/requests``, see
+    :func:`api_calls`), not per path; for counts by path, clients are pointed at :attr:`endpoint`
+    instead: every request is forwarded unchanged to ``target`` and counted by ``(method, kind)``,
+    where kind is the resource the ``/v2`` path names (``executions``, ``tasks``, ``jobs``,
+    ``operations``).
 
     :param target: the emulator's endpoint, ``http://127.0.0.1:PORT``.
     """
