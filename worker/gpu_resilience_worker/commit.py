@@ -136,8 +136,9 @@ class CommitStore:
         return record, ""
 
     def newer_record(self) -> NewerCheckpointError | None:
-        """:return: the refusal of the newest commit record here that a newer release wrote, or
-        ``None`` (reads the records only, never the data)."""
+        """
+        :return: the refusal of the newest commit record here that a newer release wrote, or
+            ``None`` (reads the records only, never the data)."""
         for step in self.present_steps(COMMIT):
             try:
                 self.record(step)

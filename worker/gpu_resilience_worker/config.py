@@ -143,8 +143,9 @@ class TaskIdentity:
         return identity
 
     def bind(self, logger: Any) -> Any:
-        """:return: ``logger`` (a :class:`~gpu_resilience_worker.logs.StructuredLogger`) with this
-        identity on every line (``job``, ``execution``, ``task_index``, ``attempt``)."""
+        """
+        :return: ``logger`` (a :class:`~gpu_resilience_worker.logs.StructuredLogger`) with this
+            identity on every line (``job``, ``execution``, ``task_index``, ``attempt``)."""
         return logger.bind(job=self.job, execution=self.execution, task_index=self.task_index,
                            attempt=self.task_attempt)
 

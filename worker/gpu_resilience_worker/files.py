@@ -52,7 +52,7 @@ class AdvisoryFile:
         self.storage, self.path, self._log = storage, path, logger
         self.min_interval, self.clock, self._sleep = max(min_interval, MIN_REWRITE_SECONDS), clock, sleep
         self.failures = 0
-        #: :attr:`clock` time of the last write (tried), ``-inf`` before any
+        #: ``clock`` time of the last write (tried), ``-inf`` before any
         self.last_write = float("-inf")
 
     def due(self) -> bool:

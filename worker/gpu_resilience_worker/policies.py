@@ -55,13 +55,15 @@ class SavePolicy:
     floor: float = 0.0
 
     def interval(self, cost: float) -> float | None:
-        """:return: the Young/Daly interval in seconds for a checkpoint costing ``cost`` seconds
-        (``None`` without ``mtbi``)."""
+        """
+        :return: the Young/Daly interval in seconds for a checkpoint costing ``cost`` seconds
+            (``None`` without ``mtbi``)."""
         return None if self.mtbi is None else max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
 
     def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """:return: whether a checkpoint is due at ``step``, ``elapsed`` seconds after the last save,
-        for a save costing ``cost`` seconds (never at step 0)."""
+        """
+        :return: whether a checkpoint is due at ``step``, ``elapsed`` seconds after the last save,
+            for a save costing ``cost`` seconds (never at step 0)."""
         auto = self.interval(cost)
         return step > 0 and (bool(self.steps) and step % self.steps == 0 or bool(self.seconds) and elapsed >= self.seconds
                              or auto is not None and elapsed >= auto)
