@@ -120,6 +120,41 @@ class _TI:
 
 
 
+def _check_chained_attempt(attempt: dict, events: list[dict], resumed_from: int, last: bool, where: str) -> int:
+    """One attempt of the task-timeout chain, as the emulator recorded it (``attempt``) and as the
+    worker logged it (``events``): it resumed from ``resumed_from`` (the previous stop's
+    checkpoint: no lost step) and was never sent SIGTERM. The last one trains to the end; every
+    other one stops at its own deadline, checkpoints the step it stopped at and exits 143, all
+    before the task timeout (the emulator never stopped it). An attempt whose deadline came
+    during its start-up (a loaded machine's slow imports) exits 143 before its restore, having
+    trained nothing.
+
+    :returns: the step the next attempt must resume from.
+    """
+    messages = [e["message"] for e in events]
+    where = f"{where}: {messages}"
+    assert "SIGTERM received" not in " ".join(messages), where
+    start = next((e for e in events if e["message"].startswith(("resuming from step", "no checkpoint found"))), None)
+    if not last:
+        assert (attempt["exitCode"], attempt["termSignal"], attempt["stopReason"]) == (143, None, None), attempt
+        assert attempt["seconds"] < CHAIN_TASK_TIMEOUT, attempt
+        if start is None:
+            assert "DEADLINE received during start-up; exiting before the restore" in messages, where
+            return resumed_from
+    assert start is not None and start["resumed_from_step"] == resumed_from, where
+    if last:
+        assert attempt["exitCode"] == 0 and "training complete" in messages, where
+        return resumed_from
+    [stop] = [i for i, e in enumerate(events) if e["message"].startswith("DEADLINE received; stopping at step")]
+    step = events[stop]["step"]
+    assert step > resumed_from, where  # it trained before its deadline
+    [exit_] = [i for i, e in enumerate(events) if e["message"] == "exiting: interrupted, resumable"]
+    assert stop < exit_ and events[exit_]["step"] == events[exit_]["last_checkpoint_step"] == step, where
+    assert any(e["message"] in ("checkpoint saved", "nothing new to checkpoint") and e.get("step") == step
+               for e in events[stop:exit_]), where
+    return step
+
+
 @SERIAL
 def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_executions(worker_emulator, job_name):
     """Issue 16, must-show 1: task timeout ``CHAIN_TASK_TIMEOUT`` (the override; the job's own is
@@ -127,7 +162,7 @@ def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_execu
     through at least four TIMED_OUT executions (two deadline stops each), every interrupted
     attempt checkpointing at the step it stopped at before its deadline and exiting 143 itself
     (the emulator never had to stop it), the next attempt resuming from exactly that step (no
-    lost steps). The budget is not used up: a fixed budget of 0 (no re-run could be charged to
+    lost steps; :func:`_check_chained_attempt`). The budget is not used up: a fixed budget of 0 (no re-run could be charged to
     it) and the default 2 re-runs without progress, since every execution committed a newer
     checkpoint. The summary's ``chain`` shows every execution, oldest first."""
     deploy(job_name, WORKER_IMAGE, ["train", "--steps", str(CHAIN_STEPS), "--step-delay", "0.4",
@@ -170,28 +205,9 @@ def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_execu
     assert len(attempts) == 2 * timed_out + len(worker_emulator.attempts(found[-1].name))  # max_retries 1
     resumed_from = 0
     for number, (execution, attempt) in enumerate(attempts):
-        events = worker_records((worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1]
-                                 / attempt["log"]).read_text())
-        messages = [e["message"] for e in events]
-        where = f"attempt {number} ({attempt['log']} of {execution.name}): {messages}"
-        start = next(e for e in events if e["message"].startswith(("resuming from step", "no checkpoint found")))
-        assert start["resumed_from_step"] == resumed_from, where  # the previous stop's checkpoint: no lost step
-        assert "SIGTERM received" not in " ".join(messages), where
-        if number == len(attempts) - 1:
-            assert attempt["exitCode"] == 0 and "training complete" in messages, where
-            break
-        # an interrupted attempt: its own deadline stop, a checkpoint of the step it stopped at,
-        # then exit 143, all before the task timeout (the emulator never stopped it)
-        assert (attempt["exitCode"], attempt["termSignal"], attempt["stopReason"]) == (143, None, None), attempt
-        assert attempt["seconds"] < CHAIN_TASK_TIMEOUT, attempt
-        [stop] = [i for i, e in enumerate(events) if e["message"].startswith("DEADLINE received; stopping at step")]
-        step = events[stop]["step"]
-        assert step > resumed_from, where  # it trained before its deadline
-        [exit_] = [i for i, e in enumerate(events) if e["message"] == "exiting: interrupted, resumable"]
-        assert stop < exit_ and events[exit_]["step"] == events[exit_]["last_checkpoint_step"] == step, where
-        assert any(e["message"] in ("checkpoint saved", "nothing new to checkpoint") and e.get("step") == step
-                   for e in events[stop:exit_]), where
-        resumed_from = step
+        log = worker_emulator.data_dir / "logs" / execution.name.rsplit("/", 1)[-1] / attempt["log"]
+        resumed_from = _check_chained_attempt(attempt, worker_records(log.read_text()), resumed_from,
+                                              last=number == len(attempts) - 1, where=f"attempt {number} ({log})")
     assert summary["lost_steps_total"] == 0
 
 
