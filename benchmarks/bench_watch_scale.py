@@ -228,9 +228,10 @@ def main(argv=None) -> int:
           + ", ".join(f"{v} {s}" for v, s in imports.items()), flush=True)
     rows, earlier = run_all(args, sources, workdir), []
     machine["load_at_end"] = common.load()
-    if args.update:
-        rows, earlier = common.merge_rows(args.out / "watch_scale.json", rows,
-                                          lambda r: (r["mode"], r["variant"], r["n"]), machine)
+    if args.update:  # the earlier run's rows and import times of what this run did not measure stay
+        report = common.read_report(args.out / "watch_scale.json")
+        rows, earlier = common.merge_rows(report, rows, lambda r: (r["mode"], r["variant"], r["n"]), machine)
+        imports = {**report.get("import_seconds", {}), **imports}
     report = {"benchmark": "watch_scale", "machine": machine, "elapsed_s": round(time.monotonic() - started, 1),
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
               "watched_by": watched_by(args, rows), "import_seconds": imports, "rows": rows, "earlier_runs": earlier,

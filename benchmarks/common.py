@@ -213,13 +213,22 @@ def table(headers: list, rows: list) -> str:
     return "\n".join(lines)
 
 
-def merge_rows(path: Path, rows: list, key, run: dict) -> tuple:
+def read_report(path: Path) -> dict:
+    """:return: the results file ``path`` as a dict; ``{}`` when it is missing or not a JSON object."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def merge_rows(earlier: dict, rows: list, key, run: dict) -> tuple:
     """An update of some rows of a results file: this run's rows replace the earlier report's rows
     of the same key, in place; the earlier rows this run did not measure are kept; every row says
     which run measured it (``run_date``).
 
-    :param path: the earlier report (JSON with ``machine`` and ``rows``); missing or unreadable:
-        nothing is kept.
+    :param earlier: the earlier report (:func:`read_report`: ``machine`` and ``rows``); without
+        its ``machine`` date (``{}``, say) nothing is kept.
     :param rows: this run's rows (dicts).
     :param key: a row's identity, e.g. ``lambda r: (r["mode"], r["variant"], r["n"])``.
     :param run: this run's :func:`machine_info` (its ``date`` dates the new rows).
@@ -227,10 +236,8 @@ def merge_rows(path: Path, rows: list, key, run: dict) -> tuple:
         kept row its date, load and ``config``.
     """
     fresh = {key(row): {**row, "run_date": run["date"]} for row in rows}
-    try:
-        earlier = json.loads(Path(path).read_text())
-        earlier_date = earlier["machine"]["date"]
-    except (OSError, ValueError, KeyError, TypeError):
+    earlier_date = earlier.get("machine", {}).get("date")
+    if earlier_date is None:
         return list(fresh.values()), []
     merged = [fresh.pop(key(row), None) or {**row, "run_date": row.get("run_date", earlier_date)}
               for row in earlier.get("rows", [])]
