@@ -401,25 +401,41 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
                    "exit_s": round(ended - sent, 3) if sent else None,
                    "newest_after": after_intact[0] if after_intact else None, "wall_s": round(ended - began, 2)}
             rows.append(row)
-            if sig != signal.SIGKILL:  # an attempt that ends reports its thread count: the default one
-                assert _threads(log) == [default_threads], f"attempt {index}: threads {_threads(log)}\n{text}"
-            if sig is None:
-                assert status == 0, f"attempt {index}: the last attempt failed\n{text}"
-            elif sig == signal.SIGTERM:
-                assert status == 143, f"attempt {index}: SIGTERM exit {status}\n{text}"
-                assert ended - sent < GRACE_SECONDS, f"attempt {index}: exit {ended - sent:.2f} s after SIGTERM"
-                exiting = [r for r in records if r["message"] == "preempted: exiting"]
-                skipped = any(r["message"].startswith("preempted: final save skipped") for r in records)
-                assert exiting, text
-                assert skipped or exiting[-1]["last_committed"] == exiting[-1]["step"] == row["newest_after"], \
-                    f"attempt {index}: stopped at {exiting[-1]}, newest intact {row['newest_after']}\n{text}"
-            else:
-                assert status == -signal.SIGKILL, f"attempt {index}: SIGKILL exit {status}\n{text}"
-                if where == "mid-save":
-                    assert after_torn and (not after_intact or after_torn[0] > after_intact[0]), \
-                        f"attempt {index}: a kill mid-save left no torn checkpoint"
+            _check_end(row, sig, records, _threads(log), default_threads, sent, ended, after_intact, after_torn, text)
+    _print_rows(rows)
+    return baseline, chain, rows
+
+
+def _check_end(row: dict[str, Any], sig: signal.Signals | None, records: list[dict[str, Any]], threads: list[int],
+               expected_threads: int, sent: float | None, ended: float, after_intact: list[int],
+               after_torn: list[int], text: str) -> None:
+    """The checks of how an attempt ended (``row`` as :func:`run_chain` makes it): the last one
+    exits 0; a SIGTERM exits 143 within the grace period with its stop step committed (or the
+    final save reported skipped); a SIGKILL mid-save leaves a torn checkpoint newer than the
+    newest intact one. An attempt that ends reports ``expected_threads``."""
+    index, status, where = row["attempt"], row["status"], row["where"]
+    if sig != signal.SIGKILL:  # an attempt that ends reports its thread count
+        assert threads == [expected_threads], f"attempt {index}: threads {threads}\n{text}"
+    if sig is None:
+        assert status == 0, f"attempt {index}: the last attempt failed\n{text}"
+    elif sig == signal.SIGTERM:
+        assert status == 143, f"attempt {index}: SIGTERM exit {status}\n{text}"
+        assert ended - sent < GRACE_SECONDS, f"attempt {index}: exit {ended - sent:.2f} s after SIGTERM"
+        exiting = [r for r in records if r["message"] == "preempted: exiting"]
+        skipped = any(r["message"].startswith("preempted: final save skipped") for r in records)
+        assert exiting, text
+        assert skipped or exiting[-1]["last_committed"] == exiting[-1]["step"] == row["newest_after"], \
+            f"attempt {index}: stopped at {exiting[-1]}, newest intact {row['newest_after']}\n{text}"
+    else:
+        assert status == -signal.SIGKILL, f"attempt {index}: SIGKILL exit {status}\n{text}"
+        if where == "mid-save":
+            assert after_torn and (not after_intact or after_torn[0] > after_intact[0]), \
+                f"attempt {index}: a kill mid-save left no torn checkpoint"
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    """Print one line per attempt of :func:`run_chain`."""
     print("\nattempt signal  where          resumed skipped_torn status exit_s newest_after wall_s")
     for r in rows:
         print(f"{r['attempt']:>7} {r['signal']:<7} {r['where']:<14} {str(r['resumed']):>7} "
               f"{str(r['skipped_torn']):>12} {r['status']:>6} {str(r['exit_s']):>6} {str(r['newest_after']):>12} {r['wall_s']:>6}")
-    return baseline, chain, rows
