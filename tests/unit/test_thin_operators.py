@@ -2,8 +2,8 @@
 
 ``execute`` and ``execute_complete`` (and a sensor's ``poke``) take the task's context and pass on what the rest needs (the
 task instance); the run manager, the trigger, the hooks and the operators' other methods never
-see it. Checked on the source (names and arguments called ``context``), so that a new method that
-takes it fails here. Also the size budget of the operators' module and of the execute operator.
+see it. Checked on the source (names and arguments called ``context``, and Airflow's
+``get_current_context``), so that a new method that takes or fetches it fails here. Also the size budget of the operators' module and of the execute operator.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ CONTEXT_METHODS = {"execute", "execute_complete", "poke"}
 
 
 def _uses_context(node: ast.AST) -> bool:
-    return any((isinstance(n, ast.Name) and n.id == "context") or (isinstance(n, ast.arg) and n.arg == "context")
+    """A name or argument ``context``, or Airflow's ``get_current_context`` (called or imported)."""
+    return any((isinstance(n, ast.Name) and n.id in ("context", "get_current_context"))
+               or (isinstance(n, ast.arg) and n.arg == "context")
+               or (isinstance(n, ast.Attribute) and n.attr == "get_current_context")
+               or (isinstance(n, ast.alias) and n.name.rsplit(".", 1)[-1] == "get_current_context")
                for n in ast.walk(node))
 
 
@@ -37,6 +41,8 @@ def _functions(tree: ast.Module):
 @pytest.mark.parametrize("module", sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")))
 def test_context_is_used_only_in_execute_and_execute_complete(module):
     tree = ast.parse((PACKAGE / module).read_text())
+    assert not any(_uses_context(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), \
+        f"{module}: imports get_current_context"
     offenders = [f"{owner}.{function.name}" if owner else function.name
                  for owner, function in _functions(tree)
                  if _uses_context(function) and not (module.startswith(("operators/", "sensors/"))
