@@ -71,7 +71,7 @@ def test_demo_survives_two_preemptions_bit_exactly(tmp_path: Path) -> None:
         # load a write through the FUSE volume can take tens of steps, and with 240 steps in all
         # the preemption could come after the run had ended (attempt 1 reporting exit 0)
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--steps", "360", "--checkpoint-every", "20",
-         "--step-delay", "0.03", "--hidden", "256", "--preemptions", "2", "--workdir", str(workdir),
+         "--step-delay", "0.03", "--hidden", "1024", "--preemptions", "2", "--workdir", str(workdir),
          "--report", str(report_path)],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
