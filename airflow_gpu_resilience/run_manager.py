@@ -1,16 +1,14 @@
 """The run manager: attach to or start a task instance's execution, wait for it, act on its outcome.
 
-:class:`CloudRunGpuRunManager` does for the execute operator what ``pod_manager`` does for
-cncf.kubernetes' pod operator: the operator keeps Airflow's side (``context``, XCom, links,
-deferral) and hands the manager what it needs, a hook, the checked :class:`RunSettings` and two
-callbacks; the manager attaches, starts, polls, classifies and re-runs through the hook and
-decides with the pure functions of :mod:`~airflow_gpu_resilience.outcome`.
+:class:`CloudRunGpuRunManager` does for the execute operator what ``pod_manager`` does for cncf.kubernetes'
+pod operator: the operator keeps Airflow's side (``context``, XCom, links, deferral) and hands the manager
+what it needs, a hook, the checked :class:`RunSettings` and two callbacks; the manager attaches, starts,
+polls, classifies and re-runs through the hook and decides with :mod:`~airflow_gpu_resilience.outcome`.
 
-**The goodput account** of the try (:mod:`~airflow_gpu_resilience.goodput`) is logged as a table
-when the task ends: on success it is the summary's ``goodput``; on a failure (and an overall
-``timeout``) it is built before raising, its headline ends the error's message and the error
-carries it (a failure on an execution's outcome also hands it to ``on_failure_goodput``, the
-``goodput`` XCom). Building it never raises: a failed read leaves it ``None``.
+**The goodput account** of the try (:mod:`~airflow_gpu_resilience.goodput`) is logged as a table when the
+task ends: on success it is the summary's ``goodput``; on a failure (and an overall ``timeout``) it is built
+before raising, its headline ends the error's message and the error carries it (a failure on an execution's
+outcome also hands it to ``on_failure_goodput``, the ``goodput`` XCom). Building it never raises.
 
 **The re-run budget follows checkpoint progress** when ``checkpoint_bucket`` is set
 (:mod:`~airflow_gpu_resilience.rerun_budget`): a re-run after an execution in which any task
@@ -172,7 +170,7 @@ class CloudRunGpuRunManager:
             self.log.info("Attaching to execution %s started by an earlier try", newest.name)
             self._remember(newest.name)
             return RunStep.wait(newest.name)
-        if newest is not None and self._adoptable(run, newest):
+        if newest is not None and self._adoptable(run, newest, found):
             self.log.info("Adopting execution %s: it finished while no try was waiting", newest.name)
             self._remember(newest.name)
             return self.after_finish(run, newest.name, AttemptLog())
@@ -183,17 +181,13 @@ class CloudRunGpuRunManager:
         return self.hook.find_executions(job_name=self.settings.job_name, region=self.settings.region,
                                          env={RUN_KEY_ENV: run.run_key}, project_id=run.project_id)
 
-    def _adoptable(self, run: RunState, execution: run_v2.Execution) -> bool:
+    def _adoptable(self, run: RunState, execution: run_v2.Execution, own: list[run_v2.Execution]) -> bool:
         tasks = self.hook.list_tasks(execution=execution.name)
         decision = decide([classify_task(t, self.settings.fatal_exit_codes) for t in tasks],
-                          state=execution_state(execution), reruns_used=self.reruns_used(run), max_reruns=run.budget)
+                          state=execution_state(execution), reruns_used=reruns_used(own), max_reruns=run.budget)
         # A FAILED, FATAL or CANCELLED outcome was raised by an earlier try; the others never are
         # before the decision is acted on (a re-run, a summary, or "budget exhausted").
         return decision.outcome in (OutcomeClass.SUCCEEDED, *RESUMABLE)
-
-    def reruns_used(self, run: RunState) -> int:
-        """Re-run executions of this task instance so far, counted in Cloud Run (all tries)."""
-        return sum(1 for e in self._find_own(run) if execution_env(e).get(RERUN_ENV, "0") != "0")
 
     def start(self, run: RunState, rerun: int, steps: Mapping[int, int] | None) -> str:
         """Start an execution of the task instance, recording its run key, re-run number and steps.
@@ -316,23 +310,24 @@ class CloudRunGpuRunManager:
         if self.progress is not None:  # from the worker's files: a non-retryable stop's reason, unseen attempts
             outcomes = self.progress.worker_reasons(outcomes, timeout=self.settings.progress_read_timeout)
             self.progress.tell_unobserved(execution, attempts, tasks)
-        reruns_used = self.reruns_used(run)
+        own = self._find_own(run)  # one listing for the re-run count and the progress history
+        used = reruns_used(own)
         run.classes[execution] = _execution_class(outcomes, execution_state(finished)).value
-        history, now = self.history(run)
+        history, now = self.history(run, own)
         progress = None if history is None else ProgressBudget(
             history, run.max_reruns_without_progress, run.max_total_reruns, max_unknown_progress=run.budget)
-        decision = decide(outcomes, state=execution_state(finished), reruns_used=reruns_used, max_reruns=run.budget,
+        decision = decide(outcomes, state=execution_state(finished), reruns_used=used, max_reruns=run.budget,
                           progress=progress)
         for entry in run.add_execution(finished, outcomes, attempts, decision, self.settings.fatal_exit_codes):
             self._log_attempt(entry)
         self.log.info("Execution %s: %s -> %s", execution, decision.reason, decision.action.value)
         if decision.action is Action.RERUN:
-            return RunStep.wait(self.start(run, rerun=reruns_used + 1, steps=now))
+            return RunStep.wait(self.start(run, rerun=used + 1, steps=now))
         self.running_execution = None
         if decision.action is Action.SUCCEED:
             job = execution.split("/executions/")[0]
             lost_work = self.progress.lost_work(run, len(tasks)) if self.progress is not None else []
-            summary = run.summary(job, len(tasks), reruns_used, lost_work, chain_entries(history or []))
+            summary = run.summary(job, len(tasks), used, lost_work, chain_entries(history or []))
             summary["goodput"] = self.goodput(run)
             return RunStep.done(summary)
         error = CloudRunGpuExecutionError if decision.action is Action.FAIL else CloudRunGpuFatalError
@@ -353,7 +348,8 @@ class CloudRunGpuRunManager:
             entry["outcome"], how, "" if took is None else f", {took:g} s", entry["message"])
 
     # --- checkpoint progress ---------------------------------------------------------------
-    def history(self, run: RunState) -> tuple[list[ExecutionProgress] | None, dict[int, int] | None]:
+    def history(self, run: RunState, own: list[run_v2.Execution]
+                ) -> tuple[list[ExecutionProgress] | None, dict[int, int] | None]:
         """Every execution of the task instance, oldest first, with its checkpoint steps.
 
         Read from Cloud Run (the executions with this run key, each with the steps recorded at
@@ -362,13 +358,15 @@ class CloudRunGpuRunManager:
         be read the read is retried for ``progress_read_timeout``; after that the newest
         execution's progress is unknown (see :mod:`~airflow_gpu_resilience.rerun_budget`).
 
+        :param run: this try's state.
+        :param own: the task instance's executions as :meth:`_find_own` lists them, newest first.
         :return: the history (``None`` without ``checkpoint_bucket``: the fixed budget applies) and
             the steps now (``None`` when unknown).
         """
         if self.progress is None:
             return None, None
         now = self._read_steps(run)
-        return progress_history(list(reversed(self._find_own(run))), now, lambda e: self._class_of(run, e)), now
+        return progress_history(list(reversed(own)), now, lambda e: self._class_of(run, e)), now
 
     def _read_steps(self, run: RunState) -> dict[int, int] | None:
         """The committed steps now, retried for ``progress_read_timeout``; ``None`` without a bucket
@@ -445,3 +443,8 @@ class CloudRunGpuRunManager:
 def _execution_class(outcomes: Sequence[TaskOutcome], state: ExecutionState) -> OutcomeClass:
     """A finished execution's class: the outcome :func:`decide` gives it (budget aside)."""
     return decide(outcomes, state=state, reruns_used=0, max_reruns=1).outcome
+
+
+def reruns_used(own: Sequence[run_v2.Execution]) -> int:
+    """:return: how many of a task instance's executions (all tries) are re-runs (``RERUN_ENV`` not 0)."""
+    return sum(1 for e in own if execution_env(e).get(RERUN_ENV, "0") != "0")

@@ -218,7 +218,7 @@ def test_a_training_of_about_five_task_timeouts_finishes_through_timed_out_execu
     (["commit-then-stall", "60"], "stuck at step 40 (task 0)", 2, ["", "0=40", "0=40"]),
 ], ids=["never-commits", "stuck-after-one-checkpoint"])
 def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
-    gcp_conn, gcs_emulator_host, job_name, run_execute, capfd, args, stuck, streak, starts
+    gcp_conn, gcs_emulator_host, job_name, run_execute, capfd, args, stuck, streak, starts, monkeypatch
 ):
     """Must-show 2: a task timeout (2 s) shorter than the checkpoint interval. Exactly
     ``max_reruns_without_progress`` (2) re-runs, none committing a newer checkpoint: after a
@@ -227,6 +227,9 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     ends its message and travels on it: every attempt's time, as Cloud Run recorded it, is
     start-up (the stub never reaches a training step)."""
     deploy(job_name, STUB_IMAGE, args, max_retries=0, task_timeout=2)
+    lookups = []  # the task instance's own executions, looked up (a ListExecutions each)
+    find = CloudRunGpuHook.find_executions
+    monkeypatch.setattr(CloudRunGpuHook, "find_executions", lambda *a, **kw: lookups.append(kw) or find(*a, **kw))
     ti = run_execute(retries=2, checkpoint_bucket=BUCKET, max_reruns_without_progress=2, max_preemption_reruns=10)
     assert ti.state == TaskInstanceState.FAILED and ti.try_number == 1
     error = CAPTURED["errors"][-1]
@@ -239,6 +242,7 @@ def test_no_new_checkpoint_ends_after_max_reruns_without_progress(
     assert "time between preemptions" in message
     found = executions(job_name)  # the first execution and exactly 2 re-runs
     assert [execution_env(e)[START_STEPS_ENV] for e in found] == starts
+    assert len(lookups) == 1 + len(found)  # one before the first start, one per finished execution
     report = error.goodput
     assert report is not None, message
     [account] = report["tasks"]
