@@ -214,7 +214,7 @@ def bench_sigterm(workdir: Path, grace: float = 10.0) -> dict[str, Any]:
              y_train=rng.integers(0, 10, 512), x_test=rng.standard_normal((64, 64), dtype=np.float32),
              y_test=rng.integers(0, 10, 64))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "worker"), str(REPO)]), "CLOUD_RUN_JOB": "bench", "PREEMPTION_GRACE_SECONDS": str(grace)}
-    args = [sys.executable, "-m", "gpu_resilience_worker", "train", "--checkpoint-dir", str(workdir / "ckpt"),
+    args = [sys.executable, "-m", "gpu_resilience_trainer", "train", "--checkpoint-dir", str(workdir / "ckpt"),
             "--data", str(data), "--steps", "100000", "--checkpoint-every", "20", "--step-delay", "0.005"]
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

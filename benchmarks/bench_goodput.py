@@ -1,6 +1,6 @@
 """Goodput under maintenance preemptions: no checkpointing vs the common recipe vs this worker.
 
-The real worker (``python -m gpu_resilience_worker train`` through the image table ``worker/emulator-image.json``)
+The real worker (``python -m gpu_resilience_trainer train`` through the image table ``worker/emulator-image.json``)
 runs as a Cloud Run job in the local emulator, created and run with the ``google-cloud-run``
 client (no Airflow). The emulator's seeded preemption schedule (``POST
 /_emulator/preemptions/schedule``: exponential inter-arrival times with mean M, SIGTERM, grace,

@@ -22,7 +22,7 @@ from airflow_gpu_resilience.operators.cloud_run import CloudRunGpuDeployJobOpera
 DATASET_OBJECT = "data/digits.npz"
 
 #: Default worker image; the emulator's image table (``worker/emulator-image.json``) maps any
-#: ``*/airflow-gpu-resilience-worker:*`` image to ``python -m gpu_resilience_worker``.
+#: ``*/airflow-gpu-resilience-worker:*`` image to ``python -m gpu_resilience_trainer``.
 DEFAULT_IMAGE = "us-central1-docker.pkg.dev/local-project/ml/airflow-gpu-resilience-worker:latest"
 
 

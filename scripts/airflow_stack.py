@@ -13,7 +13,7 @@ What it starts, in order, each in its own process group, each waited for until h
    only). Run as root, PostgreSQL runs as the unprivileged ``postgres`` OS user (it refuses
    root).
 2. The Cloud Run emulator with its embedded GCS emulator (``python -m
-   cloud_run_emulator serve``; the worker image maps to ``python -m gpu_resilience_worker``
+   cloud_run_emulator serve``; the worker image maps to ``python -m gpu_resilience_trainer``
    through ``worker/emulator-image.json``).
 3. ``airflow db migrate`` on that database, then ``airflow api-server``, ``scheduler`` (with
    ``LocalExecutor``), ``dag-processor`` and ``triggerer`` as four processes, with ``dags/`` as

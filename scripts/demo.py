@@ -321,7 +321,7 @@ def _reference_run(workdir: Path, dataset: Path, args: argparse.Namespace) -> di
     shutil.copyfile(dataset, root / "data" / "digits.npz")
     env = {**os.environ, "CLOUD_RUN_JOB": JOB, "PYTHONPATH": os.pathsep.join([str(REPO / "worker"), str(REPO)])}
     with (workdir / "reference-run.log").open("w") as log:
-        subprocess.run([sys.executable, "-m", "gpu_resilience_worker", "train", "--checkpoint-dir", str(root), *_worker_args(args)],
+        subprocess.run([sys.executable, "-m", "gpu_resilience_trainer", "train", "--checkpoint-dir", str(root), *_worker_args(args)],
                        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
     return json.loads((root / JOB / "task-0" / "metrics.json").read_text())
 

@@ -6,7 +6,7 @@ e.g. the bundled worker's and a user image's)::
     {"images": {
         "local/exit:latest": {"entrypoint": ["{python}", "-c", "import os,sys; sys.exit(int(os.environ.get('CODE','0')))"]},
         "us-docker.pkg.dev/*/trainer:*": {
-            "entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"],
+            "entrypoint": ["{python}", "-m", "gpu_resilience_trainer"], "cmd": ["train"],
             "cwd": ".", "env": {"PYTHONPATH": "."}
         }
     }}

@@ -59,7 +59,7 @@ def test_rejected_dockerfiles_name_the_line_and_rule(text, message):
 
 def test_the_worker_dockerfile_gives_the_bundled_workers_command():
     config = parse_dockerfile((REPO / "worker" / "Dockerfile").read_text())
-    assert config.entrypoint == ("python", "-m", "gpu_resilience_worker")
+    assert config.entrypoint == ("python", "-m", "gpu_resilience_trainer")
     assert (config.cmd, config.workdir) == (("train",), "/src")
     assert config.environment["CHECKPOINT_DIR"] == "/checkpoints"
 

@@ -8,7 +8,7 @@ from the checkpoint and the execution succeeds.
 The environment is a real ``python -m venv`` into which this environment's pip installs only the
 emulator's folder, copied away from the checkout (so that nothing but the folder itself builds the
 wheel), pinned by ``constraints/dev.txt`` from the ordinary pip configuration. The image table maps
-the job's image to the worker of the development environment (``python -m gpu_resilience_worker``
+the job's image to the worker of the development environment (``python -m gpu_resilience_trainer``
 with this interpreter, as ``worker/emulator-image.json`` does with the emulator's): the standalone
 environment has no torch. The emulator runs from the new environment's ``cloud-run-emulator``
 script; the client runs on the new environment's Python, from a file holding the README's code
@@ -99,7 +99,7 @@ def _readme_client_lines() -> str:
 def _image_table(tmp_path: Path) -> Path:
     """The worker image as ``worker/emulator-image.json`` maps it, on this environment's Python."""
     table = tmp_path / "images.json"
-    entry = {"entrypoint": [sys.executable, "-m", "gpu_resilience_worker"], "cmd": ["train"],
+    entry = {"entrypoint": [sys.executable, "-m", "gpu_resilience_trainer"], "cmd": ["train"],
              "cwd": str(REPO / "worker")}
     table.write_text(json.dumps({"images": {"*/airflow-gpu-resilience-worker:*": entry}}))
     return table

@@ -128,7 +128,7 @@ def test_from_dict_rejects_unknown_keys():
 
 def test_to_job_mirrors_gcloud_deploy():
     job = spec(
-        command=["python"], args=["-m", "gpu_resilience_worker"], env={"A": "1"}, service_account="sa@p.iam.gserviceaccount.com",
+        command=["python"], args=["-m", "gpu_resilience_trainer"], env={"A": "1"}, service_account="sa@p.iam.gserviceaccount.com",
         task_timeout=168 * 3600, task_count=2, parallelism=1, labels={"team": "ml"},
     ).to_job()
     task = job.template.template
@@ -137,7 +137,7 @@ def test_to_job_mirrors_gcloud_deploy():
     assert job.labels == {"team": "ml"}
     assert (job.template.task_count, job.template.parallelism) == (2, 1)
     assert container.image == BASE["image"]
-    assert list(container.command) == ["python"] and list(container.args) == ["-m", "gpu_resilience_worker"]
+    assert list(container.command) == ["python"] and list(container.args) == ["-m", "gpu_resilience_trainer"]
     assert [(e.name, e.value) for e in container.env] == [
         ("A", "1"), ("CHECKPOINT_DIR", "/checkpoints"), ("TASK_TIMEOUT_SECONDS", "604800")]
     assert dict(container.resources.limits) == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}

@@ -1,6 +1,6 @@
 """The project's size budgets, checked on the source: no module over 450 lines, no class over 360
-and no function over 60 (a class's or function's docstring not counted), in the three packages,
-the example DAGs, the scripts, the benchmarks and the tests.
+and no function over 60 (a class's or function's docstring not counted), in the four packages
+(the worker's two), the example DAGs, the scripts, the benchmarks and the tests.
 
 ``KNOWN_OVER`` lists what was over its budget when this check was added; an entry there fails
 once it fits (so the list only shrinks), and anything new over a budget fails.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ["airflow_gpu_resilience", "worker/gpu_resilience_worker", "emulator/cloud_run_emulator", "dags",
-         "scripts", "benchmarks", "tests", "docs/examples", "docs/_ext"]
+ROOTS = ["airflow_gpu_resilience", "worker/gpu_resilience_worker", "worker/gpu_resilience_trainer",
+         "emulator/cloud_run_emulator", "dags", "scripts", "benchmarks", "tests", "docs/examples", "docs/_ext"]
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 360, 60
 #: Over budget when the check was added (module path, or ``path::name``): the deployment test's
 #: first phase and the demo test are one scenario each, to be split by scenario step.

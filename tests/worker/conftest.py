@@ -58,14 +58,14 @@ PAUSING_WORKER = "tests.worker.pausing"
 
 
 class WorkerProcess:
-    """A ``python -m gpu_resilience_worker train`` child whose JSON log lines are collected as they arrive.
+    """A ``python -m gpu_resilience_trainer train`` child whose JSON log lines are collected as they arrive.
 
     With a ``WORKER_TEST_PAUSE_*`` variable in ``env``, the child is ``python -m``
     :data:`PAUSING_WORKER` instead: the same worker, on storage that pauses inside saves.
     """
 
     def __init__(self, args: list[str], env: dict[str, str], *, new_group: bool = False) -> None:
-        module = PAUSING_WORKER if any(k.startswith("WORKER_TEST_PAUSE_") for k in env) else "gpu_resilience_worker"
+        module = PAUSING_WORKER if any(k.startswith("WORKER_TEST_PAUSE_") for k in env) else "gpu_resilience_trainer"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_group,

@@ -146,7 +146,7 @@ class _PausingReader(io.RawIOBase):
 
 
 if __name__ == "__main__":
-    from gpu_resilience_worker.__main__ import main
+    from gpu_resilience_trainer.__main__ import main
     from gpu_resilience_worker.preemption import exit_now
 
     exit_now(main(storage=PausingStorage.from_env(os.environ)))

@@ -1,4 +1,4 @@
-"""Bad input through ``gpu_resilience_worker.__main__.main`` in this process (no process start per case):
+"""Bad input through ``gpu_resilience_trainer.__main__.main`` in this process (no process start per case):
 ONE clear error line, the sysexits code, existing checkpoints untouched."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_resilience_worker import __main__ as cli
+from gpu_resilience_trainer import __main__ as cli
+from gpu_resilience_trainer.data import load_dataset
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
 from gpu_resilience_worker.task_folder import CommitRecord
-from gpu_resilience_worker.data import load_dataset
 from gpu_resilience_worker.fastio import chunk_digests
 from gpu_resilience_worker.commit import CommitStore
 from gpu_resilience_worker.errors import DataError, NewerCheckpointError, OutOfSpaceError

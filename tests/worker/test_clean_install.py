@@ -81,8 +81,8 @@ def test_pip_install_worker_in_a_clean_venv_pulls_no_airflow_or_google_and_runs_
 
 def test_the_worker_wheel_built_from_its_folder_alone_carries_the_license(tmp_path: Path) -> None:
     """The worker folder copied away from the repository (as a user's image build may take it)
-    builds a wheel that carries the repository's license: ``*.dist-info/licenses/LICENSE``, the
-    same text, named in the metadata (``License-File``)."""
+    builds a wheel of both packages that carries the repository's license:
+    ``*.dist-info/licenses/LICENSE``, the same text, named in the metadata (``License-File``)."""
     import shutil
     import zipfile
 
@@ -93,6 +93,8 @@ def test_the_worker_wheel_built_from_its_folder_alone_carries_the_license(tmp_pa
                             str(source)], env=_clean_env(), capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     wheel = zipfile.ZipFile(next(out.glob("airflow_gpu_resilience_worker-*.whl")))
+    # both packages of the distribution: the library and the bundled trainer built on it
+    assert {"gpu_resilience_worker/loop.py", "gpu_resilience_trainer/__main__.py"} <= set(wheel.namelist())
     licenses = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
     assert len(licenses) == 1, wheel.namelist()
     assert wheel.read(licenses[0]) == (REPO / "LICENSE").read_bytes()

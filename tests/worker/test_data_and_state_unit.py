@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_resilience_worker.data import EpochSampler, load_dataset
+from gpu_resilience_trainer.data import EpochSampler, load_dataset
 from gpu_resilience_worker.errors import DataError
 from gpu_resilience_worker.state import TrainState, capture_rng, restore_rng, state_digest
 

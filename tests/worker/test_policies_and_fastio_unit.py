@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_resilience_trainer.config import SWEEP, config_from_args, parse_interval
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager
 from gpu_resilience_worker.policies import SavePolicy
-from gpu_resilience_worker.config import SWEEP, config_from_args, parse_interval
 from gpu_resilience_worker.errors import ConfigError
 from gpu_resilience_worker.fastio import (
     HashingWriter, chunk_digests, file_chunk_digests, root_digest, start_writeback, stream_chunk_digests,

@@ -271,8 +271,9 @@ def test_sigterm_during_start_up_exits_143_before_the_restore(capsys, monkeypatc
     import os
     import signal
 
-    from gpu_resilience_worker import __main__ as cli
-    from gpu_resilience_worker import loop, train
+    from gpu_resilience_trainer import __main__ as cli
+    from gpu_resilience_trainer import train
+    from gpu_resilience_worker import loop
 
     original = train.build_components
 

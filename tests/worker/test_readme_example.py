@@ -99,7 +99,7 @@ def test_readme_bundled_worker_example_runs(tmp_path: Path, digits_npz: Path) ->
 
     [line] = [line for line in _root_example("bundled-worker", "sh").splitlines() if line.strip()]
     argv = shlex.split(line)
-    assert argv[:3] == ["python", "-m", "gpu_resilience_worker"]
+    assert argv[:3] == ["python", "-m", "gpu_resilience_trainer"]
     (tmp_path / "checkpoints").mkdir()
     shutil.copyfile(digits_npz, tmp_path / "checkpoints" / "digits.npz")
     result = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=worker_env(), capture_output=True,

@@ -1,6 +1,6 @@
 """Re-runs with changed settings, stale FATAL markers, out-of-range values and divergence.
 
-Each case found by trying to break the worker, driven through ``gpu_resilience_worker.__main__.main`` in this
+Each case found by trying to break the worker, driven through ``gpu_resilience_trainer.__main__.main`` in this
 process (no process start per case).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_resilience_worker import __main__ as cli
+from gpu_resilience_trainer import __main__ as cli
 
 ENV = {"CLOUD_RUN_JOB": "job", "CLOUD_RUN_TASK_INDEX": "0", "CLOUD_RUN_TASK_COUNT": "1"}
 

@@ -1,9 +1,11 @@
 """Preemption-safe PyTorch checkpointing for Cloud Run GPU jobs: the worker library.
 
 Depends on torch and the standard library only; importing it imports neither Airflow nor any
-Google package, nor the bundled digits trainer (``python -m gpu_resilience_worker train``) nor
-numpy. Three ways in: the bundled worker, your own loop (:class:`ResilientLoop`,
-:func:`run_training`, or the pieces such as :class:`CheckpointManager` directly), and a framework
+Google package, nor numpy, nor the bundled digits trainer (the package ``gpu_resilience_trainer``
+of the same distribution, ``python -m gpu_resilience_trainer train``, an application of this
+library: the library never imports it). Three ways in: the bundled trainer, your own loop
+(:class:`ResilientLoop`, :func:`run_training`, or the pieces such as :class:`CheckpointManager`
+directly), and a framework
 (``gpu_resilience_worker.integrations``, each with its own extra). The public names are those of
 ``_EXPORTS`` below, grouped by purpose in the worker README ("The public API").
 """
@@ -11,7 +13,7 @@ numpy. Three ways in: the bundled worker, your own loop (:class:`ResilientLoop`,
 __version__ = "0.1.0"
 
 #: Public name -> the module that defines it. Imported on first use (PEP 562), so that
-#: ``import gpu_resilience_worker`` loads neither torch nor anything else: the CLI sets
+#: ``import gpu_resilience_worker`` loads neither torch nor anything else: the trainer's CLI sets
 #: ``MKL_CBWR`` before torch loads, and a user's script decides when torch loads.
 _EXPORTS = {
     "checkpoint": ("CheckpointManager", "CheckpointSaveError", "RestoreInterrupted", "Stateful"),

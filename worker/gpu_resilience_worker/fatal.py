@@ -4,7 +4,8 @@ A process that hits an error that will happen again on every retry writes ``{nam
 and exits with its code; a later attempt of the same invocation exits at once with that code
 instead of burning a GPU attempt. Which codes are obeyed, and when 73 and 74 are looked at again:
 the exit codes and the ``FATAL`` row of ``docs/worker-contract.rst``. Used by
-``python -m gpu_resilience_worker`` and by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
+:class:`~gpu_resilience_worker.loop.ResilientLoop` (and through it by the bundled trainer,
+``python -m gpu_resilience_trainer``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the objects it changes (each with ``state_dict()``/``load_state_dict()``). The l
 the newest committed checkpoint, records the attempt, saves on its interval, answers a stop
 (SIGTERM/SIGINT or the task deadline) through
 :func:`~gpu_resilience_worker.preemption.decide_stop` and returns the exit code for
-:func:`exit_now`. The bundled worker trains through it too. What it does step by step, and what
+:func:`exit_now`. The bundled trainer trains through it too. What it does step by step, and what
 bit-identical resume asks of ``step_fn``: ``docs/your-code.rst``.
 """
 
@@ -64,7 +64,7 @@ def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: An
 class ResilientLoop:
     """Runs a user's ``step_fn`` to ``total_steps`` through preemptions (see the module docs).
 
-    The bundled worker (``python -m gpu_resilience_worker train``) trains through this loop too.
+    The bundled trainer (``python -m gpu_resilience_trainer train``) trains through this loop too.
 
     :param states: the objects to checkpoint, keyed by name (e.g. ``{"model": model,
         "optimizer": optimizer}``); each has ``state_dict()`` and ``load_state_dict()``. The name

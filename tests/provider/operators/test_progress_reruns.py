@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("airflow_db")
 SERIAL = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[3]
-#: The bundled worker (``python -m gpu_resilience_worker train``) in :func:`worker_emulator`'s table.
+#: The bundled worker (``python -m gpu_resilience_trainer train``) in :func:`worker_emulator`'s table.
 WORKER_IMAGE = "test.local/worker:latest"
 
 #: Steps of the chained training, 0.4 s each (``CHAIN_STEPS`` changes it): 68 s of steps. An
@@ -77,7 +77,7 @@ def emulator_with_images(folder: Path, monkeypatch, images: dict, transport: str
     from cloud_run_emulator.process import EmulatorProcess
     from tests.worker.conftest import write_digits
 
-    worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_worker"], "cmd": ["train"], "cwd": str(REPO),
+    worker = {"entrypoint": ["{python}", "-m", "gpu_resilience_trainer"], "cmd": ["train"], "cwd": str(REPO),
               "env": {"PYTHONPATH": f"{REPO / 'worker'}{os.pathsep}{REPO}"}}
     table = folder / "images.json"
     table.write_text(json.dumps({"images": {WORKER_IMAGE: worker, **images}}))

@@ -1,4 +1,4 @@
-"""``python -m gpu_resilience_worker train [flags]``: the container entry point.
+"""``python -m gpu_resilience_trainer train [flags]``: the bundled trainer's container entry point.
 
 Exit codes: 0 done, 143 interrupted (resumable), 78 bad configuration, 65 bad data, 70
 diverged, 73 the checkpoint folder cannot be written, 74 three checkpoint saves in a row found
@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from gpu_resilience_worker.config import WorkerConfig, config_from_args, guess_namespace
+from gpu_resilience_trainer.config import WorkerConfig, config_from_args, guess_namespace
 from gpu_resilience_worker.checkpoint import CheckpointManager
 from gpu_resilience_worker.errors import EXIT_OK, ConfigError, WorkerError
 from gpu_resilience_worker.fatal import check_writable, invocation, run_guarded, write_fatal
@@ -63,7 +63,7 @@ def _train(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWa
     check_writable(config.namespace)
     for name, value in REPRODUCIBILITY_ENV.items():  # read when MKL and OpenMP load, with torch below
         os.environ.setdefault(name, value)
-    from gpu_resilience_worker import train  # torch is imported only when there is work to do
+    from gpu_resilience_trainer import train  # torch is imported only when there is work to do
 
     config.timing.apply(watcher)  # the deadline counts during the imports and the build too
     return train.run(config, logger, watcher, storage, argv=list(argv), env=env)

@@ -1,4 +1,4 @@
-"""The bundled worker's training: the digits MLP, its data and its step, run by
+"""The bundled trainer's training: the digits MLP, its data and its step, run by
 :class:`~gpu_resilience_worker.loop.ResilientLoop` (resume, checkpoints, the stop, the task
 folder's files are the loop's, as for any own loop)."""
 
@@ -12,9 +12,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from gpu_resilience_trainer.config import WorkerConfig
+from gpu_resilience_trainer.data import Dataset, EpochSampler, load_dataset
 from gpu_resilience_worker import checkpoint as ckpt
-from gpu_resilience_worker.config import WorkerConfig
-from gpu_resilience_worker.data import Dataset, EpochSampler, load_dataset
 from gpu_resilience_worker.errors import ConfigError, DivergedError
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.loop import ResilientLoop
@@ -100,14 +100,14 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def run(config: WorkerConfig, logger: StructuredLogger, watcher: PreemptionWatcher, storage: Storage | None = None,
         *, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Run one attempt of the bundled worker: build the run from the seed, then train it through
+    """Run one attempt of the bundled trainer: build the run from the seed, then train it through
     :class:`~gpu_resilience_worker.loop.ResilientLoop` with the flags' settings.
 
     :param config: the validated configuration.
     :param logger: structured logger.
     :param watcher: the installed preemption watcher.
     :param storage: storage backend; default local files.
-    :param argv: the worker's arguments, which a ``FATAL`` marker is tied to; default none.
+    :param argv: the trainer's arguments, which a ``FATAL`` marker is tied to; default none.
     :param env: the environment (the task identity); default ``os.environ``.
     :return: the exit code of :meth:`ResilientLoop.run` (0 done, 143 interrupted, ...).
     :raises ConfigError: bad settings. :raises DataError: bad data (both before training).
