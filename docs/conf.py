@@ -54,7 +54,7 @@ autodoc_class_signature = "mixed"
 
 nitpicky = True
 # Any dotted name of another project (no inventory offline) or of the standard library.
-_EXTERNAL = r"(?!airflow_gpu_resilience\b|gpu_resilience_worker\b)[A-Za-z_]\w*\..+"
+_EXTERNAL = r"(?!airflow_gpu_resilience\b|gpu_resilience_worker\b|gpu_resilience_trainer\b)[A-Za-z_]\w*\..+"
 nitpick_ignore_regex = [
     # Private names (a base class, a type variable) appear in signatures and bases but are not documented.
     (r"py:.*", r"(.*\.)?_[A-Za-z]\w*"),

@@ -81,7 +81,7 @@ class ApiModules(SphinxDirective):
 
 
 #: The packages whose objects the reference resolution below looks among.
-OWN_PACKAGES = ("airflow_gpu_resilience", "gpu_resilience_worker")
+OWN_PACKAGES = ("airflow_gpu_resilience", "gpu_resilience_worker", "gpu_resilience_trainer")
 
 
 def _find(dotted: str):
