@@ -109,7 +109,11 @@ def _line(process: subprocess.Popen, limit: float) -> dict:
     """The client's next JSON line within ``limit`` seconds (a guard against a hang)."""
     readable, _, _ = select.select([process.stdout], [], [], limit)
     line = process.stdout.readline() if readable else ""
-    assert line, f"no line from the client (exit {process.poll()}): {process.stderr.read() if process.poll() else ''}"
+    if not line:  # its stderr says why; a client still running (a hang) is stopped to read it
+        if process.poll() is None:
+            process.kill()
+        _, err = process.communicate(timeout=30)
+        raise AssertionError(f"no line from the client within {limit:g} s (exit {process.returncode}): {err}")
     return json.loads(line)
 
 

@@ -158,6 +158,12 @@ def point_connection(monkeypatch, emulator, transport: str) -> str:
     monkeypatch.setenv(
         "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
     )
+    from airflow_gpu_resilience.hooks.cloud_run import CloudRunGpuHook
+
+    # the test id names the transport: the hook's clients must use it (a test marked [grpc] that
+    # talked REST would pass unnoticed)
+    built = type(CloudRunGpuHook().jobs_client(REGION).transport).__name__
+    assert built == f"Jobs{'Rest' if transport == 'rest' else 'Grpc'}Transport", (transport, built)
     return "google_cloud_default"
 
 
@@ -168,7 +174,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     Why the Airflow release does not matter to the transport: REST and gRPC differ only in the
     Cloud Run clients the hook builds (the google provider's ``GoogleBaseHook`` and
-    ``google-cloud-run``, the same pinned releases in both environments) and in how the trigger
+    ``google-cloud-run``, client code whichever releases each environment resolves) and in how the trigger
     calls them (a thread per call or native ``grpc.aio``), none of it Airflow's code; what does
     depend on the release (connections, operators, deferral) the gRPC variant runs on each. The
     tests of the session's emulator run both variants on both releases.
