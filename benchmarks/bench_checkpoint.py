@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -201,9 +200,6 @@ def bench_load(states: dict[str, TensorBag], folder: Path, data_file: Path, repe
                 drop_cache(data_file)
             with CheckpointManager(config, targets, logger=logger) as manager:
                 out[f"load_{kind}"].append(timed(manager.load))
-            for thread in threading.enumerate():  # the load frees its copy's pages on a thread:
-                if thread.name == "checkpoint-copy-release":  # not while the next one is timed
-                    thread.join()
     equal = all(torch.equal(targets[k].tensors[n], t) for k, b in states.items() for n, t in b.tensors.items())
     return {**out, "bit_identical": equal}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -229,43 +228,6 @@ def test_local_copy_counts_a_longer_file_and_frees_on_close(tmp_path: Path) -> N
     copy.close()
     with pytest.raises(ValueError, match="size must be >= 0"):
         LocalCopy(-1)
-
-
-def _memfd_inodes(where: str, inode: int) -> list[str]:
-    """:return: the entries of ``/proc/self/fd`` (``where="fd"``) or lines of ``/proc/self/maps``
-    (``"maps"``) that are the in-memory copy with that inode."""
-    if where == "maps":
-        return [line for line in Path("/proc/self/maps").read_text().splitlines()
-                if "memfd:checkpoint-copy" in line and line.split()[4] == str(inode)]
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.stat(f"/proc/self/fd/{name}").st_ino == inode and "memfd:checkpoint-copy" in os.readlink(f"/proc/self/fd/{name}"):
-                found.append(name)
-        except OSError:  # the descriptor of the listing itself, gone
-            pass
-    return found
-
-
-def test_a_local_copy_closes_at_once_and_frees_its_pages_on_a_thread(tmp_path: Path) -> None:
-    """What a restore does once the loaded state is dropped: the copy's descriptor is closed
-    before the caller goes on (a process forked then holds none), and the pages are freed by a
-    thread (the mapping it held them with, which no child inherits, is gone once it ends)."""
-    path = tmp_path / "f"
-    path.write_bytes(os.urandom(20_000))
-    copy = LocalCopy(20_000)
-    with open(path, "rb", buffering=0) as handle:
-        assert copy.fill(handle, 4096, "crc32")[0] == 20_000
-    if not copy.in_memory:
-        pytest.skip("no memfd_create or /proc/self/fd here: a temporary file, closed in the caller")
-    inode = os.stat(copy.path).st_ino
-    assert _memfd_inodes("fd", inode)
-    copy.close_in_background()
-    assert _memfd_inodes("fd", inode) == []
-    for thread in threading.enumerate():
-        if thread.name == "checkpoint-copy-release":
-            thread.join()
-    assert _memfd_inodes("maps", inode) == []
 
 
 def test_a_restore_under_a_file_size_limit_reads_into_memory(tmp_path: Path) -> None:

@@ -308,15 +308,11 @@ class CheckpointManager(CommitStore):
         for candidate in candidates:
             if self._should_stop():
                 raise RestoreInterrupted(None)
-            copy, state = self._read_state(candidate)
-            if copy is None:
+            state = self._read_state(candidate)
+            if state is None:
                 continue
-            try:
-                for key, obj in self._states.items():
-                    obj.load_state_dict(state[key])
-            finally:
-                state = None  # the tensors nothing keeps are unmapped here: their pages stay the copy's
-                copy.close_in_background()  # and the copy frees them without holding up the caller
+            for key, obj in self._states.items():
+                obj.load_state_dict(state[key])
             self.loaded_step = self.last_saved_step = candidate
             self.resumed_from(candidate)
             return True
@@ -361,31 +357,26 @@ class CheckpointManager(CommitStore):
         with open(copy.path, "rb") as handle:
             return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True, mmap=False)
 
-    def _read_state(self, step: int) -> tuple[LocalCopy | None, Any]:
-        """:return: ``(copy, state)`` of a valid checkpoint (the caller closes the copy once the
-        state is dropped), or ``(None, None)`` after a WARNING saying why it is skipped."""
+    def _read_state(self, step: int) -> dict[str, Any] | None:
         copy, reason = self.read_verified(step, self._should_stop)  # the one read of the data
         if copy is None and self._should_stop():
             raise RestoreInterrupted(step)
         if copy is not None:
-            kept = False
             try:
                 state = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]
-                kept = not missing
-                if kept:
-                    return copy, state
+                if not missing:
+                    return state
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
             finally:
-                if not kept:
-                    copy.close()  # a memory-mapped state keeps its pages until it is dropped
+                copy.close()  # a memory-mapped state keeps its pages until it is dropped
             self.mark_invalid(step)  # verified bytes that do not load: retention skips it
         self._log.warning(
             "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason
         )
-        return None, None
+        return None
 
     @property
     def in_flight(self) -> bool:

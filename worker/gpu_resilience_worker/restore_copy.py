@@ -7,16 +7,12 @@ as it arrives, into memory that ``torch.load(..., mmap=True)`` maps without anot
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import tempfile
-import threading
-from typing import Any, BinaryIO, Callable
+from typing import BinaryIO, Callable
 
 from gpu_resilience_worker.fastio import DIGEST_CHUNK, ChunkHasher, read_pipelined
-
-_LIBC: Any = None  # the C library, loaded by the first in-memory copy's close_in_background
 
 
 class LocalCopy:
@@ -27,9 +23,7 @@ class LocalCopy:
     a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
     when both the copy is closed and those tensors are gone (a mapping outlives its file). It is
     filled with ``pwrite`` from two reused buffers (:meth:`fill`), not through a mapping: new
-    pages written through a mapping cost a page fault and a zero-fill each. Nor with ``sendfile``
-    from the source: it saves the copy into a buffer that stays in the CPU cache, but the hash
-    must then read the copy's pages through a mapping, which costs more than it saves.
+    pages written through a mapping cost a page fault and a zero-fill each.
 
     Where no such file can be made at that size (a file size limit, a full temporary folder),
     the copy is anonymous memory instead: ``path`` is then ``None`` and ``buffer`` holds
@@ -114,37 +108,6 @@ class LocalCopy:
             except OSError:
                 pass
             self._temp = None
-
-    def close_in_background(self) -> None:
-        """Close the copy now and free its pages on a new thread: kernel work in proportion to the
-        checkpoint's size that the caller need not wait for. Call it after dropping the loaded
-        tensors not kept, so that their unmapping leaves the pages to the copy. The thread holds
-        them by a one-page mapping that no child process inherits (``MADV_DONTFORK``), not by a
-        descriptor: a process forked meanwhile (a data loader's worker) cannot keep them. A copy
-        not in memory, or a mapping refused, is closed entirely here."""
-        held = self._hold_pages() if self.in_memory and self.size else None
-        self.close()
-        if held is not None:
-            threading.Thread(target=_LIBC.munmap, args=(held, mmap.PAGESIZE), name="checkpoint-copy-release",
-                             daemon=True).start()
-
-    def _hold_pages(self) -> int | None:
-        """:return: the address of a one-page mapping of the copy that no child inherits, made with
-        libc's ``mmap`` (Python's keeps a duplicate of the descriptor); ``None`` where refused."""
-        global _LIBC
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-            _LIBC.mmap.restype = ctypes.c_void_p
-            _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        held = _LIBC.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, self._fd, 0)
-        if held in (None, ctypes.c_void_p(-1).value):
-            return None
-        if _LIBC.madvise(held, mmap.PAGESIZE, mmap.MADV_DONTFORK) != 0:
-            _LIBC.munmap(held, mmap.PAGESIZE)
-            return None
-        return held
 
     def __enter__(self) -> LocalCopy:
         return self
