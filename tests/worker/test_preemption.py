@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
