@@ -114,7 +114,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """:return: the ``python -m gpu_resilience_trainer`` argument parser."""
-    parser = _Parser(prog="python -m gpu_resilience_trainer", description=__doc__)
+    parser = _Parser(prog="python -m gpu_resilience_trainer",
+                     description="The bundled digits trainer: train (or resume) a small MLP, checkpointing "
+                                 "to the task folder, on the library gpu_resilience_worker.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser("train", help="train (or resume) the digits MLP")
     defaults = TrainConfig()
