@@ -78,3 +78,30 @@ def test_stop_timing_sets_the_watchers_grace_and_deadline() -> None:
     assert watcher.deadline == watcher.started_at + 30.0 - 4.0  # min(grace, timeout / 2) before the timeout
     StopTiming().apply(watcher)
     assert watcher.deadline is None and watcher.grace_seconds == 10.0
+
+
+def test_the_signal_handler_takes_no_lock_and_wakes_a_wait():
+    """A handler runs on the main thread between two bytecodes, also while that thread holds a
+    lock; one that took a lock (``threading.Event.set`` does) could wait for it forever, and the
+    worker would then be killed at the grace period's end without its stop. The handler's calls
+    into C are recorded: none may be a lock's; and a wait started after the signal returns at once."""
+    import signal
+    import sys
+    import time
+
+    watcher = PreemptionWatcher()
+    watcher.install()
+    calls: list[str] = []
+    try:
+        sys.setprofile(lambda frame, event, arg: calls.append(getattr(arg, "__qualname__", repr(arg)))
+                       if event == "c_call" else None)
+        try:
+            watcher._handle(signal.SIGTERM, None)
+        finally:
+            sys.setprofile(None)
+        started = time.monotonic()
+        assert watcher.wait(30.0) is True and time.monotonic() - started < 5.0
+    finally:
+        watcher.uninstall()
+    assert watcher.requested and watcher.signal_name == "SIGTERM"
+    assert not [c for c in calls if "lock" in c.lower() or "acquire" in c.lower()], calls

@@ -1,6 +1,8 @@
 """Preemption notice: SIGTERM/SIGINT handling, the attempt deadline and the stop decision.
 
-The signal handler only records the time and sets a :class:`threading.Event`; the training loop
+The signal handler only records the time, sets a flag and writes a byte to a pipe (no lock: a
+handler runs on the main thread between two bytecodes, and one that took a lock the main thread
+held there, as ``threading.Event.set`` does, would wait for it forever); the training loop
 checks :attr:`PreemptionWatcher.requested` at every step boundary and asks :func:`decide_stop`
 (pure) what to do: go on, save then exit, or exit. Every way in (the bundled worker,
 :class:`~gpu_resilience_worker.loop.ResilientLoop`, the framework adapters) asks it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import select
 import signal
 import sys
 import threading
@@ -78,7 +81,8 @@ class PreemptionWatcher:
         self.timeout_at: float | None = None
         self._signals = signals
         self._clock = clock
-        self._event = threading.Event()
+        self._requested = False
+        self._wake: tuple[int, int] | None = None  # the pipe the handler writes to, while installed
         self._previous: dict[signal.Signals, object] = {}
         self.started_at = clock() - (process_age_seconds() if clock is time.monotonic else 0.0)
         self.received_at: float | None = None
@@ -93,6 +97,9 @@ class PreemptionWatcher:
 
     def install(self) -> None:
         """Install the handlers (main thread only), remembering the previous ones."""
+        if self._wake is None:
+            self._wake = os.pipe()
+            os.set_blocking(self._wake[1], False)
         for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -101,28 +108,44 @@ class PreemptionWatcher:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # no lock may be taken here (see the module docstring): a flag, and a byte that wakes wait()
         if self.received_at is None:
             self.received_at = self._clock()
             self.signal_name = signal.Signals(signum).name
-        self._event.set()
+        self._requested = True
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\0")
+            except OSError:  # the pipe is full: wake-ups are pending already
+                pass
 
     @property
     def requested(self) -> bool:
         """Whether a signal arrived or the deadline passed."""
-        if not self._event.is_set() and self.deadline is not None and self._clock() >= self.deadline:
+        if not self._requested and self.deadline is not None and self._clock() >= self.deadline:
             self.received_at = self._clock()
             self.signal_name = "DEADLINE"
-            self._event.set()
-        return self._event.is_set()
+            self._requested = True
+        return self._requested
 
     def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``, waking early on a stop request.
+        """Sleep up to ``seconds``, waking early on a signal (the handler's byte, never read, keeps
+        every later wait short too).
 
         :return: whether a stop was requested.
         """
-        return self._event.wait(seconds) if seconds > 0 else self._event.is_set()
+        if seconds > 0 and not self.requested:
+            if self._wake is None:
+                time.sleep(seconds)
+            else:
+                select.select([self._wake[0]], [], [], seconds)
+        return self.requested
 
     def remaining_grace(self) -> float:
         """:return: seconds left before the expected SIGKILL (the full grace before a notice)."""
