@@ -230,11 +230,11 @@ class Preempter(threading.Thread):
         return data, commits
 
     def _wait_for_checkpoint_write(self) -> int | None:
-        """:return: the step of a checkpoint whose data is being written, polled every 1 ms; None
-        once the training has reached its last step (a SIGTERM in the final write would find the
-        work done, not preempt it)."""
+        """:return: the step of a checkpoint whose data is being written, polled every 1 ms, never
+        the last step's (a SIGTERM in the final write would find the work done, not preempt it);
+        None once the run has ended without one."""
         floor = max(self._checkpoint_files()[1], default=-1)
-        while not self.stop.is_set() and self._progress_step() < self.total_steps:
+        while not self.stop.is_set():
             data, commits = self._checkpoint_files()
             writing = [step for step in data - commits if floor < step < self.total_steps]
             if writing:
