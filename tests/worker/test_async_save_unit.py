@@ -240,3 +240,48 @@ def test_resilient_loop_on_a_full_disk_returns_74_after_three_background_saves_f
     assert loop.step == 60
     marker = json.loads((tmp_path / "run" / "FATAL").read_text())
     assert "No space left on device" in marker["reason"] and str(tmp_path / "run") in marker["reason"]
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    loss = model(torch.randn(8, 16, generator=generator)).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(16, 4)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def test_a_resumed_manager_snapshots_into_the_restored_copy_and_never_into_the_live_state(tmp_path: Path) -> None:
+    """After a restore, the loaded tensors the states copied (the model's) are the first snapshot's
+    buffers, and those the states kept (Adam's moments) are not: a save started after the resume
+    holds the values at its call, though training changes the live state before it is written."""
+    config = CheckpointConfig(folder=str(tmp_path), interval=1, async_mode=AsyncMode.ASYNC)
+    storage, logger = GatedStorage(), StructuredLogger(ListLog())
+    storage.gate.set()
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer, 1)
+    with CheckpointManager(config, {"model": model, "optimizer": optimizer}, storage=storage, logger=logger) as manager:
+        manager.save(1, force=True)
+    model, optimizer = _model_and_optimizer()
+    with CheckpointManager(config, {"model": model, "optimizer": optimizer}, storage=storage, logger=logger) as manager:
+        assert manager.load()
+        assert manager._snapshots.nbytes == sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        _step(model, optimizer, 2)
+        expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "moments": [v.clone() for s in optimizer.state.values() for v in s.values()]}
+        storage.gate.clear()
+        assert manager.save(2)  # the snapshot is taken here; its write waits for the gate
+        _step(model, optimizer, 3)  # training changes the live state while the save is in flight
+        storage.gate.set()
+        manager.wait_until_finished()
+    restored, restored_optimizer = _model_and_optimizer()
+    with CheckpointManager(config, {"model": restored, "optimizer": restored_optimizer}, storage=storage,
+                           logger=logger) as manager:
+        assert manager.load() and manager.loaded_step == 2
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected["model"].items())
+    got = [v for s in restored_optimizer.state.values() for v in s.values()]
+    assert len(got) == len(expected["moments"]) and all(torch.equal(a, b) for a, b in zip(got, expected["moments"]))

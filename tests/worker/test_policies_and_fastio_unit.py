@@ -116,6 +116,38 @@ def test_snapshot_buffers_are_reused_and_hold_the_values_at_copy_time() -> None:
     assert buffers.nbytes == 6 * 4 + 8
 
 
+def _adopt_cases() -> list[tuple[str, dict, dict, list[str]]]:
+    """(case, loaded, live, names adopted): what a restore's host tensors may become."""
+    kept = torch.ones(4)
+    tied = torch.arange(4.0)
+    return [
+        ("copied into the live tensor: adopted", {"w": torch.ones(4)}, {"w": torch.zeros(4)}, ["w"]),
+        ("kept by the live state (an optimizer's moment): not adopted", {"m": kept}, {"m": kept}, []),
+        ("a view of a kept storage: not adopted", {"m": kept[:2]}, {"m": kept[2:]}, []),
+        ("another dtype: not adopted", {"w": torch.ones(4)}, {"w": torch.zeros(4, dtype=torch.float64)}, []),
+        ("another shape: not adopted", {"w": torch.ones(4)}, {"w": torch.zeros(2, 2)}, []),
+        ("two loaded tensors on one storage: the first only", {"a": tied, "b": tied},
+         {"a": torch.zeros(4), "b": torch.zeros(4)}, ["a"]),
+        ("nested in lists and dicts", {"s": {0: [torch.ones(2)]}}, {"s": {0: [torch.zeros(2)]}}, ["s/0/0"]),
+        ("not in the live state: ignored", {"extra": torch.ones(2)}, {}, []),
+    ]
+
+
+@pytest.mark.parametrize(("case", "loaded", "live", "adopted"), _adopt_cases(), ids=[c[0] for c in _adopt_cases()])
+def test_snapshot_buffers_adopt_restored_tensors_the_states_did_not_keep(case: str, loaded: dict, live: dict,
+                                                                         adopted: list[str]) -> None:
+    buffers = SnapshotBuffers()
+    nbytes = buffers.adopt(loaded, live)
+    assert ["/".join(map(str, key)) for key in buffers._buffers] == adopted, case
+    assert nbytes == buffers.nbytes
+    snapshot = buffers.copy(live)  # a snapshot into adopted buffers holds the live values, apart from them
+    for key in buffers._buffers:
+        value, source = snapshot, live
+        for part in key:
+            value, source = value[part], source[part]
+        assert torch.equal(value, source) and value.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+
+
 def _expected_chunks(data: bytes, chunk_bytes: int) -> list[str]:
     return [hashlib.sha256(data[o : o + chunk_bytes]).hexdigest() for o in range(0, len(data), chunk_bytes)]
 

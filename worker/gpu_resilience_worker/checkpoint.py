@@ -297,6 +297,9 @@ class CheckpointManager(CommitStore):
         A checkpoint found corrupt or unloadable is not counted by retention as kept (a valid one is
         not deleted in its place), nor deleted while newer than the one loaded (:meth:`CommitStore.resumed_from`).
 
+        With :attr:`AsyncMode.ASYNC`, the loaded tensors the states copied (not kept) stay as the
+        next snapshot's buffers (:meth:`~gpu_resilience_worker.snapshot.SnapshotBuffers.adopt`) instead of being freed.
+
         :param step: the step to load; default ``config.load_step`` (-1: newest valid).
         :return: whether a checkpoint was loaded (its step is then in ``loaded_step``).
         :raises RestoreInterrupted: when ``should_stop`` said so before or during a read.
@@ -313,6 +316,8 @@ class CheckpointManager(CommitStore):
                 continue
             for key, obj in self._states.items():
                 obj.load_state_dict(state[key])
+            if self.config.async_mode is AsyncMode.ASYNC:  # the restored host copy is the next snapshot's
+                self._snapshots.adopt(state, self._state_dicts())
             self.loaded_step = self.last_saved_step = candidate
             self.resumed_from(candidate)
             return True

@@ -82,17 +82,19 @@ class LocalCopy:
         return position + extra, hasher.digests()
 
     def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
-        """Hash a piece and put it into the copy: with ``pwrite`` into the file (the bytes reach its
-        pages through the kernel, with no page fault or zero-fill per page as a write through a
-        mapping of new pages costs, and the piece stays in the CPU cache for the hash), or into
-        the anonymous memory."""
-        hasher.update(view)
+        """Put a piece into the copy, then hash it: with ``pwrite`` into the file (the bytes reach
+        its pages through the kernel, with no page fault or zero-fill per page as a write through
+        a mapping of new pages costs), or into the anonymous memory. The copy goes first: it reads
+        the piece into the CPU cache, where the hash then finds it (hashing first left the piece to
+        be read twice from memory and kept this thread behind the disk on a cold read)."""
+        piece, position = view, offset
         if self.buffer is not None:
             self.buffer[offset : offset + view.nbytes] = view
-            return
-        while view.nbytes:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
+        else:
+            while piece.nbytes:
+                written = os.pwrite(self._fd, piece, position)
+                piece, position = piece[written:], position + written
+        hasher.update(view)
 
     def close(self) -> None:
         """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""

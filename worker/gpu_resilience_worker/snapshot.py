@@ -53,10 +53,70 @@ class SnapshotBuffers:
             devices.add(tensor.device)
         return buffer
 
+    def adopt(self, loaded: Any, live: Any) -> int:
+        """Keep a restore's host tensors as the buffers of the next snapshot.
+
+        Right after a restore, the tensors it read (``loaded``) hold the states' values in host
+        memory, which is what a snapshot copies into its buffers. Those the states did not keep
+        become the buffers for their place in ``live``: the first save after a resume faults in
+        no new pages, and the restore frees no pages (freeing them is a large part of a restore's
+        cost, docs/benchmarks.rst). A loaded tensor is adopted only where the live tensor at the
+        same place is a CPU strided tensor of the same shape and dtype (a CUDA source wants pinned
+        buffers), the loaded one is a CPU strided tensor whose storage no live tensor shares (an
+        optimizer keeps its loaded moments: snapshotting into them would write the live state),
+        and no other adopted tensor shares it.
+
+        :param loaded: the restored state, nested like ``live`` (extra entries are ignored).
+        :param live: the states' current state dicts, nested (tensors, dicts, lists, tuples).
+        :return: bytes adopted.
+        """
+        import torch
+
+        pairs: list[tuple[tuple[Any, ...], Any, Any]] = []
+        _pair_tensors(loaded, live, (), pairs, torch)
+        shared = _storage_pointers(live, torch)
+        adopted = 0
+        for key, tensor, target in pairs:
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer in shared or not _same_layout(tensor, target, torch):
+                continue
+            shared.add(pointer)
+            self._buffers[key] = tensor
+            adopted += tensor.numel() * tensor.element_size()
+        return adopted
+
     @property
     def nbytes(self) -> int:
         """Bytes held in reusable buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _pair_tensors(loaded: Any, live: Any, key: tuple[Any, ...], out: list, torch: Any) -> None:
+    """Append ``(key, loaded tensor, live tensor)`` for every place both hold a tensor."""
+    if isinstance(live, torch.Tensor):
+        if isinstance(loaded, torch.Tensor):
+            out.append((key, loaded, live))
+    elif isinstance(live, dict) and isinstance(loaded, dict):
+        for name in (name for name in live if name in loaded):
+            _pair_tensors(loaded[name], live[name], key + (name,), out, torch)
+    elif isinstance(live, (list, tuple)) and isinstance(loaded, (list, tuple)):
+        for index, (mine, theirs) in enumerate(zip(loaded, live)):
+            _pair_tensors(mine, theirs, key + (index,), out, torch)
+
+
+def _storage_pointers(obj: Any, torch: Any) -> set[int]:
+    """:return: the storage address of every tensor nested in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()}
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return set().union(*(_storage_pointers(value, torch) for value in values))
+
+
+def _same_layout(tensor: Any, target: Any, torch: Any) -> bool:
+    """Whether ``tensor`` can be the snapshot buffer of ``target``: both CPU strided tensors, not
+    quantized, of one shape and dtype."""
+    return all(t.layout is torch.strided and not t.is_quantized and t.device.type == "cpu"
+               for t in (tensor, target)) and tensor.shape == target.shape and tensor.dtype == target.dtype
 
 
 _CRC_LOCK = threading.Lock()
