@@ -131,9 +131,11 @@ def _reported_step(task_folder: Path) -> int | None:
 def _past_a_newer_commit(task_folder: Path, every: int):
     """``ready`` for :func:`preempt_every_startup`: true once the task folder holds a commit
     newer than the newest one there when the execution was first asked about, and
-    ``progress.json`` reports a step past that commit by less than half of the checkpoint
+    ``progress.json`` reports a step past that commit by at most half of the checkpoint
     interval (``every`` steps). So the stop comes after a step that is not committed (its
-    resume computes steps again) and well before the next commit."""
+    resume computes steps again) and well before the next commit. The bound is inclusive: the
+    own loop reports once a second, every 25 steps at its step delay, so its reports can fall on
+    exactly half of its 50-step interval and on the commits, and never strictly between."""
     start: dict[str, int] = {}
 
     def ready(execution: str) -> bool:
@@ -143,7 +145,7 @@ def _past_a_newer_commit(task_folder: Path, every: int):
         if not (task_folder / "progress.json").exists():
             return True  # a worker that reports no progress (the summary's checks then fail)
         reported = _reported_step(task_folder)
-        return reported is not None and newest < reported < newest + every // 2
+        return reported is not None and newest < reported <= newest + every // 2
 
     return ready
 
