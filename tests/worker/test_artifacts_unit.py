@@ -67,7 +67,7 @@ def test_stop_action_after_sigterm(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"prefix": ""}, "prefix"), ({"prefix": "a/b"}, "prefix"), ({"prefix": "s", "suffix": ".commit.json"}, "suffix"),
-    ({"prefix": "s", "keep_latest_k": 1}, "keep_latest_k"), ({"prefix": "s", "grace_seconds": 0}, "grace_seconds"),
+    ({"prefix": "s", "keep_latest_k": 1}, "keep_latest_k"), ({"prefix": "s", "grace_seconds": -1}, "grace_seconds"),
 ])
 def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

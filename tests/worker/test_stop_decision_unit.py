@@ -1,9 +1,13 @@
 """The one stop decision (``preemption.decide_stop``) and the one parse of the grace period and
-the task deadline (``config.StopTiming``), table-driven. Cost: well under 1 s (no torch)."""
+the task deadline (``config.StopTiming``), table-driven, and the check of a grace period or timeout a caller gives, by every way in. Cost: about 1 s."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+import torch
 
 from gpu_resilience_worker.config import StopTiming
 from gpu_resilience_worker.errors import ConfigError
@@ -57,6 +61,34 @@ TIMINGS = [
     ({"TASK_TIMEOUT_SECONDS": "nan"}, None, None, "TASK_TIMEOUT_SECONDS='nan' must be"),
     ({"TASK_TIMEOUT_SECONDS": "1e300"}, None, None, "TASK_TIMEOUT_SECONDS='1e300' must be"),
 ]
+
+
+#: (grace_seconds, task_timeout_seconds, the error's text or None): the ranges of the variables.
+CHECKS = [
+    (0, None, None), (4.5, 3600, None), (None, None, None), (604800, 604800, None),
+    (-1, None, "grace_seconds must be a finite number >= 0"), (float("nan"), None, "grace_seconds must be"),
+    ("10", None, "grace_seconds must be a finite number"), (1e300, None, "grace_seconds must be <= 604800"),
+    (None, 0, "task_timeout_seconds must be a finite number > 0"), (None, 1e7, "task_timeout_seconds must be <="),
+]
+
+
+@pytest.mark.parametrize("grace, timeout, error", CHECKS)
+def test_every_way_in_checks_a_given_grace_and_timeout_by_one_rule(tmp_path: Path, grace: object, timeout: object,
+                                                                   error: str | None) -> None:
+    """The loop and the framework store take the variables' ranges for the values a caller gives."""
+    from gpu_resilience_worker.artifacts import ArtifactCheckpoints
+    from gpu_resilience_worker.loop import ResilientLoop
+
+    makers = [lambda: ResilientLoop({"m": torch.nn.Linear(1, 1)}, total_steps=1, folder=tmp_path,
+                                    grace_seconds=grace, task_timeout_seconds=timeout)]
+    if timeout is None:
+        makers.append(lambda: ArtifactCheckpoints(tmp_path, prefix="checkpoint-", grace_seconds=grace))
+    for make in makers:
+        if error is None:
+            make()
+        else:
+            with pytest.raises(ValueError, match=re.escape(error)):
+                make()
 
 
 @pytest.mark.parametrize("env, grace, timeout, expected", TIMINGS)

@@ -40,7 +40,7 @@ class ArtifactCheckpoints(CommitStore):
     :param logger: structured logger; default one on stdout.
     :param clock: monotonic clock in seconds (save durations).
     :raises ValueError: for an empty folder, a prefix or suffix with other characters than
-        letters, digits and ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` <= 0.
+        letters, digits and ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` < 0.
     :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
     """
 
@@ -51,8 +51,7 @@ class ArtifactCheckpoints(CommitStore):
             raise ValueError(f"folder must be a non-empty path, got {folder!r}")
         naming = Naming.folder_shape(prefix, suffix)
         check_number("keep_latest_k", keep_latest_k, minimum=2, integer=True)  # the newest may be in flight
-        if grace_seconds is not None:
-            check_number("grace_seconds", grace_seconds, minimum=0, strict=True)
+        StopTiming.check(grace_seconds)
         self.log = logger or StructuredLogger()
         super().__init__(os.path.abspath(os.fspath(folder)), LocalStorage(), self.log, naming)
         self.keep = KeepLatestN(keep_latest_k)

@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from gpu_resilience_worker.errors import ConfigError
+from gpu_resilience_worker.errors import ConfigError, check_number
 from gpu_resilience_worker.preemption import DEFAULT_GRACE_SECONDS, PreemptionWatcher, set_task_deadline
 
 #: The checkpoint root when neither the caller nor ``CHECKPOINT_DIR`` names one (the mounted bucket).
@@ -61,8 +61,8 @@ class StopTiming:
         """A value given here wins over the environment's.
 
         :param env: the environment; default ``os.environ``.
-        :param grace_seconds: the grace period, when the caller fixes it (already checked).
-        :param task_timeout_seconds: the timeout, when the caller fixes it (already checked).
+        :param grace_seconds: the grace period, when the caller fixes it (checked by :meth:`check`).
+        :param task_timeout_seconds: the timeout, when the caller fixes it (checked by :meth:`check`).
         :raises ConfigError: ``PREEMPTION_GRACE_SECONDS`` not a number of seconds in
             [0, :data:`MAX_SECONDS`], or ``TASK_TIMEOUT_SECONDS`` set but not in (0, :data:`MAX_SECONDS`].
         """
@@ -72,6 +72,18 @@ class StopTiming:
         timeout = _env_number(env, "TASK_TIMEOUT_SECONDS", None, strict=True) if task_timeout_seconds is None \
             else task_timeout_seconds
         return cls(float(grace), None if timeout is None else float(timeout))
+
+    @staticmethod
+    def check(grace_seconds: float | None = None, task_timeout_seconds: float | None = None) -> None:
+        """Refuse values a caller gives outside :meth:`from_env`'s ranges (``None``: not given).
+        :raises ValueError: ``grace_seconds`` < 0 or ``task_timeout_seconds`` <= 0, either not a
+            finite number or above :data:`MAX_SECONDS`, naming it."""
+        for name, value, strict in (("grace_seconds", grace_seconds, False),
+                                    ("task_timeout_seconds", task_timeout_seconds, True)):
+            if value is not None:
+                check_number(name, value, minimum=0, strict=strict)
+                if value > MAX_SECONDS:
+                    raise ValueError(f"{name} must be <= {MAX_SECONDS:g} seconds, got {value!r}")
 
     def apply(self, watcher: PreemptionWatcher) -> None:
         """Give ``watcher`` this grace period and deadline (:func:`set_task_deadline`)."""

@@ -33,12 +33,11 @@ from gpu_resilience_worker.storage import LocalStorage, Storage
 EXIT_RESERVE_SECONDS = 1.0
 
 
-#: The loop's numeric options: (minimum, an int, strictly above the minimum); ``None`` is allowed
-#: for the last two (then the environment decides).
+#: The loop's numeric options: (minimum, an int, strictly above the minimum). The grace period and
+#: the task timeout are :meth:`StopTiming.check`'s.
 _NUMBERS = {
     "total_steps": (1, True, False), "checkpoint_every": (0, True, False), "checkpoint_every_seconds": (0, False, False),
     "mtbi_seconds": (0, False, True), "keep_latest_k": (2, True, False), "progress_interval": (0, False, False),
-    "grace_seconds": (0, False, False), "task_timeout_seconds": (0, False, True),
 }
 
 
@@ -53,8 +52,7 @@ def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: An
             raise ValueError(f"states[{name!r}] has no state_dict()/load_state_dict(): {type(obj).__name__}")
     for name, value in numbers.items():
         minimum, integer, strict = _NUMBERS[name]
-        if value is not None or name not in ("grace_seconds", "task_timeout_seconds"):
-            check_number(name, value, minimum=minimum, integer=integer, strict=strict)
+        check_number(name, value, minimum=minimum, integer=integer, strict=strict)
     if preemption_save not in PREEMPTION_SAVES:
         raise ValueError(f"preemption_save must be one of {PREEMPTION_SAVES}, got {preemption_save!r}")
     if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)):
@@ -139,8 +137,8 @@ class ResilientLoop:
     ) -> None:
         _check_options(states, folder, preemption_save, total_steps=total_steps, checkpoint_every=checkpoint_every,
                        checkpoint_every_seconds=checkpoint_every_seconds, mtbi_seconds=mtbi_seconds,
-                       keep_latest_k=keep_latest_k, progress_interval=progress_interval, grace_seconds=grace_seconds,
-                       task_timeout_seconds=task_timeout_seconds)
+                       keep_latest_k=keep_latest_k, progress_interval=progress_interval)
+        StopTiming.check(grace_seconds, task_timeout_seconds)
         self.states = dict(states)
         self.total_steps = total_steps
         self._folder = None if folder is None else os.fspath(folder)
