@@ -9,7 +9,7 @@ DataLoader workers and a real SIGTERM, by tests/worker/test_dataloader_recipe.py
 import torch
 
 from gpu_resilience_worker.checkpoint import CheckpointConfig, CheckpointManager
-from gpu_resilience_worker.preemption import PreemptionWatcher, ignore_termination_signals
+from gpu_resilience_worker.preemption import SAVE, PreemptionWatcher, decide_stop, ignore_termination_signals
 
 STEPS = 30
 
@@ -47,9 +47,12 @@ with PreemptionWatcher() as watcher, CheckpointManager(config, states) as manage
     manager.load()  # the newest valid checkpoint, if there is one
     stream = batches(loader)
     while progress.step < STEPS:
-        if watcher.requested:  # SIGTERM/SIGINT: flush if it fits, exit 143
-            manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - 1))
-            if watcher.final_save_fits(manager.estimated_save_seconds):
+        if watcher.requested:  # SIGTERM/SIGINT: the worker's stop decision, then exit 143
+            settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - 1))
+            decision = decide_stop(requested=True, step=progress.step, last_committed=manager.last_saved_step,
+                                   estimated_save_seconds=manager.estimated_save_seconds,
+                                   remaining_grace=watcher.remaining_grace(), save_abandoned=not settled)
+            if decision.action == SAVE:  # a save that fits the grace left, of a step not committed
                 manager.save(progress.step, force=True)
             raise SystemExit(143)
         x, y = next(stream)

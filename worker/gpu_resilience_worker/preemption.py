@@ -155,10 +155,6 @@ class PreemptionWatcher:
             return self.timeout_at - self._clock()
         return self.grace_seconds - (self._clock() - self.received_at)
 
-    def final_save_fits(self, estimated_save_seconds: float, margin: float = SAVE_MARGIN_SECONDS) -> bool:
-        """:return: whether a save taking ``estimated_save_seconds`` fits in the grace left (:func:`save_fits`)."""
-        return save_fits(estimated_save_seconds, self.remaining_grace(), margin)
-
 
 def save_fits(estimated_save_seconds: float, remaining_seconds: float, margin: float = SAVE_MARGIN_SECONDS) -> bool:
     """Whether a save fits in the time left.
