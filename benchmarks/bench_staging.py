@@ -6,7 +6,7 @@ state is copied into host memory; this compares the ways to make that copy, on o
 ``--size-gib`` (one third model, two thirds optimizer, float32 tensors of 64 MiB, as in
 ``bench_checkpoint.py``) plus the small non-tensor entries a real state has:
 
-- ``worker SnapshotBuffers``: :class:`gpu_resilience_worker.fastio.SnapshotBuffers`, buffers kept from one save
+- ``worker SnapshotBuffers``: :class:`gpu_resilience_worker.snapshot.SnapshotBuffers`, buffers kept from one save
   to the next (pinned when the source is on CUDA);
 - ``torch BlockingAsyncStager(cache)``: ``torch.distributed.checkpoint.staging.BlockingAsyncStager``
   with ``cache_staged_state_dict=True``, its cached (pinned) copy reused;
@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
 from bench_checkpoint import GIB, make_state  # noqa: E402
-from gpu_resilience_worker.fastio import SnapshotBuffers  # noqa: E402
+from gpu_resilience_worker.snapshot import SnapshotBuffers  # noqa: E402
 
 
 def training_like_state(size: int) -> dict[str, Any]:

@@ -1,6 +1,5 @@
 """Fast paths for big checkpoints' bytes: chunk digests on parallel threads, the hashing writer,
-early writeback. (The restore's local copy is :mod:`gpu_resilience_worker.restore_copy`, the
-save's host buffers :mod:`gpu_resilience_worker.snapshot`.)
+early writeback, pipelined reads.
 
 A data file is hashed as a *hash list* (the commit record's ``chunks``, see
 :mod:`gpu_resilience_worker.task_folder`), so its chunks hash on several threads at once:
@@ -21,7 +20,6 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO, Callable
 
-from gpu_resilience_worker.snapshot import SnapshotBuffers  # noqa: F401 - re-exported (the benchmarks import it here)
 from gpu_resilience_worker.task_folder import DIGEST_CHUNK, DIGESTS, HEX_CHARS, root_digest  # noqa: F401 - re-exported
 
 #: Bytes per write (and per read) of big records, in bytes (8 MiB).

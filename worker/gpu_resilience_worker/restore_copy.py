@@ -82,18 +82,15 @@ class LocalCopy:
         return position + extra, hasher.digests()
 
     def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
-        """Put a piece into the copy, then hash it: with ``pwrite`` into the file (the bytes reach
-        its pages through the kernel, with no page fault or zero-fill per page as a write through
-        a mapping of new pages costs), or into the anonymous memory. The copy goes first: it reads
-        the piece into the CPU cache, where the hash then finds it (hashing first left the piece to
-        be read twice from memory and kept this thread behind the disk on a cold read)."""
+        """Put a piece into the copy, then hash it (in that order it kept up with a cold read):
+        with ``pwrite`` into the file (no page fault or zero-fill per page, as a write through a
+        mapping of new pages costs), or into the anonymous memory."""
         piece, position = view, offset
+        while self.buffer is None and piece.nbytes:
+            written = os.pwrite(self._fd, piece, position)
+            piece, position = piece[written:], position + written
         if self.buffer is not None:
             self.buffer[offset : offset + view.nbytes] = view
-        else:
-            while piece.nbytes:
-                written = os.pwrite(self._fd, piece, position)
-                piece, position = piece[written:], position + written
         hasher.update(view)
 
     def close(self) -> None:

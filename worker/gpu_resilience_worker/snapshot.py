@@ -56,15 +56,12 @@ class SnapshotBuffers:
     def adopt(self, loaded: Any, live: Any) -> int:
         """Keep a restore's host tensors as the buffers of the next snapshot.
 
-        Right after a restore, the tensors it read (``loaded``) hold the states' values in host
-        memory, which is what a snapshot copies into its buffers. Those the states did not keep
-        become the buffers for their place in ``live``: the first save after a resume faults in
-        no new pages, and the restore frees no pages (freeing them is a large part of a restore's
-        cost, docs/benchmarks.rst). A loaded tensor is adopted only where the live tensor at the
-        same place is a CPU strided tensor of the same shape and dtype (a CUDA source wants pinned
-        buffers), the loaded one is a CPU strided tensor whose storage no live tensor shares (an
-        optimizer keeps its loaded moments: snapshotting into them would write the live state),
-        and no other adopted tensor shares it.
+        The loaded tensors hold the states' values in host memory, as a snapshot would. Those the
+        states copied become the buffers for their place in ``live``: the restore frees no pages
+        (a large part of its cost) and the first save after it faults in none. Adopted only where
+        both are CPU strided tensors of one shape and dtype (a CUDA source wants pinned buffers)
+        and no live tensor or other adopted one shares the loaded one's storage (an optimizer keeps
+        its loaded moments: a snapshot into them would write the live state).
 
         :param loaded: the restored state, nested like ``live`` (extra entries are ignored).
         :param live: the states' current state dicts, nested (tensors, dicts, lists, tuples).
@@ -74,8 +71,7 @@ class SnapshotBuffers:
 
         pairs: list[tuple[tuple[Any, ...], Any, Any]] = []
         _pair_tensors(loaded, live, (), pairs, torch)
-        shared = _storage_pointers(live, torch)
-        adopted = 0
+        shared, adopted = _storage_pointers(live, torch), 0
         for key, tensor, target in pairs:
             pointer = tensor.untyped_storage().data_ptr()
             if pointer in shared or not _same_layout(tensor, target, torch):
