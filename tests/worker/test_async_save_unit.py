@@ -285,3 +285,13 @@ def test_a_resumed_manager_snapshots_into_the_restored_copy_and_never_into_the_l
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected["model"].items())
     got = [v for s in restored_optimizer.state.values() for v in s.values()]
     assert len(got) == len(expected["moments"]) and all(torch.equal(a, b) for a, b in zip(got, expected["moments"]))
+
+
+def test_a_restore_adopts_no_tensor_of_a_state_that_is_not_a_module(tmp_path: Path) -> None:
+    """What any other object's ``load_state_dict`` keeps is unknown: its loaded tensors are freed."""
+    config = CheckpointConfig(folder=str(tmp_path), interval=1, async_mode=AsyncMode.ASYNC)
+    storage, logger = LocalStorage(), StructuredLogger(ListLog())
+    with CheckpointManager(config, {"box": Box(3.0)}, storage=storage, logger=logger) as manager:
+        manager.save(1, force=True)
+    with CheckpointManager(config, {"box": Box()}, storage=storage, logger=logger) as manager:
+        assert manager.load() and manager._snapshots.nbytes == 0

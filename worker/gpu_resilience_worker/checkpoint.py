@@ -42,13 +42,10 @@ _THREAD_LOCAL_MMAP: bool | None = None
 
 
 def _shared_mmap_is_thread_local() -> bool:
-    """Whether ``torch.serialization.set_default_mmap_options`` used as a context manager
-    changes the mapping mode for the calling thread only (newer torch keeps config overrides per
-    thread). Where it is process-wide (torch 2.5 to 2.11), a shared mapping is not used: another
-    thread's ``torch.load(mmap=True)`` of its own file during a restore would map that file
-    shared, and its in-place edits would reach the file. Probed once per process, from a second
-    thread, inside a scope set on this one.
-    """
+    """Whether ``torch.serialization.set_default_mmap_options`` as a context manager sets the
+    mapping mode for the calling thread only (probed once, from a second thread). Where it is
+    process-wide (torch 2.5 to 2.11) a shared mapping is not used: another thread's
+    ``torch.load(mmap=True)`` would map its own file shared, and its edits would reach the file."""
     global _THREAD_LOCAL_MMAP
     if _THREAD_LOCAL_MMAP is None:
         import mmap
@@ -297,8 +294,8 @@ class CheckpointManager(CommitStore):
         A checkpoint found corrupt or unloadable is not counted by retention as kept (a valid one is
         not deleted in its place), nor deleted while newer than the one loaded (:meth:`CommitStore.resumed_from`).
 
-        With :attr:`AsyncMode.ASYNC`, the loaded tensors the states copied (not kept) stay as the
-        next snapshot's buffers (:meth:`~gpu_resilience_worker.snapshot.SnapshotBuffers.adopt`) instead of being freed.
+        With :attr:`AsyncMode.ASYNC`, the loaded tensors a ``torch.nn.Module`` copied into itself
+        stay as the next snapshot's buffers (:meth:`~gpu_resilience_worker.snapshot.SnapshotBuffers.adopt`).
 
         :param step: the step to load; default ``config.load_step`` (-1: newest valid).
         :return: whether a checkpoint was loaded (its step is then in ``loaded_step``).
@@ -316,13 +313,21 @@ class CheckpointManager(CommitStore):
                 continue
             for key, obj in self._states.items():
                 obj.load_state_dict(state[key])
-            if self.config.async_mode is AsyncMode.ASYNC:  # the restored host copy is the next snapshot's
-                self._snapshots.adopt(state, self._state_dicts())
+            if self.config.async_mode is AsyncMode.ASYNC:
+                self._adopt_restored(state)
             self.loaded_step = self.last_saved_step = candidate
             self.resumed_from(candidate)
             return True
         self.resumed_from(0)
         return False
+
+    def _adopt_restored(self, state: dict[str, Any]) -> None:
+        """Keep the loaded tensors of the ``torch.nn.Module`` states (copied into the parameters;
+        ``assign=True`` keeps them, which ``SnapshotBuffers.adopt`` sees) as snapshot buffers."""
+        import torch
+
+        modules = {key: obj for key, obj in self._states.items() if isinstance(obj, torch.nn.Module)}
+        self._snapshots.adopt({key: state[key] for key in modules}, {k: m.state_dict() for k, m in modules.items()})
 
     def _deserialize(self, copy: LocalCopy) -> Any:
         """Load a verified local copy with the ``weights_only`` unpickler (no code runs).

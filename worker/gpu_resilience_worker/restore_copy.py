@@ -21,9 +21,7 @@ class LocalCopy:
     On Linux it is an anonymous memory file (``memfd_create``), opened by path through
     ``/proc/self/fd``; elsewhere an unnamed-after-use temporary file. Its pages are the one copy of
     a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
-    when both the copy is closed and those tensors are gone (a mapping outlives its file). It is
-    filled with ``pwrite`` from two reused buffers (:meth:`fill`), not through a mapping: new
-    pages written through a mapping cost a page fault and a zero-fill each.
+    when both the copy is closed and those tensors are gone (a mapping outlives its file).
 
     Where no such file can be made at that size (a file size limit, a full temporary folder),
     the copy is anonymous memory instead: ``path`` is then ``None`` and ``buffer`` holds
