@@ -10,6 +10,7 @@ fixtures hold the worker's verifier and this reader to the same answers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -96,6 +97,37 @@ def _newer_part(obj: dict[str, Any], name: str) -> NewerRecord | None | bool:
     return None
 
 
+#: Hex characters of each chunk digest, by digest; the smallest ``chunk_bytes`` a record may carry.
+_DIGEST_HEX = {"sha256": 64, "crc32c": 8, "crc32": 8}
+_MIN_CHUNK_BYTES = 4096
+_HEX_RE = re.compile(r"[0-9a-f]+")
+
+
+def _hash_list_root(entry: dict[str, Any]) -> bytes | None:
+    """:return: the root digest (the sha256 of its chunk digests) of one file's entry, ``None`` when
+    its hash list is not one the worker would verify: ``chunk_bytes`` below 4 KiB, not one digest
+    per ``chunk_bytes`` of ``size``, or a digest of another length or not lowercase hex."""
+    size, chunk_bytes, chunks = entry.get("size"), entry.get("chunk_bytes"), entry.get("chunks")
+    width = _DIGEST_HEX.get(entry.get("digest", "sha256"))
+    if non_negative_int(size) is None or non_negative_int(chunk_bytes) is None or chunk_bytes < _MIN_CHUNK_BYTES:
+        return None
+    if not isinstance(chunks, list) or len(chunks) != -(-size // chunk_bytes) or not all(
+            isinstance(c, str) and len(c) == width and _HEX_RE.fullmatch(c) for c in chunks):
+        return None
+    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).digest()
+
+
+def _matches_its_hash_lists(obj: dict[str, Any]) -> bool:
+    """Whether the record's ``sha256`` is the root of its hash list (one file) or of its files'
+    roots (folder shape), each hash list well formed, as the worker checks before it reads data."""
+    entries = obj["files"] if isinstance(obj.get("files"), list) else [obj]
+    roots = [_hash_list_root(e) if isinstance(e, dict) else None for e in entries]
+    if not roots or None in roots:
+        return False
+    top = roots[0] if "files" not in obj else hashlib.sha256(b"".join(roots)).digest()
+    return top.hex() == obj.get("sha256")
+
+
 def _folder_sizes(obj: dict[str, Any], name: str) -> dict[str, int] | None:
     """:return: path -> size of a folder-shape record named ``name``, ``None`` when malformed."""
     base, files = obj.get("name"), obj.get("files")
@@ -115,8 +147,8 @@ def record_commits(raw: bytes, name: str) -> tuple[int, dict[str, int]] | NewerR
     """What the commit record ``name`` (directly in a task folder) commits, by the documented schema.
 
     The provider does not hash data (the worker does, on load): a record that parses, has a format
-    and digests this provider knows, and names the step (and, folder shape, the name) of its own
-    file name commits the files it lists at their sizes.
+    and digests this provider knows, hash lists that hash to its ``sha256``, and names the step
+    (and, folder shape, the name) of its own file name commits the files it lists at their sizes.
 
     :param raw: the record's bytes.
     :param name: its name in the task folder (``ckpt-{step:08d}.commit.json`` or ``<name>.commit.json``).
@@ -133,7 +165,7 @@ def record_commits(raw: bytes, name: str) -> tuple[int, dict[str, int]] | NewerR
     if newer is not None:
         return newer or None
     step = non_negative_int(obj.get("step"))
-    if step is None or not isinstance(obj.get("sha256"), str):
+    if step is None or not _matches_its_hash_lists(obj):
         return None
     if "files" in obj:
         sizes = _folder_sizes(obj, name)

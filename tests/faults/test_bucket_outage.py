@@ -47,7 +47,8 @@ step = max((int(p.name[5:13]) for p in ns.glob("ckpt-*.commit.json")), default=0
 data = b"state at step %d" % step
 (ns / ("ckpt-%08d.pt" % step)).write_bytes(data)
 (ns / ("ckpt-%08d.commit.json" % step)).write_text(
-    json.dumps({"step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    json.dumps({"step": step, "size": len(data), "chunk_bytes": 4096, "chunks": [hashlib.sha256(data).hexdigest()],
+                "sha256": hashlib.sha256(hashlib.sha256(data).digest()).hexdigest()}))  # one chunk's hash list
 print("committed step", step, flush=True)
 if step >= final:
     sys.exit(0)

@@ -55,7 +55,8 @@ if mode == "commit-then-stall":
         data = b"state at step 40"
         (ns / "ckpt-00000040.pt").write_bytes(data)
         (ns / "ckpt-00000040.commit.json").write_text(json.dumps(
-            {"step": 40, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+            {"step": 40, "size": len(data), "chunk_bytes": 4096, "chunks": [hashlib.sha256(data).hexdigest()],
+             "sha256": hashlib.sha256(hashlib.sha256(data).digest()).hexdigest()}))  # one chunk's hash list
     time.sleep(float(sys.argv[2]))
 if mode == "sleep-first":
     later = float(sys.argv[3]) if len(sys.argv) > 3 else 0.5

@@ -5,6 +5,7 @@ Pure: a listing of the folder and its files' bytes; the provider imports nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -61,8 +62,14 @@ def test_the_provider_reads_every_fixtures_run_files_as_expected(name: str, fold
     assert run_answers(folder) == {key: expected[key] for key in ("progress", "lost_steps_total", "goodput")}
 
 
-_ONE = {"step": 20, "size": 5, "sha256": "f" * 64, "chunk_bytes": 4096, "chunks": ["0" * 8], "digest": "crc32"}
-_FOLDER = {"step": 8, "name": "checkpoint-8", "sha256": "f" * 64,
+def _root(*digests: bytes) -> bytes:
+    """The sha256 of the concatenated binary digests (the record's ``sha256``, in binary)."""
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
+_ONE = {"step": 20, "size": 5, "sha256": _root(bytes(4)).hex(), "chunk_bytes": 4096, "chunks": ["0" * 8],
+        "digest": "crc32"}
+_FOLDER = {"step": 8, "name": "checkpoint-8", "sha256": _root(_root(bytes(32))).hex(),
            "files": [{"path": "checkpoint-8/a.bin", "size": 3, "chunk_bytes": 4096, "chunks": ["0" * 64]}]}
 
 
@@ -74,8 +81,13 @@ def _raw(base: dict, **fields) -> bytes:
 RECORDS = {
     "one file": (_raw(_ONE), "ckpt-00000020.commit.json", (20, {"ckpt-00000020.pt": 5})),
     "one file, format 1": (_raw(_ONE, format=1), "ckpt-00000020.commit.json", (20, {"ckpt-00000020.pt": 5})),
-    "one file, the previous release's minimal record": (
-        b'{"step": 40, "size": 16, "sha256": "ab"}', "ckpt-00000040.commit.json", (40, {"ckpt-00000040.pt": 16})),
+    "one file without a hash list (the worker cannot verify it)": (
+        b'{"step": 40, "size": 16, "sha256": "ab"}', "ckpt-00000040.commit.json", None),
+    "another root digest than its hash list's": (_raw(_ONE, sha256="f" * 64), "ckpt-00000020.commit.json", None),
+    "a chunk size below 4 KiB": (_raw(_ONE, chunk_bytes=1, chunks=["0" * 8] * 5), "ckpt-00000020.commit.json", None),
+    "a digest of another width": (_raw(_ONE, chunks=["0" * 64]), "ckpt-00000020.commit.json", None),
+    "a folder's file with another root": (_raw(_FOLDER, sha256=_root(bytes(32)).hex()), "checkpoint-8.commit.json",
+                                          None),
     "folder": (_raw(_FOLDER), "checkpoint-8.commit.json", (8, {"checkpoint-8/a.bin": 3})),
     "format 99": (_raw(_ONE, format=99), "ckpt-00000020.commit.json", NewerRecord("ckpt-00000020.commit.json", 99)),
     "format 99, nothing else known": (b'{"format": 99}', "x.commit.json", NewerRecord("x.commit.json", 99)),
