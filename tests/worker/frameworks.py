@@ -9,9 +9,8 @@ log file; ``import tests.worker.frameworks`` first installs the pause hooks of t
 ``WORKER_TEST_PAUSE_*`` variables.
 
 Bit-exactness is asserted at torch's default thread count (the machine's cores: 2 here), the
-count a user's script gets, unless a test names another (``threads``); ``OMP_NUM_THREADS``/
-``MKL_NUM_THREADS`` are removed from the environment, and every attempt that ends reports its
-thread count, which must be the one asked for.
+count a user's script gets: ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are removed from the
+environment, and every attempt that ends reports its thread count, which must be that default.
 The environment carries what the example user image sets (``MKL_CBWR=AUTO,STRICT``: oneMKL's
 reproducibility mode, in which matrix products give the same bits for any thread count;
 ``MKL_DYNAMIC``/``OMP_DYNAMIC`` off: no run-time change of the thread count) and
@@ -91,16 +90,13 @@ class ForkServer:
     """A process that imported ``modules`` once and forks one child per :meth:`start`.
 
     :param modules: modules to import in the server (the framework and the integration);
-        ``"?name"`` is imported when installed.
-    :param threads: torch's thread count in the server and its children; default torch's own
-        default (no ``OMP_NUM_THREADS``).
+        ``"?name"`` is imported when installed. The server and its children run at torch's
+        default thread count (no ``OMP_NUM_THREADS``).
     """
 
-    def __init__(self, modules: list[str], threads: int | None = None) -> None:
+    def __init__(self, modules: list[str]) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_TEST_", "CLOUD_RUN_"))
                and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
-        if threads is not None:  # set before the server imports torch: the count every child inherits
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         env.update(MKL_CBWR="AUTO,STRICT", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE", OMP_WAIT_POLICY="PASSIVE", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "worker"), str(REPO_ROOT)]))
@@ -335,8 +331,7 @@ def _threads(log: Path) -> list[int]:
 
 
 def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, prefix: str, suffix: str,
-              max_delay: float, n: int = FAULTS_N, seed: int = 0,
-              threads: int | None = None) -> tuple[Path, Path, list[dict[str, Any]]]:
+              max_delay: float, n: int = FAULTS_N, seed: int = 0) -> tuple[Path, Path, list[dict[str, Any]]]:
     """Run the example ``block`` once uninterrupted (``baseline/``) and once through ``2 n``
     interruptions chained in one folder (``chain/``), checking every attempt.
 
@@ -344,10 +339,9 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
     resumes from, and every newer torn one is logged as skipped or removed; SIGTERM ends in exit
     143 within the grace period with nothing lost (the newest intact step afterwards is the step
     the job stopped at, or the final save was reported skipped); SIGKILL during the framework's
-    write leaves a torn checkpoint.
+    write leaves a torn checkpoint. The baseline and every attempt that ends must report torch's
+    default thread count (the machine's cores).
 
-    :param threads: torch's thread count for the baseline and every attempt; default torch's
-        default (the machine's cores), which every attempt that ends must report.
     :return: ``(baseline folder, chain folder, one row per attempt)``.
     """
     import random
@@ -356,14 +350,14 @@ def run_chain(tmp_path: Path, *, block: str, modules: list[str], folder: str, pr
     script = tmp_path / "job.py"
     script.write_text(readme_block(block))
     rows: list[dict[str, Any]] = []
-    with ForkServer(modules, threads) as server:
+    with ForkServer(modules) as server:
         baseline = tmp_path / "baseline"
         baseline.mkdir()
         _, began = server.start(script, baseline, tmp_path / "baseline.log")
         status, ended = server.wait()
         print(f"\nbaseline: {ended - began:.2f} s, {server.threads} torch threads")
         assert status == 0, (tmp_path / "baseline.log").read_text()[-3000:]
-        default_threads = threads or torch_default_threads()
+        default_threads = torch_default_threads()
         assert server.threads == default_threads, (server.threads, default_threads)
         assert _threads(tmp_path / "baseline.log") == [default_threads]
         chain = tmp_path / "chain"

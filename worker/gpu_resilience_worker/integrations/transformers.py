@@ -7,11 +7,10 @@ Install with the extra: ``pip install './worker[transformers]'``. Use::
     trainer.train(resume_from_checkpoint=callback.latest())
     callback.finish()
 
-An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits each
-``checkpoint-<step>/`` Trainer writes (``save_total_limit`` must be unset: Trainer's rotation would
-keep a torn folder over a committed one), deletes uncommitted ones when the Trainer is built,
-answers a stop through the stop decision (``SystemExit(143)``) and records the attempt. The rules
-in full: ``docs/your-code.rst``.
+An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits each ``checkpoint-<step>/``
+Trainer writes (``save_total_limit`` must be unset: Trainer's rotation would keep a torn folder over a committed one),
+deletes uncommitted ones when the Trainer is built, answers a stop through the stop decision (``SystemExit(143)``)
+and records the attempt. The rules in full: ``docs/your-code.rst``.
 """
 
 from __future__ import annotations
@@ -28,6 +27,13 @@ from gpu_resilience_worker.logs import StructuredLogger
 PREFIX = "checkpoint-"
 
 
+def settle_vector_math() -> None:
+    """Let oneMKL's vector math (torch's CPU ``tanh``, ``erf``...) detect the CPU on this thread: in a parallel first call
+    its lazy detection (``mkl_vml_serv_cpu_detect``) races, and a thread may run another code path (other low bits)."""
+    import torch
+    torch.tanh(torch.zeros(1))  # one element: on this thread; a value training never uses
+
+
 class CommitCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that commits Trainer's checkpoints and handles SIGTERM.
 
@@ -41,6 +47,7 @@ class CommitCallback(TrainerCallback):
     def __init__(self, keep_latest_k: int = 2, grace_seconds: float | None = None,
                  logger: StructuredLogger | None = None) -> None:
         ArtifactCheckpoints(".", prefix=PREFIX, keep_latest_k=keep_latest_k, grace_seconds=grace_seconds)
+        settle_vector_math()  # before any training step: a resume then computes what a fresh run does
         self._options = {"keep_latest_k": keep_latest_k, "grace_seconds": grace_seconds, "logger": logger}
         self.checkpoints: ArtifactCheckpoints | None = None
         self._stop_after_commit = False
