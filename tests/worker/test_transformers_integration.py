@@ -6,9 +6,9 @@ period on SIGTERM.
 
 Cost: about 60 s on 2 cores (one fork server importing transformers once; 22 attempts).
 
-Run at torch's default thread count (2 here). Without the integration's
-:func:`~gpu_resilience_worker.integrations.transformers.settle_vector_math` it failed there now
-and then: the example's first oneMKL vector-math call (``torch.tanh`` in GPT-2's ``gelu_new``, on
+Run at torch's default thread count (2 here). Without
+:func:`~gpu_resilience_worker.state.settle_vector_math`, which every way in calls before its first
+step, it failed there now and then: the example's first oneMKL vector-math call (``torch.tanh`` in GPT-2's ``gelu_new``, on
 both intra-op threads) raced with oneMKL's lazy CPU detection, so that in a small share of fresh
 processes one thread computed ``tanh`` on another code path, low bits different, and the first
 step after a resume differed from the uninterrupted run's.

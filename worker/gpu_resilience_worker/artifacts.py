@@ -23,6 +23,7 @@ from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpoin
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
+from gpu_resilience_worker.state import settle_vector_math
 from gpu_resilience_worker.preemption import CONTINUE, EXIT, NO_TIME_TO_SAVE, PreemptionWatcher, decide_stop
 from gpu_resilience_worker.storage import LocalStorage
 from gpu_resilience_worker.task_folder import CommitRecord, Naming
@@ -52,6 +53,7 @@ class ArtifactCheckpoints(CommitStore):
         naming = Naming.folder_shape(prefix, suffix)
         check_number("keep_latest_k", keep_latest_k, minimum=2, integer=True)  # the newest may be in flight
         StopTiming.check(grace_seconds)
+        settle_vector_math()  # before the framework's first step
         self.log = logger or StructuredLogger()
         super().__init__(os.path.abspath(os.fspath(folder)), LocalStorage(), self.log, naming)
         self.keep = KeepLatestN(keep_latest_k)

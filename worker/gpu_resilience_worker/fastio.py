@@ -59,10 +59,6 @@ def start_hash_threads() -> None:
     _pool()
 
 
-#: The chunk digests (:data:`~gpu_resilience_worker.task_folder.DIGESTS`): ``sha256``, ``crc32c``
-#: (computed by the optional ``google-crc32c`` package) and ``crc32`` (``zlib``, always there).
-
-
 class _Crc32:
     """``zlib.crc32`` behind the ``update``/``hexdigest`` interface of :mod:`hashlib`."""
 

@@ -25,7 +25,7 @@ from gpu_resilience_worker.fatal import check_writable, invocation, run_guarded,
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import AsyncMode, CheckpointConfig
 from gpu_resilience_worker.preemption import PREEMPTION_SAVES, SAVE, PreemptionWatcher, decide_stop
-from gpu_resilience_worker.state import TrainState, match_threads
+from gpu_resilience_worker.state import TrainState, match_threads, settle_vector_math
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
 #: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
@@ -285,6 +285,7 @@ class ResilientLoop:
         return EXIT_OK
 
     def _resume(self, manager: CheckpointManager) -> None:
+        settle_vector_math()
         if self.checkpointing and manager.load():
             step = self.resumed_from_step = self.state.step
             self.state.checkpoints += 1  # the loaded checkpoint itself

@@ -60,6 +60,13 @@ def state_digest(state: Any) -> str:
     return digest.hexdigest()
 
 
+def settle_vector_math() -> None:
+    """Let oneMKL's vector math (torch's CPU ``tanh``, ``erf``...) detect the CPU on this thread before
+    any step, for every way in: in a parallel first call its lazy detection (``mkl_vml_serv_cpu_detect``)
+    races, and a thread may run another code path (other low bits) than the run resumed from did."""
+    torch.tanh(torch.zeros(1))  # one element: on this thread; a value training never uses
+
+
 def match_threads(saved: int | None, pinned: int | None, step: int, logger: Any) -> None:
     """Train on with the torch intra-op thread count a checkpoint was written with.
 

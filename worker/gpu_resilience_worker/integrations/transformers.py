@@ -27,27 +27,19 @@ from gpu_resilience_worker.logs import StructuredLogger
 PREFIX = "checkpoint-"
 
 
-def settle_vector_math() -> None:
-    """Let oneMKL's vector math (torch's CPU ``tanh``, ``erf``...) detect the CPU on this thread: in a parallel first call
-    its lazy detection (``mkl_vml_serv_cpu_detect``) races, and a thread may run another code path (other low bits)."""
-    import torch
-    torch.tanh(torch.zeros(1))  # one element: on this thread; a value training never uses
-
-
 class CommitCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that commits Trainer's checkpoints and handles SIGTERM.
 
     :param keep_latest_k: committed checkpoints to keep (>= 2); default 2.
     :param grace_seconds: SIGTERM to SIGKILL, in seconds; default ``PREEMPTION_GRACE_SECONDS`` or 10.
     :param logger: structured logger; default one on stdout.
-    :raises ValueError: for ``keep_latest_k`` < 2 or ``grace_seconds`` <= 0 (here), and, when the
+    :raises ValueError: for ``keep_latest_k`` < 2 or ``grace_seconds`` < 0 (here), and, when the
         Trainer is built, for ``TrainingArguments.save_total_limit`` set or ``save_strategy="no"``.
     """
 
     def __init__(self, keep_latest_k: int = 2, grace_seconds: float | None = None,
                  logger: StructuredLogger | None = None) -> None:
         ArtifactCheckpoints(".", prefix=PREFIX, keep_latest_k=keep_latest_k, grace_seconds=grace_seconds)
-        settle_vector_math()  # before any training step: a resume then computes what a fresh run does
         self._options = {"keep_latest_k": keep_latest_k, "grace_seconds": grace_seconds, "logger": logger}
         self.checkpoints: ArtifactCheckpoints | None = None
         self._stop_after_commit = False
