@@ -76,6 +76,7 @@ class StopTiming:
     @staticmethod
     def check(grace_seconds: float | None = None, task_timeout_seconds: float | None = None) -> None:
         """Refuse values a caller gives outside :meth:`from_env`'s ranges (``None``: not given).
+
         :raises ValueError: ``grace_seconds`` < 0 or ``task_timeout_seconds`` <= 0, either not a
             finite number or above :data:`MAX_SECONDS`, naming it."""
         for name, value, strict in (("grace_seconds", grace_seconds, False),
