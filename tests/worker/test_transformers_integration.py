@@ -4,7 +4,7 @@ during Trainer's own write and before the commit record too), ends with the same
 bit, as an uninterrupted run; it never resumes from a torn checkpoint and exits 143 within the grace
 period on SIGTERM.
 
-Cost: about 60 s on 2 cores (one fork server importing transformers once; 22 attempts).
+Cost: about 40 s on 2 cores (one fork server importing transformers once; 22 attempts).
 
 Run at torch's default thread count (2 here). Without
 :func:`~gpu_resilience_worker.state.settle_vector_math`, which every way in calls before its first

@@ -23,8 +23,8 @@ from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpoin
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
-from gpu_resilience_worker.state import settle_vector_math
 from gpu_resilience_worker.preemption import CONTINUE, EXIT, NO_TIME_TO_SAVE, PreemptionWatcher, decide_stop
+from gpu_resilience_worker.state import settle_vector_math
 from gpu_resilience_worker.storage import LocalStorage
 from gpu_resilience_worker.task_folder import CommitRecord, Naming
 
