@@ -24,8 +24,10 @@ __all__ = ["RECORD_DIGESTS", "RECORD_FORMAT", "RECORD_SUFFIX", "NewerRecord", "T
 #: (``docs/worker-contract.rst``, "The commit record"). A record that names a greater format or
 #: another digest was written by a newer worker release: :class:`NewerRecord`.
 RECORD_FORMAT = 1
+#: Hex characters of each chunk digest a record of that format may name, by digest.
+_DIGEST_HEX = {"sha256": 64, "crc32c": 8, "crc32": 8}
 #: The chunk digests a record of that format may name.
-RECORD_DIGESTS = ("sha256", "crc32c", "crc32")
+RECORD_DIGESTS = tuple(_DIGEST_HEX)
 RECORD_SUFFIX = ".commit.json"
 _ONE_FILE_RECORD_RE = re.compile(r"^ckpt-(?P<step>\d{8,})\.commit\.json$")
 _LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
@@ -97,8 +99,7 @@ def _newer_part(obj: dict[str, Any], name: str) -> NewerRecord | None | bool:
     return None
 
 
-#: Hex characters of each chunk digest, by digest; the smallest ``chunk_bytes`` a record may carry.
-_DIGEST_HEX = {"sha256": 64, "crc32c": 8, "crc32": 8}
+#: The smallest ``chunk_bytes`` a record may carry.
 _MIN_CHUNK_BYTES = 4096
 _HEX_RE = re.compile(r"[0-9a-f]+")
 

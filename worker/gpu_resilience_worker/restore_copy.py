@@ -83,12 +83,13 @@ class LocalCopy:
         """Put a piece into the copy, then hash it (in that order it kept up with a cold read):
         with ``pwrite`` into the file (no page fault or zero-fill per page, as a write through a
         mapping of new pages costs), or into the anonymous memory."""
-        piece, position = view, offset
-        while self.buffer is None and piece.nbytes:
-            written = os.pwrite(self._fd, piece, position)
-            piece, position = piece[written:], position + written
         if self.buffer is not None:
             self.buffer[offset : offset + view.nbytes] = view
+        else:
+            piece, position = view, offset
+            while piece.nbytes:
+                written = os.pwrite(self._fd, piece, position)
+                piece, position = piece[written:], position + written
         hasher.update(view)
 
     def close(self) -> None:
