@@ -46,7 +46,7 @@ from pathlib import Path
 import psutil
 import pytest
 from google.api_core.client_options import ClientOptions
-from google.api_core.exceptions import ServiceUnavailable
+from google.api_core.exceptions import NotFound, ServiceUnavailable
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import run_v2
 
@@ -181,7 +181,13 @@ class Campaign:
 
 
 class Preempter(threading.Thread):
-    """Two maintenance preemptions of task 0, at 1/3 and 2/3 of the training steps."""
+    """Two maintenance preemptions of task 0, at 1/3 and 2/3 of the training steps.
+
+    It learns the execution's name as soon as the execution exists, before the campaign's 60 s
+    outage of the Cloud Run API can start: a lookup during the outage would hold the second
+    preemption back until the training had finished (the emulator's preemption endpoint is
+    outside the outage, so the preemptions land on their steps).
+    """
 
     def __init__(self, campaign: Campaign, scenario: str, total_steps: int) -> None:
         super().__init__(name="preempter", daemon=True)
@@ -190,20 +196,25 @@ class Preempter(threading.Thread):
         self.error: str | None = None
         self.stop = threading.Event()
 
+    def _execution(self) -> str | None:
+        while not self.stop.is_set():
+            try:
+                if execution := self.campaign.latest_execution(self.scenario):
+                    return execution
+            except (NotFound, ServiceUnavailable):  # not deployed yet, or the outage
+                pass
+            self.stop.wait(0.5)
+        return None
+
     def run(self) -> None:
         try:
+            execution = self._execution()
             for k in (1, 2):
-                while self.campaign.progress_step(self.scenario) < self.total * k // 3:
+                while execution and self.campaign.progress_step(self.scenario) < self.total * k // 3:
                     if self.stop.wait(0.2):
                         return
-                while True:  # the campaign's own 60 s outage of the Cloud Run API hits this lookup too
-                    try:
-                        execution = self.campaign.latest_execution(self.scenario)
-                        break
-                    except ServiceUnavailable:
-                        if self.stop.wait(1.0):
-                            return
-                self.answers.append(self.campaign.stack.emulator.preempt(execution, task_index=0))
+                if execution:
+                    self.answers.append(self.campaign.stack.emulator.preempt(execution, task_index=0))
         except Exception as exc:  # the test reports it
             self.error = f"{type(exc).__name__}: {exc}"
 
@@ -498,6 +509,23 @@ def _browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
+def _through_navigation(condition):
+    """``condition`` for a ``WebDriverWait``, asked again when a navigation interrupted it: the
+    UI redirects on its own (to the login page, after it), and Chrome then answers a lookup
+    with "aborted by navigation" instead of an element or no element."""
+    from selenium.common.exceptions import WebDriverException
+
+    def check(browser):
+        try:
+            return condition(browser)
+        except WebDriverException as exc:
+            if "aborted by navigation" in str(exc.msg or ""):
+                return False
+            raise
+
+    return check
+
+
 def test_browser_logs_in_and_finds_both_extra_links_on_the_execute_task(campaign, output_dir) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -509,17 +537,17 @@ def test_browser_logs_in_and_finds_both_extra_links_on_the_execute_task(campaign
     try:
         wait = WebDriverWait(browser, 60)
         browser.get(f"{stack.api_url}/")
-        wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
+        wait.until(_through_navigation(ec.presence_of_element_located((By.NAME, "username")))).send_keys("admin")
         browser.find_element(By.NAME, "password").send_keys(stack.password)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        wait.until(lambda b: "/auth/login" not in b.current_url and "login" not in b.current_url.lower())
+        wait.until(_through_navigation(lambda b: "login" not in b.current_url.lower()))
         browser.get(f"{stack.api_url}/dags/{DAG_ID}/runs/{r['run_id']}/tasks/execute_job")
         # The task instance page; its Details tab lists the extra links (as links).
-        wait.until(ec.element_to_be_clickable(
-            (By.XPATH, "//a[normalize-space()='Details' and contains(@href, '/tasks/execute_job/details')]"))).click()
-        wait.until(ec.presence_of_element_located((By.XPATH, "//*[normalize-space()='Extra Links']")))
+        wait.until(_through_navigation(ec.element_to_be_clickable(
+            (By.XPATH, "//a[normalize-space()='Details' and contains(@href, '/tasks/execute_job/details')]")))).click()
+        wait.until(_through_navigation(ec.presence_of_element_located((By.XPATH, "//*[normalize-space()='Extra Links']"))))
         for name in ("Cloud Run execution", "Cloud Run execution logs"):
-            wait.until(ec.presence_of_element_located((By.XPATH, f"//a[normalize-space()='{name}']")))
+            wait.until(_through_navigation(ec.presence_of_element_located((By.XPATH, f"//a[normalize-space()='{name}']"))))
         time.sleep(1.0)  # let the page settle for the screenshot
         browser.save_screenshot(str(output_dir / "execute_job-task-instance.png"))
         (output_dir / "execute_job-task-instance.html").write_text(browser.page_source)
