@@ -1,16 +1,14 @@
-"""Fast paths for big checkpoints' bytes: chunk digests on parallel threads, the hashing writer,
-early writeback, pipelined reads.
-
-A data file is hashed as a *hash list* (the commit record's ``chunks``, see
-:mod:`gpu_resilience_worker.task_folder`), so its chunks hash on several threads at once:
-``hashlib`` and file reads and writes release the GIL on large buffers. :func:`start_writeback`
-asks Linux to start writing each piece of a big file early, so the final ``fsync`` finds little
-left to flush.
+"""Fast paths for big checkpoints' bytes: the hashing writer, early writeback, pipelined reads, and chunk
+digests on parallel threads: a data file is hashed as a *hash list* (the commit record's ``chunks``, see
+:mod:`gpu_resilience_worker.task_folder`), its chunks on several threads at once (``hashlib`` and file reads
+and writes release the GIL on large buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import mmap
 import os
@@ -39,16 +37,11 @@ def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if _POOL is None:
             pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
-            # start every thread now, from this thread: a pool starts its threads one per
-            # submit, from the submitting thread, and one started inside a private write
-            # (forkguard.write_privately) would share that write's descriptor table, keeping a
-            # copy of every descriptor of the process open for as long as it lives
+            # every thread started now, from this thread: a pool starts one per submit, from the submitting
+            # thread, and one started inside forkguard.write_privately would share that write's descriptor
+            # table, keeping a copy of every descriptor of the process open for as long as it lives
             started = threading.Barrier(HASH_THREADS)
-            for future in [pool.submit(started.wait, 30.0) for _ in range(HASH_THREADS)]:
-                try:
-                    future.result()
-                except threading.BrokenBarrierError:
-                    pass
+            wait([pool.submit(started.wait, 30.0) for _ in range(HASH_THREADS)])  # a broken barrier: no error
             _POOL = pool
         return _POOL
 
@@ -72,31 +65,22 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
-_CRC32C_EXTEND: Any = None
-_CRC32C_CHECKED = False
-
-
+@functools.cache
 def _crc32c_extend() -> Any:
     """:return: ``crc32c_extend(crc, pointer, length)`` of the C library ``google-crc32c`` ships,
     through ctypes (no copy of the buffer, the GIL released), or ``None`` when not found."""
-    global _CRC32C_EXTEND, _CRC32C_CHECKED
-    if not _CRC32C_CHECKED:
-        _CRC32C_CHECKED = True
-        try:
-            import glob
+    with contextlib.suppress(ImportError, OSError, AttributeError):
+        import glob
 
-            import google_crc32c
+        import google_crc32c
 
-            folder = os.path.dirname(os.path.dirname(google_crc32c.__file__))
-            for library in sorted(glob.glob(os.path.join(folder, "google_crc32c.libs", "libcrc32c*.so*"))):
-                function = ctypes.CDLL(library).crc32c_extend
-                function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-                function.restype = ctypes.c_uint32
-                _CRC32C_EXTEND = function
-                break
-        except (ImportError, OSError, AttributeError):
-            _CRC32C_EXTEND = None
-    return _CRC32C_EXTEND
+        folder = os.path.dirname(os.path.dirname(google_crc32c.__file__))
+        for library in sorted(glob.glob(os.path.join(folder, "google_crc32c.libs", "libcrc32c*.so*"))):
+            function = ctypes.CDLL(library).crc32c_extend
+            function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+            function.restype = ctypes.c_uint32
+            return function
+    return None
 
 
 class _PyBuffer(ctypes.Structure):
@@ -116,10 +100,9 @@ _RELEASE_BUFFER.argtypes = [ctypes.POINTER(_PyBuffer)]
 _RELEASE_BUFFER.restype = None
 
 
-class _Crc32c:
-    """CRC-32C behind the ``update``/``hexdigest`` interface of :mod:`hashlib`: ``google-crc32c``'s
-    C library called on the buffer in place, writable or read-only (a restore hashes a read-only
-    mapping of the checkpoint's bytes), through the buffer protocol; without that library, its
+class _Crc32c(_Crc32):
+    """CRC-32C: ``google-crc32c``'s C library called on the buffer in place, writable or read-only (a restore
+    hashes a read-only mapping of the checkpoint), through the buffer protocol; without that library, its
     extension module (which takes ``bytes`` only, so a copy)."""
 
     def __init__(self) -> None:
@@ -144,9 +127,6 @@ class _Crc32c:
         finally:
             _RELEASE_BUFFER(ctypes.byref(buffer))
 
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
 
 def crc32c_available() -> bool:
     """:return: whether ``google-crc32c`` is importable with its C (hardware) implementation."""
@@ -158,10 +138,8 @@ def crc32c_available() -> bool:
 
 
 def default_digest() -> str:
-    """
-    :return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`,
-        else ``crc32`` (``zlib``). Both are cheaper than sha256 (numbers on the documentation's benchmarks page)
-        and, with the size in the commit record, catch a torn or truncated file the same way."""
+    """:return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`, else ``crc32``
+    (``zlib``); cheaper than sha256 and, with the size in the commit record, as sure to catch a torn file."""
     return "crc32c" if crc32c_available() else "crc32"
 
 
@@ -181,9 +159,7 @@ def new_hasher(digest: str) -> Any:
 
 
 def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> list[str]:
-    """
-    :return: the hex ``digest`` (default sha256) of every ``chunk_bytes`` bytes of ``data``
-        (empty for no data)."""
+    """:return: the hex ``digest`` of every ``chunk_bytes`` bytes of ``data`` (empty for no data)."""
     hasher = ChunkHasher(chunk_bytes, digest)
     hasher.update(memoryview(data).cast("B"))
     return hasher.digests()
@@ -203,18 +179,15 @@ class ChunkHasher:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
         new_hasher(digest)  # validates the name
-        self.chunk_bytes = chunk_bytes
-        self.digest = digest
+        self.chunk_bytes, self.digest = chunk_bytes, digest
         self.parallel = digest == "sha256" if parallel is None else parallel
         self.size = 0
         self._hashers: list[Any] = []
 
     def submit(self, view: memoryview) -> list[Future]:
-        """Start hashing ``view`` (the next bytes of the stream): one task per chunk it touches.
-
-        The caller must wait for the returned futures before ``view`` changes or is released,
-        and before the next :meth:`submit` (a chunk's pieces are hashed in order).
-        """
+        """Start hashing ``view`` (the next bytes of the stream), one task per chunk it touches. Wait for the
+        returned futures before ``view`` changes or is released, and before the next :meth:`submit` (a chunk's
+        pieces are hashed in order)."""
         groups: list[tuple[Any, list[memoryview]]] = []
         position = 0
         while position < view.nbytes:
@@ -252,31 +225,27 @@ def _update_all(hasher: Any, pieces: list[memoryview]) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Any = None
-_writeback_checked = False
+_sync_file_range: Any = ...  # ``...`` until looked up; ``None`` where missing or refused
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, without
-    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``). A hint only: durability still
-    comes from ``fsync``; elsewhere, or where the call fails (FUSE mounts may refuse it), this
-    does nothing from then on.
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so that the final ``fsync`` finds little left to flush. A hint:
+    elsewhere, or once the call fails (FUSE mounts may refuse it), it does nothing; durability comes from ``fsync``.
 
     :param fd: a file descriptor open for writing.
     :param offset: byte offset of the range.
     :param length: bytes in the range.
     """
-    global _sync_file_range, _writeback_checked
-    if not _writeback_checked:
-        _writeback_checked = True
-        if sys.platform.startswith("linux"):
-            try:
+    global _sync_file_range
+    if _sync_file_range is ...:
+        _sync_file_range = None
+        with contextlib.suppress(OSError, AttributeError):
+            if sys.platform.startswith("linux"):
                 function = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc, loaded by Python
                 function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
                 function.restype = ctypes.c_int
                 _sync_file_range = function
-            except (OSError, AttributeError):
-                _sync_file_range = None
     if _sync_file_range is not None and _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
         _sync_file_range = None  # unsupported here: stop asking
 
@@ -289,15 +258,11 @@ def _write_all(handle: BinaryIO, view: memoryview) -> None:
 
 
 class HashingWriter:
-    """A write-only file object that builds the hash list of what goes through it, and counts it.
-
-    Give it to ``torch.save``: big records are hashed on the helper threads (one task per
-    :data:`DIGEST_CHUNK` chunk they touch) while the calling thread writes them in :data:`CHUNK`
-    pieces, starting each piece's writeback; small records are collected in a buffer. Every
-    record is hashed before :meth:`write` returns (a view is only valid during the call).
-
-    With a CRC ``digest`` every piece is hashed and then written by the calling thread: one pass
-    over the bytes, no helper thread competing with training.
+    """A write-only file object (for ``torch.save``) that builds the hash list of what goes through it, and counts
+    it. The calling thread writes big records in :data:`CHUNK` pieces, starting each piece's writeback, while the
+    helper threads hash them (one task per :data:`DIGEST_CHUNK` chunk); with a CRC ``digest`` it hashes each piece
+    itself, then writes it (one pass, no helper thread competing with training). Small records are buffered.
+    Every record is hashed before :meth:`write` returns (a view is only valid during the call).
 
     :param handle: an unbuffered binary file opened for writing, at its start.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
@@ -305,10 +270,8 @@ class HashingWriter:
     """
 
     def __init__(self, handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> None:
-        self._handle = handle
-        self._hasher = ChunkHasher(chunk_bytes, digest)
-        self._small = bytearray()
-        self._written = 0
+        self._handle, self._hasher = handle, ChunkHasher(chunk_bytes, digest)
+        self._small, self._written = bytearray(), 0
         try:
             self._fd: int | None = handle.fileno()
         except (AttributeError, OSError, ValueError):
@@ -426,8 +389,7 @@ def read_pipelined(handle: BinaryIO, absorb: Callable[[memoryview, int], None], 
 
 
 def stream_chunk_digests(handle: BinaryIO, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> tuple[int, list[str]]:
-    """The hash list of ``handle`` read to its end, hashing each piece while the next is read
-    (:func:`read_pipelined`).
+    """The hash list of ``handle`` read to its end, each piece hashed while the next is read (:func:`read_pipelined`).
 
     :param handle: an unbuffered binary file opened for reading.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
