@@ -19,7 +19,7 @@ from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import (  # noqa: F401 - AsyncMode and CheckpointConfig: the documented import path
     GO_ON, OUT_OF_SPACE, AsyncMode, CheckpointConfig, KeepLatestN, SavePolicy, SaveStats, failed_save_verdict,
 )
-from gpu_resilience_worker.restore_copy import LocalCopy
+from gpu_resilience_worker.restore_copy import LocalCopy, ModulePlacement
 from gpu_resilience_worker.snapshot import SnapshotBuffers
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
@@ -308,11 +308,17 @@ class CheckpointManager(CommitStore):
         for candidate in candidates:
             if self._should_stop():
                 raise RestoreInterrupted(None)
-            state = self._read_state(candidate)
-            if state is None:
+            loaded = self._read_state(candidate)
+            if loaded is None:
                 continue
-            for key, obj in self._states.items():
-                obj.load_state_dict(state[key])
+            state, copy, placement = loaded
+            try:
+                live = placement.into(state, copy.placed)
+                for key, obj in self._states.items():
+                    obj.load_state_dict(live[key])
+                copy.keep_placed()
+            finally:
+                copy.close()  # a memory-mapped state keeps its pages until it is dropped
             if self.config.async_mode is AsyncMode.ASYNC:
                 self._adopt_restored(state)
             self.loaded_step = self.last_saved_step = candidate
@@ -367,21 +373,25 @@ class CheckpointManager(CommitStore):
         with open(copy.path, "rb") as handle:
             return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True, mmap=False)
 
-    def _read_state(self, step: int) -> dict[str, Any] | None:
-        copy, reason = self.read_verified(step, self._should_stop)  # the one read of the data
+    def _read_state(self, step: int) -> tuple[dict[str, Any], LocalCopy, ModulePlacement] | None:
+        """:return: the state of ``step`` as loaded, its copy (open: it may have placed storages
+        into the modules' tensors, put back when it closes) and the placement; ``None`` when invalid."""
+        placement = ModulePlacement(self._states)
+        copy, reason = self.read_verified(step, self._should_stop, placement)  # the one read of the data
         if copy is None and self._should_stop():
             raise RestoreInterrupted(step)
         if copy is not None:
             try:
+                if copy.placed and not placement.check(copy):
+                    copy.unplace()
                 state = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]
                 if not missing:
-                    return state
+                    return state, copy, placement
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
-            finally:
-                copy.close()  # a memory-mapped state keeps its pages until it is dropped
+            copy.close()
             self.mark_invalid(step)  # verified bytes that do not load: retention skips it
         self._log.warning(
             "skipping invalid checkpoint", file=self.path(step, DATA), step=step, reason=reason

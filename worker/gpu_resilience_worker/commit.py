@@ -172,7 +172,8 @@ class CommitStore:
         reason = self._read(step)[1]
         return not reason, reason
 
-    def read_verified(self, step: int, stop: Callable[[], bool] | None = None) -> tuple[LocalCopy | None, str]:
+    def read_verified(self, step: int, stop: Callable[[], bool] | None = None,
+                      place: Callable[[Any], dict[str, tuple[int, Any]]] | None = None) -> tuple[LocalCopy | None, str]:
         """Read a one-file checkpoint's data once, sequentially through :meth:`Storage.open_read`,
         into a private local copy, checking it against its commit record as it is read.
 
@@ -183,12 +184,13 @@ class CommitStore:
         :param step: the checkpoint's step.
         :param stop: asked between reads; when it returns true, reading ends and ``(None,
             reason)`` is returned (the checkpoint is not marked invalid); default never.
+        :param place: the copy's ``place`` (:class:`LocalCopy`); default none placed.
         :return: ``(copy, "")`` when valid (the caller closes the copy), else ``(None, reason)``.
         """
-        return self._read(step, keep=True, stop=stop)
+        return self._read(step, keep=True, stop=stop, place=place)
 
-    def _read(self, step: int, keep: bool = False,
-              stop: Callable[[], bool] | None = None) -> tuple[LocalCopy | None, str]:
+    def _read(self, step: int, keep: bool = False, stop: Callable[[], bool] | None = None,
+              place: Callable[[Any], dict[str, tuple[int, Any]]] | None = None) -> tuple[LocalCopy | None, str]:
         """Verify ``step``: each file's size, then its hash list (into a :class:`LocalCopy` when
         ``keep``, one file only). :return: ``(copy or None, "")``, or ``(None, reason)``."""
         record, reason = self.record(step)
@@ -200,7 +202,7 @@ class CommitStore:
             try:
                 size, digests = self.storage.size(path), []
                 if size == entry.size:  # a wrong size needs no hashing
-                    copy = LocalCopy(size) if keep and len(record.files) == 1 else None
+                    copy = LocalCopy(size, place) if keep and len(record.files) == 1 else None
                     size, digests = self._digests(path, entry, copy, stop)
                 reason = self._mismatch(step, record, entry, size, digests)
             except (OSError, ValueError, ImportError) as exc:

@@ -2,17 +2,24 @@
 
 :class:`LocalCopy` reads a checkpoint once (the Cloud Storage FUSE rule: a restore reads a
 checkpoint's bytes once), hashing each chunk on the threads of :mod:`gpu_resilience_worker.fastio`
-as it arrives, into memory that ``torch.load(..., mmap=True)`` maps without another copy.
+as it arrives, into memory that ``torch.load(..., mmap=True)`` maps without another copy. Given
+where the live tensors are, it writes each storage one of them will hold straight into it as the
+bytes arrive (:class:`~gpu_resilience_worker.torch_archive.ArchiveStream`), keeping what it
+displaced in the copy's place until the checkpoint proved whole.
 """
 
 from __future__ import annotations
 
+import copy as copy_module
+import ctypes
 import mmap
 import os
 import tempfile
-from typing import BinaryIO, Callable
+import warnings
+from typing import Any, BinaryIO, Callable
 
 from gpu_resilience_worker.fastio import DIGEST_CHUNK, ChunkHasher, read_pipelined
+from gpu_resilience_worker.torch_archive import ArchiveStream, StorageRef, TensorRecord
 
 
 class LocalCopy:
@@ -27,12 +34,21 @@ class LocalCopy:
     the copy is anonymous memory instead: ``path`` is then ``None`` and ``buffer`` holds
     the bytes (loading it costs one more copy of the state while it is deserialized).
 
+    With ``place`` (a file-backed copy only), the bytes of each storage it gives an address for
+    go to that address instead, and the bytes they displace go into the copy in their place: the
+    copy then maps the live tensors' previous values there. Until :meth:`keep_placed`, closing
+    the copy puts those values back (a checkpoint found torn or unloadable changes nothing);
+    :meth:`unplace` turns the copy back into the file's bytes.
+
     :param size: bytes of the copy.
+    :param place: for :class:`~gpu_resilience_worker.torch_archive.ArchiveStream`: the archive's
+        pickle to ``{storage key: (bytes, address of a live CPU tensor's bytes or None)}``;
+        default none placed.
     :raises ValueError: for a negative size.
     :raises OSError: when not even anonymous memory of that size can be had.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, place: Callable[[Any], dict[str, tuple[int, Any]]] | None = None) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size!r}")
         self.size = size
@@ -40,6 +56,7 @@ class LocalCopy:
         self._fd = -1
         self.path: str | None = None
         self.buffer: mmap.mmap | None = None
+        self._displaced: list[tuple[int, int, int]] = []  # (address, file offset, bytes)
         try:
             if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
                 self._fd = os.memfd_create("checkpoint-copy", os.MFD_CLOEXEC)
@@ -52,6 +69,17 @@ class LocalCopy:
             self.close()
             self.path = None
             self.buffer = mmap.mmap(-1, max(size, 1))
+        self._stream = ArchiveStream(place) if place is not None and self.path is not None else None
+
+    @property
+    def displaced_bytes(self) -> int:
+        """Bytes written to live tensors and not yet kept or put back."""
+        return sum(count for _, _, count in self._displaced)
+
+    @property
+    def placed(self) -> dict[str, tuple[int, int]]:
+        """``{storage key: (file offset, bytes)}`` of each storage written whole to its address."""
+        return self._stream.placed if self._stream is not None else {}
 
     @property
     def in_memory(self) -> bool:
@@ -76,24 +104,61 @@ class LocalCopy:
         if self.size == 0:
             return len(handle.read(1) or b""), []
         position = read_pipelined(handle, lambda view, offset: self._absorb(hasher, view, offset), self.size, stop)
+        for segment in self._stream.finish() if self._stream is not None else ():
+            self._put(*segment)
         extra = len(handle.read(1) or b"") if position == self.size else 0
         return position + extra, hasher.digests()
 
     def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
-        """Put a piece into the copy, then hash it (in that order it kept up with a cold read):
-        with ``pwrite`` into the file (no page fault or zero-fill per page, as a write through a
-        mapping of new pages costs), or into the anonymous memory."""
-        if self.buffer is not None:
-            self.buffer[offset : offset + view.nbytes] = view
-        else:
-            piece, position = view, offset
-            while piece.nbytes:
-                written = os.pwrite(self._fd, piece, position)
-                piece, position = piece[written:], position + written
+        """Put a piece into the copy (or its storages' parts to their addresses), then hash it
+        (in that order it kept up with a cold read)."""
+        for segment in self._stream.feed(view, offset) if self._stream is not None else [(offset, view, None, 0)]:
+            self._put(*segment)
         hasher.update(view)
 
+    def _put(self, offset: int, piece: memoryview, address: int | None, into: int) -> None:
+        """Write ``piece`` (file bytes at ``offset``) with ``pwrite`` into the file (no page fault or
+        zero-fill per page, as a write through a mapping of new pages costs), or into the anonymous
+        memory; or at ``address + into``, the bytes there first written to the copy in its place."""
+        if address is not None:
+            target = address + into
+            self._pwrite((ctypes.c_char * piece.nbytes).from_address(target), offset)
+            self._displaced.append((target, offset, piece.nbytes))
+            ctypes.memmove(target, ctypes.addressof(ctypes.c_char.from_buffer(piece)), piece.nbytes)
+        elif self.buffer is not None:
+            self.buffer[offset : offset + piece.nbytes] = piece
+        else:
+            self._pwrite(piece, offset)
+
+    def _pwrite(self, piece: Any, position: int) -> None:
+        piece = memoryview(piece)
+        while piece.nbytes:
+            written = os.pwrite(self._fd, piece, position)
+            piece, position = piece[written:], position + written
+
+    def keep_placed(self) -> None:
+        """The placed storages stay in the live tensors (they were loaded): closing keeps them."""
+        self._displaced.clear()
+
+    def unplace(self) -> None:
+        """Swap every placed part back: the live tensors get their values back, the copy the file's
+        bytes (a placement that did not land where torch reads the storage is undone this way)."""
+        self._give_back(swap=True)
+        self.placed.clear()
+
+    def _give_back(self, swap: bool = False) -> None:
+        for target, offset, count in reversed(self._displaced):
+            memory = (ctypes.c_char * count).from_address(target)
+            placed = bytes(memory) if swap else b""
+            os.preadv(self._fd, [memory], offset)
+            self._pwrite(placed, offset)
+        self._displaced.clear()
+
     def close(self) -> None:
-        """Close (and, for a temporary file, delete) the copy; mappings of it stay valid."""
+        """Close (and, for a temporary file, delete) the copy; mappings of it stay valid. The live
+        tensors get back what a placement displaced, unless :meth:`keep_placed` was called."""
+        if self._displaced and self._fd >= 0:
+            self._give_back()
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
@@ -112,3 +177,100 @@ class LocalCopy:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ModulePlacement:
+    """Which storages of a checkpoint go straight into the tensors of ``torch.nn.Module`` states,
+    as the ``place`` of a :class:`LocalCopy`.
+
+    A storage is placed when every tensor the checkpoint builds on it is a whole entry of a module
+    state's ``state_dict()`` and that live tensor has its layout exactly: a plain CPU, strided,
+    contiguous tensor of the same dtype, shape and elements, not a conjugate or negative view,
+    overlapping no other placed storage. Such an entry is what ``load_state_dict`` would copy into
+    that tensor; everything else is loaded from the copy.
+
+    :param states: the states by name (``CheckpointManager``'s); others than modules are not placed into.
+    """
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self._states = states
+        self._targets: dict[str, list[tuple[Any, Any, Any]]] = {}  # key -> [(state, entry, live tensor)]
+
+    def __call__(self, records: Any) -> dict[str, tuple[int, int | None]]:
+        import torch
+
+        modules = {name: s.state_dict() for name, s in self._states.items() if isinstance(s, torch.nn.Module)}
+        sizes: dict[str, int] = {}
+        uses: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
+        for path, record in _tensor_records(records, ()):
+            dtype = _storage_dtype(record.storage.type_name, torch)
+            if dtype is not None:
+                sizes[record.storage.key] = record.storage.numel * dtype.itemsize
+                live = modules.get(path[0], {}).get(path[1]) if len(path) == 2 and path[0] in modules else None
+                uses.setdefault(record.storage.key, []).append((path, live if _fits(record, dtype, live, torch) else None))
+        self._targets, spans = {}, []
+        for key, found in uses.items():
+            lives = [live for _, live in found]
+            if any(live is None for live in lives) or len({live.data_ptr() for live in lives}) != 1:
+                continue
+            start = lives[0].data_ptr()
+            if all(start + sizes[key] <= begin or end <= start for begin, end in spans):
+                spans.append((start, start + sizes[key]))
+                self._targets[key] = [(path[0], path[1], live) for path, live in found]
+        return {key: (size, self._targets[key][0][2].data_ptr() if key in self._targets else None)
+                for key, size in sizes.items()}
+
+    def check(self, copy: LocalCopy) -> bool:
+        """Whether torch reads each storage ``copy`` placed where it was placed, and nothing else
+        was placed (torch's own reader of the archive, on the verified copy)."""
+        import torch
+
+        reader = getattr(torch._C, "PyTorchFileReader", None)
+        if reader is None or copy.path is None or copy.displaced_bytes != sum(n for _, n in copy.placed.values()):
+            return False
+        archive = reader(copy.path)
+        return all((archive.get_record_offset(f"data/{key}"), archive.get_record_size(f"data/{key}")) == spot
+                   for key, spot in copy.placed.items())
+
+    def into(self, state: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
+        """Hand the modules their own tensors for the placed entries (a tensor copied onto itself
+        is left as it is: ``load_state_dict`` copies nothing there).
+
+        :return: ``state`` as loaded, each placed entry replaced by its live tensor; ``state`` is unchanged.
+        """
+        result = dict(state)
+        for key in placed:
+            for name, entry, live in self._targets.get(key, ()):
+                if result[name] is state[name]:
+                    result[name] = copy_module.copy(state[name])  # an OrderedDict keeps its _metadata
+                result[name][entry] = live
+        return result
+
+
+def _tensor_records(obj: Any, path: tuple[Any, ...]) -> Any:
+    """Yield ``(path, TensorRecord)`` for every tensor nested in the pickle ``obj``."""
+    if isinstance(obj, TensorRecord):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensor_records(value, path + (key,))
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, StorageRef):
+        for index, value in enumerate(obj):
+            yield from _tensor_records(value, path + (index,))
+
+
+def _storage_dtype(type_name: str, torch: Any) -> Any:
+    """:return: the dtype of a storage type the pickle names (``FloatStorage``), or ``None``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy storage classes warn when touched
+        dtype = getattr(getattr(torch, type_name, None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _fits(record: TensorRecord, dtype: Any, live: Any, torch: Any) -> bool:
+    """Whether ``live`` can take the storage of ``record`` byte for byte."""
+    return (type(live) in (torch.Tensor, torch.nn.Parameter) and live.device.type == "cpu"
+            and live.layout is torch.strided and not live.is_quantized and not live.is_conj()
+            and not live.is_neg() and live.is_contiguous() and live.dtype == dtype and live.numel() > 0
+            and record.offset == 0 and record.storage.numel == live.numel()
+            and record.shape == tuple(live.shape) and record.stride == tuple(live.stride()))

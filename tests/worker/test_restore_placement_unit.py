@@ -1,0 +1,240 @@
+"""A restore writes each storage a module's tensor will hold straight into that tensor as the
+bytes arrive: the result is bit-exact, and a checkpoint found torn, corrupt or interrupted after
+some storages were placed leaves the modules exactly as they were."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, RestoreInterrupted
+from gpu_resilience_worker.logs import StructuredLogger
+from gpu_resilience_worker.restore_copy import LocalCopy, ModulePlacement
+from gpu_resilience_worker.torch_archive import ArchiveStream, TensorRecord
+
+
+class Net(torch.nn.Module):
+    """Parameters, buffers, a weight shared by two layers and a non-contiguous buffer."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(width, width)
+        self.norm = torch.nn.BatchNorm1d(width)
+        self.second = torch.nn.Linear(width, width)
+        self.second.weight = self.first.weight  # tied: two entries, one storage
+        self.register_buffer("transposed", torch.randn(width, 3).t())  # saved with its strides
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.norm(self.first(x))) + self.transposed.sum()
+
+
+def _manager(folder: Path, states: dict[str, Any], should_stop=None) -> CheckpointManager:
+    config = CheckpointConfig(folder=str(folder), interval=1, keep_latest_k=3, async_mode=AsyncMode.DISABLED)
+    return CheckpointManager(config, states, logger=StructuredLogger(open(os.devnull, "w")), should_stop=should_stop)
+
+
+def _train(model: Net, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, model.first.in_features, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def placements(monkeypatch) -> list[dict[str, Any]]:
+    """The storages each kept restore placed (recorded when the placement is kept)."""
+    kept: list[dict[str, Any]] = []
+    original = LocalCopy.keep_placed
+
+    def keep_placed(self: LocalCopy) -> None:
+        kept.append(dict(self.placed))
+        original(self)
+
+    monkeypatch.setattr(LocalCopy, "keep_placed", keep_placed)
+    return kept
+
+
+@pytest.fixture
+def put_back(monkeypatch) -> list[int]:
+    """The bytes each closed copy gave back to the modules (placed, then not kept); -1 for a swap back."""
+    given: list[int] = []
+    original = LocalCopy._give_back
+
+    def spy(self: LocalCopy, swap: bool = False) -> None:
+        given.append(-1 if swap else self.displaced_bytes)
+        original(self, swap)
+
+    monkeypatch.setattr(LocalCopy, "_give_back", spy)
+    return given
+
+
+def _saved(folder: Path, steps: tuple[int, ...] = (3,), width: int = 64) -> tuple[list[dict], dict, dict]:
+    """Train and save at ``steps``: :return: the model's state at each, and the model and
+    optimizer states 4 steps after the last (the reference a resumed run must reach)."""
+    torch.manual_seed(2)
+    model = Net(width)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    saved, done = [], 0
+    with _manager(folder, {"model": model, "optimizer": optimizer}) as manager:
+        for step in steps:
+            _train(model, optimizer, step - done, seed=step)
+            done = step
+            manager.save(step, force=True)
+            saved.append(_snapshot(model))
+    _train(model, optimizer, 4, seed=99)
+    return saved, _snapshot(model), optimizer.state_dict()
+
+
+def test_a_module_restore_places_its_storages_and_trains_on_bit_exactly(tmp_path: Path, placements) -> None:
+    (saved,), expected, expected_optimizer = _saved(tmp_path)
+    torch.manual_seed(7)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    with _manager(tmp_path, {"model": model, "optimizer": optimizer}) as manager:
+        assert manager.load() is True
+    assert _equal(_snapshot(model), saved)
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers  # loaded in place
+    assert model.second.weight is model.first.weight
+    # Every contiguous module tensor was placed (the tied weight once); the transposed buffer,
+    # the optimizer's moments and its step counters were not.
+    entries = [k for k, v in model.state_dict().items() if v.is_contiguous() and k != "second.weight"]
+    assert len(placements) == 1 and len(placements[0]) == len(entries)
+    _train(model, optimizer, 4, seed=99)
+    assert _equal(_snapshot(model), expected)
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], expected_optimizer["state"][0]["exp_avg"])
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the archive's end: every storage was placed before the digest fails
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("older", [True, False], ids=["falls back", "nothing to fall back to"])
+def test_a_checkpoint_found_corrupt_after_its_storages_were_placed_changes_nothing(tmp_path: Path, placements,
+                                                                                  put_back, older: bool) -> None:
+    saved, _, _ = _saved(tmp_path, steps=(3, 6) if older else (6,), width=2048)  # 16 MiB weights
+    _flip_last_byte(tmp_path / "ckpt-00000006.pt")
+    torch.manual_seed(7)
+    model = Net(2048)
+    before = _snapshot(model)
+    with _manager(tmp_path, {"model": model}) as manager:
+        assert manager.load() is older
+    assert _equal(_snapshot(model), saved[0] if older else before)
+    assert len(placements) == (1 if older else 0)
+    assert len(put_back) == 1 and put_back[0] >= 16 << 20  # the (tied) weight had been placed
+
+
+def test_a_stop_during_a_placing_restore_leaves_the_modules_as_they_were(tmp_path: Path, put_back) -> None:
+    _saved(tmp_path, width=2048)
+    torch.manual_seed(7)
+    model = Net(2048)
+    before = _snapshot(model)
+    asked = []
+
+    def should_stop() -> bool:  # the first 8 MiB read placed part of the weight, then a stop
+        asked.append(1)
+        return len(asked) > 2
+
+    with _manager(tmp_path, {"model": model}, should_stop=should_stop) as manager:
+        with pytest.raises(RestoreInterrupted):
+            manager.load()
+    assert _equal(_snapshot(model), before)
+    assert len(put_back) == 1 and 0 < put_back[0] < 16 << 20  # a part of the first weight
+
+
+def test_a_placement_torch_would_not_read_is_undone_before_the_load(tmp_path: Path, monkeypatch, placements,
+                                                                     put_back) -> None:
+    """Where torch's own reader of the archive disagrees with a placement, every placed part is
+    swapped back (the copy gets the file's bytes, the module its own) and the load copies."""
+    (saved,), _, _ = _saved(tmp_path)
+    monkeypatch.setattr(ModulePlacement, "check", lambda self, copy: False)
+    model = Net()
+    with _manager(tmp_path, {"model": model}) as manager:
+        assert manager.load() is True
+    assert _equal(_snapshot(model), saved) and placements == [{}] and put_back == [-1]
+
+
+def _archive() -> bytes:
+    torch.manual_seed(0)
+    model = Net(32)
+    optimizer = torch.optim.Adam(model.parameters())
+    _train(model, optimizer, 1, seed=1)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7}, buffer)
+    return buffer.getvalue()
+
+
+def _records(obj: Any) -> list[TensorRecord]:
+    if isinstance(obj, TensorRecord):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [record for value in values for record in _records(value)]
+
+
+def _stream(data: bytes, place, pieces: list[int]) -> tuple[ArchiveStream, list[tuple[int, bytes, Any, int]]]:
+    stream, segments, position = ArchiveStream(place), [], 0
+    for size in pieces:
+        view = memoryview(bytearray(data[position : position + size]))
+        segments += [(at, bytes(b), d, into) for at, b, d, into in stream.feed(view, position)]
+        position += view.nbytes
+    return stream, segments + [(at, bytes(b), d, into) for at, b, d, into in stream.finish()]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_stream_splits_any_pieces_into_the_file_and_the_storages_where_torch_reads_them(tmp_path: Path,
+                                                                                              seed: int) -> None:
+    data = _archive()
+    (tmp_path / "a.pt").write_bytes(data)
+    reader = torch._C.PyTorchFileReader(str(tmp_path / "a.pt"))
+
+    def place(records: Any) -> dict[str, tuple[int, Any]]:  # every other storage has a destination
+        return {r.storage.key: (reader.get_record_size(f"data/{r.storage.key}"), r.storage.key if int(r.storage.key) % 2 else None)
+                for r in _records(records)}
+
+    rng = random.Random(seed)
+    pieces = [rng.choice([1, 3, 30, 64, 517, 4096, 1 << 16]) for _ in range(len(data))]
+    stream, segments = _stream(data, place, pieces)
+    assert b"".join(b for _, b, _, _ in segments) == data
+    assert [at for at, *_ in segments] == [sum(len(b) for _, b, _, _ in segments[:i]) for i in range(len(segments))]
+    for at, _, key, into in segments:
+        if key is not None:
+            assert at - into == reader.get_record_offset(f"data/{key}")
+    keys = [name.rsplit("/", 1)[-1] for name in reader.get_all_records() if name.startswith("data/")]
+    assert stream.placed == {k: (reader.get_record_offset(f"data/{k}"), reader.get_record_size(f"data/{k}"))
+                             for k in keys if int(k) % 2}
+
+
+def _everything(records: Any) -> dict[str, tuple[int, Any]]:
+    return {r.storage.key: (r.storage.numel * 4, "somewhere") for r in _records(records)}
+
+
+@pytest.mark.parametrize("case, place, mangle", [
+    ("not an archive", _everything, lambda d: os.urandom(len(d))),
+    ("the pickle cannot be followed", lambda records: 1 / 0, lambda d: d),
+    ("a storage the pickle does not name", lambda records: {}, lambda d: d),
+    ("the stream ends inside a storage", _everything, lambda d: d[: len(d) // 2]),
+    ("the archive is cut after its pickle", _everything, lambda d: d[:900]),
+])
+def test_what_the_stream_cannot_follow_ends_the_following_and_every_byte_still_comes_out(case: str, place, mangle) -> None:
+    data = mangle(_archive())
+    stream, segments = _stream(data, place, [1000] * (len(data) // 1000 + 1))
+    assert b"".join(b for _, b, _, _ in segments) == data, case
+    complete = {key for key, (start, size) in stream.placed.items() if start + size <= len(data)}
+    assert complete == set(stream.placed), case

@@ -1,0 +1,217 @@
+"""Where a ``torch.save`` archive keeps each storage's bytes, found while the archive streams in.
+
+torch writes a zip archive: the pickle (``<prefix>/data.pkl``: each tensor's storage by key, type
+and elements), small records, then one record per storage (``<prefix>/data/<key>``); a local
+header without sizes precedes each record and a data descriptor follows it. :class:`ArchiveStream`
+follows that from the bytes alone, so that a restore can send each storage's bytes to the tensor
+that will hold them as they arrive. What it does not expect ends the following, never the read.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+from typing import Any, Callable, NamedTuple
+
+LOCAL, DESCRIPTOR, CENTRAL = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
+#: The largest pickle followed (bytes).
+PICKLE_LIMIT = 64 << 20
+
+
+class StorageRef(NamedTuple):
+    """A storage as the pickle names it: its type's name (``FloatStorage``), key and elements."""
+
+    type_name: str
+    key: str
+    numel: int
+
+
+class TensorRecord(NamedTuple):
+    """A tensor as the pickle rebuilds it (``torch._utils._rebuild_tensor_v2``'s first arguments)."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple
+    stride: tuple
+
+
+class _Opaque:
+    """Whatever else the pickle builds: taken and ignored (nothing is imported, nothing runs)."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _tensor(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> Any:
+    if isinstance(storage, StorageRef) and isinstance(shape, tuple) and isinstance(stride, tuple):
+        return TensorRecord(storage, int(offset), shape, stride)
+    return _Opaque()
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        known = {("torch._utils", "_rebuild_tensor_v2"): _tensor, ("collections", "OrderedDict"): collections.OrderedDict}
+        return known.get((module, name), _Opaque)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], str)):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return StorageRef(pid[1], str(pid[2]), int(pid[4]))
+
+
+def read_records(data: bytes) -> Any:
+    """Read the archive's pickle without importing any class.
+
+    :return: ``data`` as dicts, lists and tuples holding a :class:`TensorRecord` for each tensor
+        (anything else is opaque).
+    :raises Exception: what unpickling malformed bytes raises.
+    """
+    return _RecordUnpickler(io.BytesIO(data)).load()
+
+
+#: A part of the stream: ``(file offset, its bytes, destination or None, offset in the destination)``.
+Segment = tuple[int, memoryview, Any, int]
+
+
+class ArchiveStream:
+    """Splits a torch archive's bytes, fed in order, into parts to store as they are and parts
+    of a storage that has a destination. The bytes of every segment are writable.
+
+    :param place: called with the pickle (:func:`read_records`): ``{storage key: (bytes,
+        destination or None)}``. A storage it leaves out, or one before the pickle, ends the following.
+    """
+
+    def __init__(self, place: Callable[[Any], dict[str, tuple[int, Any]]]) -> None:
+        self._place, self._storages = place, None
+        self._pending = bytearray()  # the bytes from self._at on, not yet classified
+        self._at, self._mode, self._prefix, self._name = 0, "header", "", ""
+        self._data: tuple[int, int, Any] = (0, 0, None)  # a storage's first byte, end, destination
+        self._scanned = 0
+        #: ``{key: (data offset, bytes)}`` of each storage sent whole to its destination.
+        self.placed: dict[str, tuple[int, int]] = {}
+
+    def feed(self, view: memoryview, offset: int) -> list[Segment]:
+        """Take the next piece of the file.
+
+        :param view: the piece.
+        :param offset: its offset in the file.
+        :return: the segments of ``view`` and of bytes held back before, in file order.
+        """
+        out: list[Segment] = []
+        position, end = offset, offset + view.nbytes
+        while True:
+            if self._mode in ("data", "done"):
+                position = self._pass(view, offset, position, end, out)
+                if position >= end and not self._pending:
+                    return out
+            elif not self._parse(out):
+                if position >= end:
+                    return out
+                take = min(end, position + self._want())
+                self._pending += view[position - offset : take - offset]
+                position = take
+
+    def finish(self) -> list[Segment]:
+        """:return: the bytes still held back (the stream ended)."""
+        out = [(self._at, memoryview(bytearray(self._pending)), None, 0)] if self._pending else []
+        self._pending, self._mode = bytearray(), "done"
+        return out
+
+    def _pass(self, view: memoryview, offset: int, position: int, end: int, out: list[Segment]) -> int:
+        """Pass on held-back bytes, else the view's, up to the storage's end (or all when done)."""
+        start, stop, destination = self._data if self._mode == "data" else (0, 1 << 62, None)
+        if self._pending:
+            count = min(len(self._pending), stop - self._at)
+            piece = memoryview(bytearray(self._pending[:count]))
+            del self._pending[:count]
+        else:
+            count = min(end, stop) - position
+            piece, position = view[position - offset : position - offset + count], position + count
+        if count:
+            out.append((self._at, piece, destination, self._at - start))
+        self._at += count
+        if self._mode == "data" and self._at == stop:
+            if destination is not None:
+                self.placed[self._name] = (start, stop - start)
+            self._mode = "descriptor"
+        return position
+
+    def _want(self) -> int:
+        if self._mode == "descriptor":
+            return 28 - len(self._pending)
+        if self._mode == "header" and len(self._pending) >= 30:
+            name_length, extra_length = struct.unpack_from("<HH", self._pending, 26)
+            return 30 + name_length + extra_length - len(self._pending)
+        return 30 - len(self._pending) if self._mode == "header" else 64 << 10
+
+    def _parse(self, out: list[Segment]) -> bool:
+        """Classify what the held-back bytes allow. :return: whether anything changed."""
+        pending = self._pending
+        if self._mode == "header":
+            if len(pending) >= 4 and pending[:4] != LOCAL:
+                self._mode = "done"
+                return True
+            return len(pending) >= 30 and self._want() <= 0 and self._header(out)
+        if self._mode == "descriptor":  # 16 bytes, or 24 with 64-bit sizes
+            return self._ended(0, self._data[1] - self._data[0], out, last=True)
+        while (found := pending.find(DESCRIPTOR, self._scanned)) >= 0:  # a record of unknown size
+            if len(pending) < found + 28 or self._ended(found, found, out):
+                return len(pending) >= found + 28
+            self._scanned = found + 1
+        self._scanned = max(0, len(pending) - 3)
+        if len(pending) > PICKLE_LIMIT:
+            self._mode = "done"
+        return self._mode == "done"
+
+    def _ended(self, at: int, size: int, out: list[Segment], last: bool = False) -> bool:
+        """Whether a descriptor at ``at`` in the held-back bytes gives ``size`` and is followed by
+        a header; if so the record ends there. ``last``: no other descriptor may come."""
+        pending = self._pending
+        for length, form in ((16, "<I"), (24, "<Q")):
+            if len(pending) < at + length + 4:
+                return False
+            if (pending[at : at + 4] == DESCRIPTOR and pending[at + length : at + length + 4] in (LOCAL, CENTRAL)
+                    and struct.unpack_from(form, pending, at + length - struct.calcsize(form))[0] == size):
+                return self._record_ends(at, length, out)
+        if last:
+            self.placed.pop(self._name, None)
+            self._mode = "done"
+        return last
+
+    def _record_ends(self, size: int, descriptor: int, out: list[Segment]) -> bool:
+        if self._mode == "record" and self._name == "data.pkl" and self._storages is None:
+            try:
+                self._storages = self._place(read_records(bytes(self._pending[:size])))
+            except Exception:  # noqa: BLE001 - a pickle it cannot follow: nothing is placed
+                self._mode = "done"
+                return True
+        self._structure(size + descriptor, out, "header")
+        return True
+
+    def _structure(self, count: int, out: list[Segment], mode: str) -> None:
+        out.append((self._at, memoryview(bytearray(self._pending[:count])), None, 0))
+        del self._pending[:count]
+        self._at, self._mode, self._scanned = self._at + count, mode, 0
+
+    def _header(self, out: list[Segment]) -> bool:
+        name_length, extra_length = struct.unpack_from("<HH", self._pending, 26)
+        name = self._pending[30 : 30 + name_length].decode("utf-8", "replace")
+        self._structure(30 + name_length + extra_length, out, "record")
+        if name.endswith("/data.pkl") and self._storages is None:
+            self._prefix, self._name = name[: -len("data.pkl")], "data.pkl"
+        elif self._storages is not None and name.startswith(f"{self._prefix}data/"):
+            self._name = name[len(self._prefix) + 5 :]
+            entry = self._storages.get(self._name)
+            self._mode = "done" if entry is None else "data"
+            self._data = (self._at, self._at + entry[0], entry[1]) if entry else self._data
+        else:
+            self._name = ""
+            self._mode = "done" if "/data/" in name else "record"
+        return True
