@@ -1,12 +1,11 @@
-"""Storage behind a small protocol on ``str`` paths.
-
-Only a local (or FUSE-mounted) file system is implemented. Nothing here assumes that rename is
-atomic: on a GCS FUSE mount it is a copy followed by a delete, so readers must validate what they
-read (see :mod:`gpu_resilience_worker.checkpoint`).
+"""Storage behind a small protocol on ``str`` paths, implemented for a local (or FUSE-mounted) file system.
+Nothing here assumes that rename is atomic (on a GCS FUSE mount it is a copy, then a delete): readers validate
+what they read (see :mod:`gpu_resilience_worker.checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -14,8 +13,8 @@ from typing import BinaryIO, Callable, Protocol, Union
 
 from gpu_resilience_worker import fastio, forkguard
 
-#: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an
-#: unbuffered binary file (so big checkpoints stream to storage without an in-memory copy).
+#: What :meth:`Storage.write` takes: the bytes, or a function that writes them into an unbuffered binary
+#: file (so big checkpoints stream to storage without an in-memory copy).
 Payload = Union[bytes, Callable[[BinaryIO], None]]
 
 
@@ -43,14 +42,14 @@ class Storage(Protocol):
     def remove_entry(self, folder: str, name: str) -> bool:
         """Delete the file ``name`` directly in ``folder``, following no symlink.
 
-        :return: ``False`` when refused (nothing deleted): ``folder`` or the entry is a symlink,
-            or the entry is not a regular file; ``True`` when it is gone (deleted, or missing).
+        :return: ``False`` when refused (nothing deleted): a symlink in ``folder``'s path or as the entry, or
+            an entry that is not a regular file; ``True`` when it is gone (deleted, or missing).
+        :raises ValueError: when ``name`` is not a plain file name.
         """
 
     def local_path(self, path: str) -> str | None:
-        """
-        :return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped,
-            or ``None`` when it must be read through :meth:`open_read`."""
+        """:return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped, or ``None`` when
+        it must be read through :meth:`open_read`."""
 
 
 def _fsync_dir(folder: str) -> None:
@@ -68,40 +67,33 @@ def _fsync_dir(folder: str) -> None:
 
 
 class LocalStorage(Storage):
-    """:class:`Storage` on a local or FUSE-mounted POSIX file system (methods documented there
-    are not documented again)."""
+    """:class:`Storage` on a local or FUSE-mounted POSIX file system (methods documented there are not again)."""
 
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
-        """Write, flush and fsync ``data`` to ``path``, as a new file written sequentially from
-        its start (an existing file is deleted first, never truncated or overwritten in place).
-        Errors of ``close()`` propagate: on Cloud Storage FUSE that is where an upload fails. An
-        ``OSError`` without a path (``os.write``'s ENOSPC) is given the file's.
-
-        The file is written in :func:`~gpu_resilience_worker.forkguard.write_privately`; the caller waits.
+        """Write, flush and fsync ``data`` to ``path`` as a new file written sequentially from its start (an
+        existing one is deleted first, never truncated or overwritten in place), in
+        :func:`~gpu_resilience_worker.forkguard.write_privately` while the caller waits. Errors of ``close()``
+        propagate (on Cloud Storage FUSE an upload fails there); an ``OSError`` without a path (``os.write``'s
+        ENOSPC) is given the file's.
 
         :param path: destination file.
-        :param data: the bytes to write, or a function writing them into the open file (it runs
-            on that thread: it must keep neither the file nor its descriptor after it returns,
-            pass neither to another thread, nor start threads).
-        :param atomic: write to ``path + ".tmp"`` first, then rename it over ``path``. The rename
-            is only atomic on local disks; readers still validate the content.
+        :param data: the bytes, or a function writing them into the open file (it runs on that thread: it must
+            keep neither the file nor its descriptor after it returns, pass neither on, nor start threads).
+        :param atomic: write ``path + ".tmp"`` first, then rename it over ``path`` (atomic on local disks only:
+            readers still validate the content).
         """
         folder = os.path.dirname(path) or "."
         os.makedirs(folder, exist_ok=True)
         target = path + ".tmp" if atomic else path
-        try:  # a new file every time: truncating an existing object makes GCS FUSE stage it
+        with contextlib.suppress(FileNotFoundError):  # a new file: truncating an object makes GCS FUSE stage it
             os.remove(target)
-        except FileNotFoundError:
-            pass
 
         def write_file() -> None:
             with open(target, "xb", buffering=0) as handle:
                 if callable(data):
                     data(handle)
                 else:
-                    view = memoryview(data)
-                    while view.nbytes:
-                        view = view[handle.write(view):]
+                    fastio._write_all(handle, memoryview(data))
                 os.fsync(handle.fileno())
 
         if callable(data):  # a checkpoint's writer hashes on these threads: not started in there
@@ -137,19 +129,14 @@ class LocalStorage(Storage):
             return []
 
     def remove(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        except FileNotFoundError:
-            pass
 
     def remove_entry(self, folder: str, name: str) -> bool:
-        """Delete the regular file ``name`` in ``folder``, never through a symlink: ``folder``
-        must be its own real path (no symlink in any part of it), it is opened with
-        ``O_NOFOLLOW``, and the entry is checked and unlinked relative to it.
+        """Never through a symlink: ``folder`` must be its own real path (no symlink in any part of it), it is
+        opened with ``O_NOFOLLOW``, and the entry is checked and unlinked relative to it.
 
-        :return: ``False`` when refused (a symlink in ``folder``'s path or as the entry, or an
-            entry that is not a regular file), ``True`` when the entry is gone (deleted, or missing); other
-            ``OSError`` propagate.
+        :return: as :meth:`Storage.remove_entry`; other ``OSError`` propagate.
         :raises ValueError: when ``name`` is not a plain file name.
         """
         if not name or name in (".", "..") or "/" in name:
