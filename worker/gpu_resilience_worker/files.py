@@ -1,8 +1,5 @@
-"""The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``attempts.json``.
-
-Their names are :mod:`gpu_resilience_worker.task_folder`'s (re-exported here). ``progress.json``
-and the goodput events files are advisory (:class:`AdvisoryFile`): a failed write of one is
-logged once and tolerated.
+"""The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``attempts.json`` (names
+from :mod:`gpu_resilience_worker.task_folder`, re-exported here).
 """
 
 from __future__ import annotations
@@ -32,11 +29,10 @@ def write_json(storage: Storage, path: str, obj: dict[str, Any]) -> None:
 
 
 class AdvisoryFile:
-    """A file of the namespace that no run depends on (``progress.json``, a goodput events file),
-    never written twice within :data:`MIN_REWRITE_SECONDS`. A write that fails with an ``OSError``
-    (a full disk: ENOSPC, EDQUOT; a mount's EIO) is logged at WARNING once for this file, not at
-    every step, and tolerated: on a full disk the checkpoint saves' rule decides (three failed in a
-    row: exit 74), not a progress write.
+    """A file of the namespace no run depends on (``progress.json``, a goodput events file), never written twice
+    within :data:`MIN_REWRITE_SECONDS`. A write failing with an ``OSError`` (a full disk: ENOSPC, EDQUOT; a mount's
+    EIO) is tolerated and logged at WARNING once for this file: on a full disk the checkpoint saves' rule decides
+    (three failed in a row: exit 74), not a progress write.
 
     :param storage: the storage backend.
     :param path: the file's path.
@@ -65,10 +61,8 @@ class AdvisoryFile:
         :return: 0 when a write may go now, else the seconds it would have to wait.
         """
         rest = MIN_REWRITE_SECONDS - (self.clock() - self.last_write)
-        if rest <= 0:
-            return 0.0
-        if rest > max_wait:
-            return rest
+        if rest <= 0 or rest > max_wait:
+            return max(rest, 0.0)
         self._sleep(rest)
         return 0.0
 
@@ -98,41 +92,32 @@ def read_json(storage: Storage, path: str) -> dict[str, Any] | None:
 
 
 class ProgressReporter:
-    """Writes ``progress.json`` at most every ``min_interval`` seconds, and logs progress.
-
-    The file is never written twice within :data:`MIN_REWRITE_SECONDS` (1 s), forced or not:
-    ``min_interval`` below that is raised to it, and a forced write (a status change: preempted,
-    completed) that comes sooner first sleeps the rest of that second, or, when ``max_wait``
-    is shorter than that rest, is skipped (logged at INFO).
+    """Writes ``progress.json`` (an :class:`AdvisoryFile`) at most every ``min_interval`` seconds, and logs
+    progress. A forced write (a status change: preempted, completed) within :data:`MIN_REWRITE_SECONDS` of the last
+    first sleeps the rest of that second, or, when ``max_wait`` is shorter than that rest, is skipped (logged at INFO).
 
     :param storage: the storage backend.
     :param namespace: the task folder.
     :param total_steps: steps of the whole run.
     :param start_step: the step this attempt started from (for steps per second).
     :param logger: structured logger.
-    :param min_interval: minimum seconds between writes; default 1, at least
-        :data:`MIN_REWRITE_SECONDS`.
+    :param min_interval: minimum seconds between writes; default 1, at least :data:`MIN_REWRITE_SECONDS`.
     :param log_interval: minimum seconds between progress log lines, unless forced; default 5.
     :param clock: monotonic clock in seconds.
     :param sleep: sleeps this many seconds (for a forced write within a second of the last).
-    :param high_water_step: the highest step an earlier attempt reached
-        (:func:`highest_reported_step`); the file's ``high_water_step`` is the highest of it and
-        every step written since. Default 0.
+    :param high_water_step: the highest step an earlier attempt reached (:func:`highest_reported_step`); the
+        file's ``high_water_step`` is the highest of it and every step written since. Default 0.
     """
 
-    def __init__(
-        self, storage: Storage, namespace: str, total_steps: int, start_step: int,
-        logger: StructuredLogger, *, min_interval: float = 1.0, log_interval: float = 5.0,
-        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-        high_water_step: int = 0,
-    ) -> None:
+    def __init__(self, storage: Storage, namespace: str, total_steps: int, start_step: int, logger: StructuredLogger,
+                 *, min_interval: float = 1.0, log_interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, high_water_step: int = 0) -> None:
         self._file = AdvisoryFile(storage, os.path.join(namespace, PROGRESS), logger, min_interval=min_interval,
                                   clock=clock, sleep=sleep)
         self.total_steps, self.start_step = total_steps, start_step
         self.high_water_step = max(high_water_step, start_step)
         self._log, self._clock, self._log_interval = logger, clock, log_interval
-        self._started = clock()
-        self._last_log = float("-inf")
+        self._started, self._last_log = clock(), float("-inf")
 
     def update(self, step: int, loss: float | None, *, status: str = "running", force: bool = False,
                max_wait: float = MIN_REWRITE_SECONDS) -> bool:
@@ -142,10 +127,9 @@ class ProgressReporter:
         :param loss: the running loss, or ``None`` before any step.
         :param status: ``running``, ``preempted`` or ``completed``.
         :param force: write regardless of ``min_interval`` (still never within 1 s of the last).
-        :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to
-            pass; default 1 (always wait).
-        :return: whether the file was written (a failed write is logged once and tolerated, see
-            :class:`AdvisoryFile`).
+        :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to pass; default 1
+            (always wait).
+        :return: whether the file was written (a failed write is logged once and tolerated: :class:`AdvisoryFile`).
         """
         if not (force or self._file.due()):
             return False
@@ -157,39 +141,33 @@ class ProgressReporter:
         now = self._clock()
         elapsed = now - self._started
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
-        eta = (self.total_steps - step) / rate if rate > 0 else None
+        eta = round((self.total_steps - step) / rate, 1) if rate > 0 else None
         self.high_water_step = max(self.high_water_step, step)
-        record = {
+        written = self._file.write(json_bytes({
             "step": step, "total_steps": self.total_steps, "status": status, "updated_at": utc_now(),
-            "loss": loss, "steps_per_second": round(rate, 3), "high_water_step": self.high_water_step,
-        }
-        written = self._file.write(json_bytes(record))
+            "loss": loss, "steps_per_second": round(rate, 3), "high_water_step": self.high_water_step}))
         if force or now - self._last_log >= self._log_interval:
             self._last_log = now
-            eta_s = None if eta is None else round(eta, 1)
             self._log.info(f"progress: step {step}/{self.total_steps}", step=step,
                            total_steps=self.total_steps, loss=loss, steps_per_second=round(rate, 3),
-                           eta_seconds=eta_s, status=status)
+                           eta_seconds=eta, status=status)
         return written
 
 
 def reported_step(previous: Mapping[str, Any], keys: tuple[str, ...] = ("step",),
                   total_steps: int | None = None) -> int | None:
-    """A step an earlier attempt reported in the ``progress.json`` it left, bounded by the run.
-
-    ``step`` is the last attempt's; ``high_water_step`` (written since it was added) the highest
-    of every attempt's, so that an attempt stopped before it got back to an earlier one's step
-    does not hide the steps that earlier attempt lost: the next resume recomputes those too. The
-    file is only a report (no commit record vouches for it): a claim beyond the run's
-    ``total_steps`` (a torn or forged file) counts as ``total_steps``.
+    """A step an earlier attempt reported in the ``progress.json`` it left, bounded by the run. ``step`` is the last
+    attempt's; ``high_water_step`` the highest of every attempt's, so that an attempt stopped before it got back to
+    an earlier one's step does not hide the steps that one lost (the next resume recomputes them too). The file is
+    only a report (no commit record vouches for it): a claim beyond ``total_steps`` (a torn or forged file) counts
+    as ``total_steps``.
 
     :param previous: the parsed ``progress.json`` (``{}`` when there is none).
     :param keys: the fields to read; the highest is taken (default ``("step",)``).
     :param total_steps: the run's steps, the bound; ``None`` or 0: unbounded.
     :return: the highest of ``keys`` that is an integer >= 0, bounded, else ``None``.
     """
-    values = [previous.get(key) for key in keys]
-    steps = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    steps = [v for v in map(previous.get, keys) if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
     if not steps:
         return None
     return min(max(steps), total_steps) if total_steps else max(steps)
@@ -202,11 +180,9 @@ def highest_reported_step(previous: Mapping[str, Any], total_steps: int | None =
 
 
 def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """Append ``entry`` to ``attempts.json``, after :func:`with_unrecorded_attempts`.
-
-    An attempt records itself once it has restored its checkpoint, before its first step; one
-    stopped before that (a preemption or a kill during its start or restore, or between its
-    "resuming" log line and this write) cannot, and the next attempt lists it.
+    """Append ``entry`` to ``attempts.json``, after :func:`with_unrecorded_attempts`. An attempt records itself once
+    it has restored its checkpoint, before its first step; one stopped before that (a preemption or a kill during
+    its start or restore, or between its "resuming" log line and this write) cannot, and the next attempt lists it.
 
     :return: all recorded attempts, oldest first.
     """
@@ -220,14 +196,12 @@ def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> l
 
 
 def with_unrecorded_attempts(recorded: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """``recorded`` + ``entry``, with an entry for every attempt of ``entry``'s execution and task
-    index numbered below ``entry["attempt"]`` that no record names.
-
-    Cloud Run numbers a task's attempts from 0 within an execution (``CLOUD_RUN_TASK_ATTEMPT``),
-    so such a number is an attempt that started and was stopped before it recorded itself. Its
-    entry is ``{"execution", "attempt", "task_index", "resumed_from_step": None, "lost_steps": 0,
-    "unrecorded": True}``: it trained no step (an attempt records itself before its first), and
-    the work lost before it is counted by the next attempt that resumed (from ``progress.json``).
+    """``recorded`` + ``entry``, with an entry for every attempt of ``entry``'s execution and task index numbered
+    below ``entry["attempt"]`` that no record names: Cloud Run numbers a task's attempts from 0 within an execution
+    (``CLOUD_RUN_TASK_ATTEMPT``), so such a number is an attempt stopped before it recorded itself. Its entry is
+    ``{"execution", "attempt", "task_index", "resumed_from_step": None, "lost_steps": 0, "unrecorded": True}``: it
+    trained no step (an attempt records itself before its first); the work lost before it is counted by the next
+    attempt that resumed (from ``progress.json``).
 
     :param recorded: the entries read from ``attempts.json``, oldest first.
     :param entry: this attempt's entry; without an integer ``attempt``, nothing is added for it.
