@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, RestoreInterrupted
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.restore_copy import LocalCopy, ModulePlacement
-from gpu_resilience_worker.torch_archive import ArchiveStream, TensorRecord
+from gpu_resilience_worker.torch_archive import ArchiveStream, Pickle, read_records
 
 
 class Net(torch.nn.Module):
@@ -181,13 +182,6 @@ def _archive() -> bytes:
     return buffer.getvalue()
 
 
-def _records(obj: Any) -> list[TensorRecord]:
-    if isinstance(obj, TensorRecord):
-        return [obj]
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return [record for value in values for record in _records(value)]
-
-
 def _stream(data: bytes, place, pieces: list[int]) -> tuple[ArchiveStream, list[tuple[int, bytes, Any, int]]]:
     stream, segments, position = ArchiveStream(place), [], 0
     for size in pieces:
@@ -204,9 +198,8 @@ def test_the_stream_splits_any_pieces_into_the_file_and_the_storages_where_torch
     (tmp_path / "a.pt").write_bytes(data)
     reader = torch._C.PyTorchFileReader(str(tmp_path / "a.pt"))
 
-    def place(records: Any) -> dict[str, tuple[int, Any]]:  # every other storage has a destination
-        return {r.storage.key: (reader.get_record_size(f"data/{r.storage.key}"), r.storage.key if int(r.storage.key) % 2 else None)
-                for r in _records(records)}
+    def place(records: Pickle) -> dict[str, tuple[int, Any]]:  # every other storage has a destination
+        return {key: (reader.get_record_size(f"data/{key}"), key if int(key) % 2 else None) for key in records.storages}
 
     rng = random.Random(seed)
     pieces = [rng.choice([1, 3, 30, 64, 517, 4096, 1 << 16]) for _ in range(len(data))]
@@ -221,8 +214,8 @@ def test_the_stream_splits_any_pieces_into_the_file_and_the_storages_where_torch
                              for k in keys if int(k) % 2}
 
 
-def _everything(records: Any) -> dict[str, tuple[int, Any]]:
-    return {r.storage.key: (r.storage.numel * 4, "somewhere") for r in _records(records)}
+def _everything(records: Pickle) -> dict[str, tuple[int, Any]]:
+    return {key: (storage.numel * 4, "somewhere") for key, storage in records.storages.items()}
 
 
 @pytest.mark.parametrize("case, place, mangle", [
@@ -238,3 +231,63 @@ def test_what_the_stream_cannot_follow_ends_the_following_and_every_byte_still_c
     assert b"".join(b for _, b, _, _ in segments) == data, case
     complete = {key for key, (start, size) in stream.placed.items() if start + size <= len(data)}
     assert complete == set(stream.placed), case
+
+
+_T = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+
+@pytest.mark.parametrize("case, obj, tensors, shared", [
+    ("entries of their own", {"a": _T, "b": {"c": [_T.clone()]}}, [("a",), ("b", "c", 0)], set()),
+    ("one tensor twice", {"a": _T, "b": _T}, [("a",), ("b",)], set()),
+    ("a view of another entry", {"a": _T, "b": _T[1]}, [("a",), ("b",)], set()),
+    ("a parameter on an entry's storage", {"a": _T, "b": torch.nn.Parameter(_T)}, [("a",)], {"0"}),
+    ("a conjugate view", {"c": torch.ones(3, dtype=torch.complex64).conj()}, [], {"0"}),
+])
+def test_the_pickle_names_each_tensor_by_path_and_the_storages_something_else_uses(case, obj, tensors, shared) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        records = read_records(archive.read("archive/data.pkl"))
+    assert sorted(records.tensors) == sorted(tensors), case
+    assert records.shared == shared, case
+    assert all(storage.type_name.endswith("Storage") for storage in records.storages.values()), case
+
+
+class Holder:
+    """Not a module: keeps the tensors it is given, and shows them in its state."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.tensors = dict(state)
+
+
+def test_a_storage_another_state_also_holds_is_loaded_not_placed(tmp_path: Path, placements) -> None:
+    """The holder would keep the loaded tensor, a view of the copy where a placement leaves the
+    module's previous bytes: that storage is loaded from the copy, the others are placed."""
+    torch.manual_seed(3)
+    model = Net()
+    with _manager(tmp_path, {"model": model, "holder": Holder({"w": model.first.bias.detach()})}) as manager:
+        manager.save(1, force=True)
+    saved = _snapshot(model)
+    torch.manual_seed(4)
+    again = Net()
+    holder = Holder({})
+    with _manager(tmp_path, {"model": again, "holder": holder}) as manager:
+        assert manager.load() is True
+    assert _equal(_snapshot(again), saved) and torch.equal(holder.tensors["w"], saved["first.bias"])
+    entries = [k for k, v in again.state_dict().items() if v.is_contiguous() and k not in ("second.weight", "first.bias")]
+    assert len(placements) == 1 and len(placements[0]) == len(entries)
+
+
+def test_an_archive_of_another_byte_order_is_not_placed() -> None:
+    data = bytearray(_archive())
+    at = data.index(b"little")  # the byteorder record's content; torch would byte-swap the storages
+    data[at : at + 6] = b"LITTLE"
+    stream, segments = _stream(bytes(data), _everything, [4096] * (len(data) // 4096 + 1))
+    assert b"".join(b for _, b, _, _ in segments) == data and stream.placed == {}
+    assert _stream(_archive(), _everything, [len(data)])[0].placed  # the unmangled archive is

@@ -19,7 +19,7 @@ import warnings
 from typing import Any, BinaryIO, Callable
 
 from gpu_resilience_worker.fastio import DIGEST_CHUNK, ChunkHasher, read_pipelined
-from gpu_resilience_worker.torch_archive import ArchiveStream, StorageRef, TensorRecord
+from gpu_resilience_worker.torch_archive import ArchiveStream, Pickle, TensorRecord
 
 
 class LocalCopy:
@@ -183,35 +183,36 @@ class ModulePlacement:
     """Which storages of a checkpoint go straight into the tensors of ``torch.nn.Module`` states,
     as the ``place`` of a :class:`LocalCopy`.
 
-    A storage is placed when every tensor the checkpoint builds on it is a whole entry of a module
-    state's ``state_dict()`` and that live tensor has its layout exactly: a plain CPU, strided,
-    contiguous tensor of the same dtype, shape and elements, not a conjugate or negative view,
-    overlapping no other placed storage. Such an entry is what ``load_state_dict`` would copy into
-    that tensor; everything else is loaded from the copy.
+    A storage is placed when every use of it is a whole entry of a module state's ``state_dict()``
+    and that live tensor has its layout exactly: a plain CPU, strided, contiguous tensor of the
+    same dtype, shape and elements, not a conjugate or negative view, overlapping no other placed
+    storage. Such an entry is what ``load_state_dict`` would copy into that tensor; everything else
+    is loaded from the copy.
 
-    :param states: the states by name (``CheckpointManager``'s); others than modules are not placed into.
+    :param states: the states by name (``CheckpointManager``'s); only modules are placed into. Their
+        ``state_dict()`` is taken here, on the caller's thread (the read calls the placement on another).
     """
 
     def __init__(self, states: dict[str, Any]) -> None:
-        self._states = states
-        self._targets: dict[str, list[tuple[Any, Any, Any]]] = {}  # key -> [(state, entry, live tensor)]
-
-    def __call__(self, records: Any) -> dict[str, tuple[int, int | None]]:
         import torch
 
-        modules = {name: s.state_dict() for name, s in self._states.items() if isinstance(s, torch.nn.Module)}
-        sizes: dict[str, int] = {}
+        self._torch = torch
+        self._modules = {name: s.state_dict() for name, s in states.items() if isinstance(s, torch.nn.Module)}
+        self._targets: dict[str, list[tuple[Any, Any, Any]]] = {}  # key -> [(state, entry, live tensor)]
+
+    def __call__(self, records: Pickle) -> dict[str, tuple[int, int | None]]:
+        torch = self._torch
+        sizes = {key: storage.numel * dtype.itemsize for key, storage in records.storages.items()
+                 if (dtype := _storage_dtype(storage.type_name, torch)) is not None}
         uses: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
-        for path, record in _tensor_records(records, ()):
+        for path, record in records.tensors.items():
+            live = self._modules[path[0]].get(path[1]) if len(path) == 2 and path[0] in self._modules else None
             dtype = _storage_dtype(record.storage.type_name, torch)
-            if dtype is not None:
-                sizes[record.storage.key] = record.storage.numel * dtype.itemsize
-                live = modules.get(path[0], {}).get(path[1]) if len(path) == 2 and path[0] in modules else None
-                uses.setdefault(record.storage.key, []).append((path, live if _fits(record, dtype, live, torch) else None))
+            uses.setdefault(record.storage.key, []).append((path, live if _fits(record, dtype, live, torch) else None))
         self._targets, spans = {}, []
         for key, found in uses.items():
             lives = [live for _, live in found]
-            if any(live is None for live in lives) or len({live.data_ptr() for live in lives}) != 1:
+            if key in records.shared or any(live is None for live in lives) or len({live.data_ptr() for live in lives}) != 1:
                 continue
             start = lives[0].data_ptr()
             if all(start + sizes[key] <= begin or end <= start for begin, end in spans):
@@ -245,18 +246,6 @@ class ModulePlacement:
                     result[name] = copy_module.copy(state[name])  # an OrderedDict keeps its _metadata
                 result[name][entry] = live
         return result
-
-
-def _tensor_records(obj: Any, path: tuple[Any, ...]) -> Any:
-    """Yield ``(path, TensorRecord)`` for every tensor nested in the pickle ``obj``."""
-    if isinstance(obj, TensorRecord):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _tensor_records(value, path + (key,))
-    elif isinstance(obj, (list, tuple)) and not isinstance(obj, StorageRef):
-        for index, value in enumerate(obj):
-            yield from _tensor_records(value, path + (index,))
 
 
 def _storage_dtype(type_name: str, torch: Any) -> Any:

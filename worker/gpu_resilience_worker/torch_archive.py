@@ -13,6 +13,7 @@ import collections
 import io
 import pickle
 import struct
+import sys
 from typing import Any, Callable, NamedTuple
 
 LOCAL, DESCRIPTOR, CENTRAL = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
@@ -47,33 +48,71 @@ class _Opaque:
         pass
 
 
-def _tensor(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> Any:
-    if isinstance(storage, StorageRef) and isinstance(shape, tuple) and isinstance(stride, tuple):
-        return TensorRecord(storage, int(offset), shape, stride)
-    return _Opaque()
+class Pickle(NamedTuple):
+    """What a restore needs of the archive's pickle."""
+
+    #: Every tensor a path of dicts, lists and tuples leads to, by that path (keys and indices).
+    tensors: dict[tuple, TensorRecord]
+    #: Every storage, by key.
+    storages: dict[str, StorageRef]
+    #: Keys of the storages that something else than those tensors also uses (a tensor inside an
+    #: object this reading does not follow, or rebuilt another way).
+    shared: set[str]
 
 
 class _RecordUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.uses: collections.Counter = collections.Counter()  # persistent ids per storage key
+        self.built: list[TensorRecord] = []
+        self.storages: dict[str, StorageRef] = {}
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name.endswith("Storage"):
             return name
-        known = {("torch._utils", "_rebuild_tensor_v2"): _tensor, ("collections", "OrderedDict"): collections.OrderedDict}
+        known = {("torch._utils", "_rebuild_tensor_v2"): self._tensor, ("collections", "OrderedDict"): collections.OrderedDict}
         return known.get((module, name), _Opaque)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], str)):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return StorageRef(pid[1], str(pid[2]), int(pid[4]))
+        storage = self.storages.setdefault(str(pid[2]), StorageRef(pid[1], str(pid[2]), int(pid[4])))
+        self.uses[storage.key] += 1
+        return storage
+
+    def _tensor(self, storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> Any:
+        """``_rebuild_tensor_v2``; a tensor with metadata (a conjugate view, say) stays opaque."""
+        if not (isinstance(storage, StorageRef) and isinstance(shape, tuple) and isinstance(stride, tuple)) or (
+                len(rest) > 2 and rest[2]):
+            return _Opaque()
+        self.built.append(TensorRecord(storage, int(offset), shape, stride))
+        return self.built[-1]
 
 
-def read_records(data: bytes) -> Any:
-    """Read the archive's pickle without importing any class.
+def _paths(obj: Any, path: tuple, out: dict[tuple, TensorRecord]) -> dict[tuple, TensorRecord]:
+    if isinstance(obj, TensorRecord):
+        out[path] = obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _paths(value, path + (key,), out)
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, StorageRef):
+        for index, value in enumerate(obj):
+            _paths(value, path + (index,), out)
+    return out
 
-    :return: ``data`` as dicts, lists and tuples holding a :class:`TensorRecord` for each tensor
-        (anything else is opaque).
+
+def read_records(data: bytes) -> Pickle:
+    """Read the archive's pickle without importing any class (whatever else it builds is opaque).
+
+    :param data: the bytes of ``<prefix>/data.pkl``.
     :raises Exception: what unpickling malformed bytes raises.
     """
-    return _RecordUnpickler(io.BytesIO(data)).load()
+    reader = _RecordUnpickler(data)
+    tensors = _paths(reader.load(), (), {})
+    reached = {id(record) for record in tensors.values()}
+    built = collections.Counter(record.storage.key for record in reader.built)
+    shared = {r.storage.key for r in reader.built if id(r) not in reached}
+    return Pickle(tensors, reader.storages, shared | {key for key, n in reader.uses.items() if n > built[key]})
 
 
 #: A part of the stream: ``(file offset, its bytes, destination or None, offset in the destination)``.
@@ -85,7 +124,8 @@ class ArchiveStream:
     of a storage that has a destination. The bytes of every segment are writable.
 
     :param place: called with the pickle (:func:`read_records`): ``{storage key: (bytes,
-        destination or None)}``. A storage it leaves out, or one before the pickle, ends the following.
+        destination or None)}``. A storage it leaves out, one before the pickle, or any in an
+        archive of another byte order than this machine's ends the following.
     """
 
     def __init__(self, place: Callable[[Any], dict[str, tuple[int, Any]]]) -> None:
@@ -93,7 +133,7 @@ class ArchiveStream:
         self._pending = bytearray()  # the bytes from self._at on, not yet classified
         self._at, self._mode, self._prefix, self._name = 0, "header", "", ""
         self._data: tuple[int, int, Any] = (0, 0, None)  # a storage's first byte, end, destination
-        self._scanned = 0
+        self._scanned, self._native = 0, False
         #: ``{key: (data offset, bytes)}`` of each storage sent whole to its destination.
         self.placed: dict[str, tuple[int, int]] = {}
 
@@ -186,6 +226,8 @@ class ArchiveStream:
         return last
 
     def _record_ends(self, size: int, descriptor: int, out: list[Segment]) -> bool:
+        if self._mode == "record" and self._name == "byteorder":  # torch byte-swaps another order
+            self._native = bytes(self._pending[:size]) == sys.byteorder.encode()
         if self._mode == "record" and self._name == "data.pkl" and self._storages is None:
             try:
                 self._storages = self._place(read_records(bytes(self._pending[:size])))
@@ -208,10 +250,10 @@ class ArchiveStream:
             self._prefix, self._name = name[: -len("data.pkl")], "data.pkl"
         elif self._storages is not None and name.startswith(f"{self._prefix}data/"):
             self._name = name[len(self._prefix) + 5 :]
-            entry = self._storages.get(self._name)
+            entry = self._storages.get(self._name) if self._native else None
             self._mode = "done" if entry is None else "data"
             self._data = (self._at, self._at + entry[0], entry[1]) if entry else self._data
         else:
-            self._name = ""
+            self._name = name.rsplit("/", 1)[-1]
             self._mode = "done" if "/data/" in name else "record"
         return True
