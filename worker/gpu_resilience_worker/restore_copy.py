@@ -209,14 +209,13 @@ class ModulePlacement:
             live = self._modules[path[0]].get(path[1]) if len(path) == 2 and path[0] in self._modules else None
             dtype = _storage_dtype(record.storage.type_name, torch)
             uses.setdefault(record.storage.key, []).append((path, live if _fits(record, dtype, live, torch) else None))
-        self._targets, spans = {}, []
-        for key, found in uses.items():
-            lives = [live for _, live in found]
-            if key in records.shared or any(live is None for live in lives) or len({live.data_ptr() for live in lives}) != 1:
-                continue
-            start = lives[0].data_ptr()
-            if all(start + sizes[key] <= begin or end <= start for begin, end in spans):
-                spans.append((start, start + sizes[key]))
+        candidates = sorted((found[0][1].data_ptr(), key, found) for key, found in uses.items()
+                            if key not in records.shared and all(live is not None for _, live in found)
+                            and len({live.data_ptr() for _, live in found}) == 1)
+        self._targets, free_from = {}, 0
+        for start, key, found in candidates:  # by address: one that overlaps the one before is loaded
+            if start >= free_from:
+                free_from = start + sizes[key]
                 self._targets[key] = [(path[0], path[1], live) for path, live in found]
         return {key: (size, self._targets[key][0][2].data_ptr() if key in self._targets else None)
                 for key, size in sizes.items()}
