@@ -1,15 +1,12 @@
-"""The ``FATAL`` marker: a non-retryable error recorded in the task namespace.
-
-A process that hits an error that will happen again on every retry writes ``{namespace}/FATAL``
-and exits with its code; a later attempt of the same invocation exits at once with that code
-instead of burning a GPU attempt. Which codes are obeyed, and when 73 and 74 are looked at again:
-the exit codes and the ``FATAL`` row of ``docs/worker-contract.rst``. Used by
-:class:`~gpu_resilience_worker.loop.ResilientLoop` (and through it by the bundled trainer,
-``python -m gpu_resilience_trainer``).
+"""The ``FATAL`` marker: a process whose error would happen again on every retry writes ``{namespace}/FATAL`` and
+exits with its code; a later attempt of the same invocation exits at once with that code instead of burning a GPU
+attempt. Which codes are obeyed, and when 73 and 74 are looked at again: the exit codes and the ``FATAL`` row of
+``docs/worker-contract.rst``. Used by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -41,9 +38,8 @@ def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
 
 
 def free_bytes(folder: str) -> int | None:
-    """
-    :return: the bytes an unprivileged writer may still use on ``folder``'s file system
-        (``statvfs``: available blocks times the fragment size), or ``None`` when it cannot be asked."""
+    """:return: the bytes an unprivileged writer may still use on ``folder``'s file system (``statvfs``: available
+    blocks times the fragment size), or ``None`` when it cannot be asked."""
     try:
         info = os.statvfs(folder)
     except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
@@ -63,35 +59,21 @@ def space_came_back(recorded: object, now: int | None) -> bool:
     return known and now > recorded
 
 
-def _already_recorded(path: str, record: dict) -> bool:
-    """:return: whether ``path`` holds a marker of the same error (exit code and reason) and the
-    same invocation as ``record``: an earlier attempt of this invocation failed the same way."""
-    if not os.path.isfile(path):
-        return False
-    existing = read_json(LocalStorage(), path)
-    return existing is not None and all(existing.get(key) == record[key]
-                                        for key in ("exit_code", "reason", "invocation"))
-
-
 def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger,
                 called_as: dict | None = None) -> int:
-    """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line.
+    """Record a non-retryable error in ``{namespace}/FATAL`` and log it in ONE error line. A marker that already
+    records the same exit code, reason and invocation (a retry of an invocation whose configuration is invalid
+    fails before :func:`fatal_marker_code` can be asked) is kept, not rewritten (on a Cloud Storage FUSE volume
+    each rewrite is a mutation of the same object name): the line says ``fatal_marker_kept``.
 
-    A marker that already records the same exit code, reason and invocation (a retry of an
-    invocation whose configuration is invalid: it fails before :func:`fatal_marker_code` can be
-    asked) is obeyed as it is, not rewritten: the line says ``fatal_marker_kept``. On a Cloud
-    Storage FUSE volume each rewrite is a mutation of the same object name.
-
-    :param namespace: the task namespace, or ``None`` when not even a best guess is known (then
-        nothing is written).
+    :param namespace: the task namespace, or ``None`` when not even a best guess is known (nothing is written).
     :param error: the non-retryable error; its ``exit_code`` is returned.
     :param logger: where the error line goes.
-    :param called_as: the :func:`invocation` that failed; a later attempt with the same one exits
-        at once, one with other arguments or another input file ignores the marker.
+    :param called_as: the :func:`invocation` that failed; a later attempt with the same one exits at once, one with
+        other arguments or another input file ignores the marker.
     :return: the error's exit code.
     """
-    marker = "not written: no namespace"
-    kept = False
+    marker, kept = "not written: no namespace", False
     if namespace is not None:
         record = {"exit_code": error.exit_code, "reason": error.reason, "created_at": utc_now(),
                   "invocation": called_as, **error.marker_fields}
@@ -99,15 +81,16 @@ def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLog
             record["free_bytes"] = free_bytes(namespace)
         path = os.path.join(namespace, FATAL)
         try:
-            kept = _already_recorded(path, record)
+            existing = read_json(LocalStorage(), path) if os.path.isfile(path) else None
+            kept = existing is not None and all(existing.get(key) == record[key]
+                                                for key in ("exit_code", "reason", "invocation"))
             if not kept:
                 write_json(LocalStorage(), path, record)
             marker = path
         except OSError as exc:
             marker = f"not written: {exc}"
-    extra = {"fatal_marker_kept": True} if kept else {}
     logger.error(f"fatal: {error.reason}", exit_code=error.exit_code, reason=error.reason,
-                 fatal_marker=marker, **extra)
+                 fatal_marker=marker, **({"fatal_marker_kept": True} if kept else {}))
     return error.exit_code
 
 
@@ -121,50 +104,42 @@ def _in_the_way(namespace: str) -> list[str]:
     are folders: no write of that name could ever succeed there."""
     found = []
     for name in sorted(os.listdir(namespace)):
-        if name not in OWN_FILES and CheckpointName.parse(name) is None:
-            continue
-        try:
-            if stat.S_ISDIR(os.lstat(os.path.join(namespace, name)).st_mode):
-                found.append(name)
-        except FileNotFoundError:
-            continue
+        if name in OWN_FILES or CheckpointName.parse(name) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(os.path.join(namespace, name)).st_mode):
+                    found.append(name)
     return found
 
 
 def check_writable(namespace: str) -> None:
-    """Create the namespace and write (then remove) a probe file in it, and check that no
-    folder carries the name of a file the worker writes there.
+    """Create the namespace and write (then remove) a probe file in it, and check that no folder carries the name
+    of a file the worker writes there.
 
-    :raises OutputError: when it cannot be created or written for good (permission, read-only
-        file system, a file in the way, a folder named like one of the worker's files: every
-        retry would fail the same way, e.g. at its final checkpoint). Other ``OSError`` (e.g.
-        EIO) propagate: retryable.
+    :raises OutputError: when it cannot be created or written for good (permission, read-only file system, a file
+        in the way, a folder named like one of the worker's files: every retry would fail the same way, e.g. at its
+        final checkpoint). Other ``OSError`` (e.g. EIO) propagate: retryable.
     """
     probe = os.path.join(namespace, WRITE_PROBE)
-    if os.path.isdir(namespace):
-        blocking = _in_the_way(namespace)
-        if blocking:
-            raise OutputError(f"checkpoint folder {namespace} has folders named like the worker's own files "
-                              f"({', '.join(blocking)}); remove them (their contents are not the worker's)")
+    blocking = _in_the_way(namespace) if os.path.isdir(namespace) else []
+    if blocking:
+        raise OutputError(f"checkpoint folder {namespace} has folders named like the worker's own files "
+                          f"({', '.join(blocking)}); remove them (their contents are not the worker's)")
     try:
         os.makedirs(namespace, exist_ok=True)
         LocalStorage().write(probe, b"probe")
         os.remove(probe)
     except OSError as exc:
-        try:  # a probe that failed half-way (a full disk) is not left behind
+        with contextlib.suppress(OSError):  # a probe that failed half-way (a full disk) is not left behind
             if not os.path.islink(probe):
                 os.remove(probe)
-        except OSError:
-            pass
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
             raise OutputError(f"checkpoint folder {namespace} is not writable: {exc.strerror or exc}") from None
         raise
 
 
 def _newer_record_still_there(newer: object, logger: StructuredLogger) -> bool:
-    """Whether a marker's ``newer_record`` (see :class:`~gpu_resilience_worker.errors.NewerCheckpointError`)
-    still holds: that record is there and still unreadable to this release. It is read again (one
-    small file): a release that reads it, or a folder from which it was moved, goes on.
+    """Whether a marker's ``newer_record`` (see :class:`~gpu_resilience_worker.errors.NewerCheckpointError`) still
+    holds: that record, read again (one small file), is there and still unreadable to this release.
 
     :param newer: the marker's ``newer_record`` (anything read from the file; ``None``: no such field).
     :return: ``True`` when the marker is not one of a newer record, or when the record still refuses.
@@ -183,53 +158,44 @@ def _newer_record_still_there(newer: object, logger: StructuredLogger) -> bool:
 
 
 def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict | None = None) -> int | None:
-    """:return: the exit code recorded by an earlier attempt's ``FATAL`` marker, if it applies.
+    """The exit code of an earlier attempt's ``FATAL`` marker, if it applies. A stale marker is removed and ``None``
+    returned: one written for another :func:`invocation` (other arguments, or an input file changed since; with a
+    warning), one of exit 73 (the folder is checked again), one of exit 74 whose folder has more free space now than
+    it recorded (:func:`space_came_back`), and one of a newer release's commit record that this release reads, or
+    that is gone.
 
-    A marker written for another :func:`invocation` (other arguments, or an input file changed
-    since) is stale: it is removed with a warning, and ``None`` is returned. So is one of exit 73
-    (the folder is checked again), one of exit 74 whose folder has more free space now than
-    it recorded (:func:`space_came_back`), and one of a newer release's commit record that this
-    release reads, or that is gone.
+    :return: the marker's exit code (64 to 78, else 78), or ``None``.
     """
     path = os.path.join(namespace, FATAL)
-    if not os.path.exists(path):
-        return None
-    if os.path.isdir(path):
-        return None  # check_writable refuses it (exit 73): not a marker any attempt wrote
+    if not os.path.exists(path) or os.path.isdir(path):
+        return None  # a folder: check_writable refuses it (exit 73), not a marker any attempt wrote
     record = read_json(LocalStorage(), path)
     if record is None or not isinstance(record.get("exit_code"), int):
-        # markers are written whole (temporary file, then rename): an empty or garbled one is
-        # not ours, and honouring it would fail every attempt until someone deletes it
+        # markers are written whole (temporary file, then rename): an empty or garbled one is not ours, and
+        # honouring it would fail every attempt until someone deletes it
         logger.warning("ignoring an unreadable FATAL marker; removing it", file=path)
-        try:
+        with contextlib.suppress(OSError):
             LocalStorage().remove(path)
-        except OSError:
-            pass
         return None
     if record["exit_code"] == EXIT_CANTCREAT:
-        # check_writable looks again before any work, in no time: a folder fixed since (a
-        # permission granted, a folder in the way removed) must not stay refused by its marker
+        # check_writable looks again before any work, in no time: a folder fixed since (a permission granted, a
+        # folder in the way removed) must not stay refused by its marker
         logger.info("a FATAL marker of an unwritable checkpoint folder: checking the folder again", file=path)
-        LocalStorage().remove(path)
-        return None
-    if not _newer_record_still_there(record.get("newer_record"), logger):
-        LocalStorage().remove(path)
-        return None
-    if record["exit_code"] == EXIT_IOERR and space_came_back(record.get("free_bytes"), free_bytes(namespace)):
+    elif not _newer_record_still_there(record.get("newer_record"), logger):
+        pass  # it logged why
+    elif record["exit_code"] == EXIT_IOERR and space_came_back(record.get("free_bytes"), free_bytes(namespace)):
         logger.info("a FATAL marker of a full checkpoint folder, which has more free space now: trying again",
                     file=path, free_bytes_then=record.get("free_bytes"), free_bytes_now=free_bytes(namespace))
-        LocalStorage().remove(path)
-        return None
-    if called_as is not None and record.get("invocation") not in (None, called_as):
+    elif called_as is not None and record.get("invocation") not in (None, called_as):
         logger.warning("ignoring a FATAL marker left by other settings or input; removing it",
                        file=path, reason=record.get("reason"))
-        LocalStorage().remove(path)
-        return None
-    code = record.get("exit_code")
-    code = code if isinstance(code, int) and 64 <= code <= 78 else 78
-    logger.error("an earlier attempt hit a non-retryable error; exiting at once",
-                 exit_code=code, reason=record.get("reason"), file=path)
-    return code
+    else:
+        code = record["exit_code"] if 64 <= record["exit_code"] <= 78 else 78
+        logger.error("an earlier attempt hit a non-retryable error; exiting at once",
+                     exit_code=code, reason=record.get("reason"), file=path)
+        return code
+    LocalStorage().remove(path)
+    return None
 
 
 def run_guarded(namespace: str, logger: StructuredLogger, called_as: dict | None, body: Callable[[], int]) -> int:
