@@ -1,20 +1,15 @@
 """Preemption-safe PyTorch checkpointing for Cloud Run GPU jobs: the worker library.
 
-Depends on torch and the standard library only; importing it imports neither Airflow nor any
-Google package, nor numpy, nor the bundled digits trainer (the package ``gpu_resilience_trainer``
-of the same distribution, ``python -m gpu_resilience_trainer train``, an application of this
-library: the library never imports it). Three ways in: the bundled trainer, your own loop
-(:class:`ResilientLoop`, :func:`run_training`, or the pieces such as :class:`CheckpointManager`
-directly), and a framework
-(``gpu_resilience_worker.integrations``, each with its own extra). The public names are those of
-``_EXPORTS`` below, grouped by purpose in the worker README ("The public API").
-"""
+Depends on torch and the standard library only: it imports no Airflow, Google package, numpy, nor the bundled
+digits trainer (package ``gpu_resilience_trainer`` of the same distribution, an application of this library).
+Three ways in: the bundled trainer, your own loop (:class:`ResilientLoop`, :func:`run_training`, or pieces such as
+:class:`CheckpointManager`), and a framework (``gpu_resilience_worker.integrations``, each with its own extra).
+The public names are those of ``_EXPORTS`` below, grouped by purpose in the worker README ("The public API")."""
 
 __version__ = "0.1.0"
 
-#: Public name -> the module that defines it. Imported on first use (PEP 562), so that
-#: ``import gpu_resilience_worker`` loads neither torch nor anything else: the trainer's CLI sets
-#: ``MKL_CBWR`` before torch loads, and a user's script decides when torch loads.
+#: Public name -> the module that defines it, imported on first use (PEP 562) so that ``import gpu_resilience_worker``
+#: loads nothing (torch included): the trainer's CLI sets ``MKL_CBWR`` before torch loads, a user's script decides when.
 _EXPORTS = {
     "checkpoint": ("CheckpointManager", "CheckpointSaveError", "RestoreInterrupted", "Stateful"),
     "commit": ("CheckpointName", "CommitRecord", "CommitStore"),

@@ -1,14 +1,11 @@
 """The commit protocol for checkpoints that a training framework writes itself.
 
-``transformers.Trainer`` writes ``checkpoint-<step>/`` folders and Lightning ``.ckpt`` files;
-neither marks a finished checkpoint. :class:`ArtifactCheckpoints` is the
-:class:`~gpu_resilience_worker.commit.CommitStore` of such a folder (:meth:`~ArtifactCheckpoints.begin_save`
-before the framework writes, :meth:`~ArtifactCheckpoints.commit` after), with the stop decision of
-:mod:`gpu_resilience_worker.preemption` and the attempt's record
-(:class:`~gpu_resilience_worker.attempt.Attempt`), so a framework's folder holds the same files as
-the bundled worker's (``docs/worker-contract.rst``). Local (or FUSE-mounted) paths only: the
-frameworks write with ``open``/``os`` themselves.
-"""
+``transformers.Trainer`` writes ``checkpoint-<step>/`` folders and Lightning ``.ckpt`` files; neither marks a
+finished checkpoint. :class:`ArtifactCheckpoints` is the :class:`~gpu_resilience_worker.commit.CommitStore` of such
+a folder (:meth:`~ArtifactCheckpoints.begin_save` before the framework writes, :meth:`~ArtifactCheckpoints.commit`
+after), with the stop decision of :mod:`gpu_resilience_worker.preemption` and the attempt's record
+(:class:`~gpu_resilience_worker.attempt.Attempt`), so a framework's folder holds the same files as the bundled
+worker's. Local (or FUSE-mounted) paths only: the frameworks write with ``open``/``os`` themselves."""
 
 from __future__ import annotations
 
@@ -40,10 +37,9 @@ class ArtifactCheckpoints(CommitStore):
         The attempt's deadline is ``TASK_TIMEOUT_SECONDS``'s (:class:`~gpu_resilience_worker.config.StopTiming`).
     :param logger: structured logger; default one on stdout.
     :param clock: monotonic clock in seconds (save durations).
-    :raises ValueError: for an empty folder, a prefix or suffix with other characters than
-        letters, digits and ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` < 0.
-    :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``.
-    """
+    :raises ValueError: for an empty folder, a prefix or suffix with other characters than letters, digits and
+        ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` < 0.
+    :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``."""
 
     def __init__(self, folder: str, *, prefix: str, suffix: str = "", keep_latest_k: int = 2,
                  grace_seconds: float | None = None, logger: StructuredLogger | None = None,
@@ -59,9 +55,8 @@ class ArtifactCheckpoints(CommitStore):
         self.keep = KeepLatestN(keep_latest_k)
         self.watcher = PreemptionWatcher()
         StopTiming.from_env(grace_seconds=grace_seconds).apply(self.watcher)
-        self.stats = SaveStats()
+        self.stats, self._clock = SaveStats(), clock
         self.last_committed: int | None = None
-        self._clock = clock
         self._save_started: dict[int, float] = {}
         #: This attempt's account in the folder, from :meth:`begin_attempt` (the writer only).
         self.attempt: Attempt | None = None
@@ -69,25 +64,21 @@ class ArtifactCheckpoints(CommitStore):
 
     # the protocol ----------------------------------------------------------------------------
     def begin_save(self, step: int) -> None:
-        """Call before the framework writes ``step``: removes its stale record, then any stale
-        artifact of that step, and starts the save's clock.
+        """Call before the framework writes ``step``: remove its stale record, then its stale artifact; start the clock.
 
-        :param step: the step about to be written (>= 0).
-        """
+        :param step: the step about to be written (>= 0)."""
         self.begin(step)
         if self.last_committed == step:
             self.last_committed = None
         self._save_started[step] = self._clock()
 
     def commit(self, step: int) -> CommitRecord:
-        """Call after the framework wrote ``step``: hash its files, write the record last, then
-        delete what the keep policy no longer keeps.
+        """Call after the framework wrote ``step``: hash its files, write the record last, delete what retention drops.
 
         :return: the record written.
         :raises FileNotFoundError: when the artifact is missing or holds no file.
         :raises OSError: when hashing or writing the record fails (then it is not committed).
-        :raises SystemExit: 78, when a newer release's record appeared (then nothing is deleted).
-        """
+        :raises SystemExit: 78, when a newer release's record appeared (then nothing is deleted)."""
         started = self._save_started.pop(step, None)
         hash_started = self._clock()
         record = self.commit_written(step)
@@ -105,24 +96,19 @@ class ArtifactCheckpoints(CommitStore):
         return record
 
     def refuse_newer_records(self) -> None:
-        """Stop the run when a newer release wrote a record here: resuming from an older artifact
-        would lose the newer one's work. Writes ``FATAL`` in the folder (exit code, reason and
-        ``newer_record``), logs one error line and deletes nothing.
+        """Stop the run when a newer release wrote a record here (resuming from an older artifact would lose the newer
+        one's work): write ``FATAL`` (exit code, reason, ``newer_record``), log one error line, delete nothing.
 
-        :raises SystemExit: 78 (``EX_CONFIG``), when there is such a record.
-        """
+        :raises SystemExit: 78 (``EX_CONFIG``), when there is such a record."""
         try:
             super().refuse_newer_records()
         except NewerCheckpointError as newer:
             raise SystemExit(write_fatal(self.folder, newer, self.log)) from None
 
     def latest(self) -> str | None:
-        """:return: the path of the newest committed, intact artifact, or ``None``. Every newer
-            artifact skipped is logged with the reason (never loaded; kept by retention unless
-            found corrupt, see :meth:`~CommitStore.resumed_from`).
-
-        :raises SystemExit: 78, when a newer release wrote a record here (:meth:`refuse_newer_records`).
-        """
+        """:return: the path of the newest committed, intact artifact, or ``None``. Every newer artifact skipped is
+            logged with the reason (never loaded; kept by retention unless corrupt: :meth:`~CommitStore.resumed_from`).
+        :raises SystemExit: 78, when a newer release wrote a record here (:meth:`refuse_newer_records`)."""
         if self._restore_started is None:  # the restore begins with the search for a checkpoint
             self._restore_started = time.time()
         self.refuse_newer_records()
@@ -138,24 +124,20 @@ class ArtifactCheckpoints(CommitStore):
         return None
 
     def cleanup_uncommitted(self) -> None:
-        """Delete what a killed attempt left (temporary files, artifacts without a record); a
-        writer calls it before its first save.
+        """Delete what a killed attempt left (temp files, artifacts without a record), before a writer's first save.
 
-        :raises SystemExit: 78, when a newer release wrote a record here (nothing is deleted).
-        """
+        :raises SystemExit: 78, when a newer release wrote a record here (nothing is deleted)."""
         for step in sorted(set(self.cleanup_stale()), reverse=True):
             self.log.info("removing uncommitted checkpoint", step=step, checkpoint=self.naming.build(step))
 
     # SIGTERM at a step boundary ---------------------------------------------------------------
     def stop_action(self, step: int) -> str | None:
-        """The decision at a step boundary (:func:`~gpu_resilience_worker.preemption.decide_stop`;
-        1 s is assumed for a save before the first measured one).
+        """The decision at a step boundary (:func:`~gpu_resilience_worker.preemption.decide_stop`; 1 s is assumed
+        for a save before the first measured one).
 
         :param step: the step just finished.
-        :return: ``None`` (no stop requested: go on), ``"exit"`` (stop now: ``step`` is already
-            committed, or a save would not fit the grace left) or ``"save"`` (save ``step``,
-            commit it, then stop).
-        """
+        :return: ``None`` (no stop requested: go on), ``"exit"`` (stop now: ``step`` is already committed, or a save
+            would not fit the grace left) or ``"save"`` (save ``step``, commit it, then stop)."""
         estimate = self.stats.cost()
         decision = decide_stop(requested=self.watcher.requested, step=step, last_committed=self.last_committed,
                                estimated_save_seconds=estimate, remaining_grace=self.watcher.remaining_grace())
@@ -173,13 +155,11 @@ class ArtifactCheckpoints(CommitStore):
 
     # the attempt's account -------------------------------------------------------------------
     def begin_attempt(self, step: int, total_steps: int) -> None:
-        """The framework restored its state and trains from ``step``: record the attempt
-        (:meth:`Attempt.begin`). The restore counts from the first :meth:`latest` (else from now).
-        Call it in the writing process only.
+        """The framework restored its state and trains from ``step``: record the attempt (:meth:`Attempt.begin`),
+        its restore counted from the first :meth:`latest` (else from now). In the writing process only.
 
         :param step: the step training starts from (0 when nothing was resumed).
-        :param total_steps: the run's optimizer steps.
-        """
+        :param total_steps: the run's optimizer steps."""
         self.attempt = Attempt(self.storage, self.folder, total_steps, logger=self.log)
         self.attempt.begin(step, time.time() if self._restore_started is None else self._restore_started)
 
@@ -189,9 +169,8 @@ class ArtifactCheckpoints(CommitStore):
             self.attempt.stepped(step, loss)
 
     def end_attempt(self, step: int, code: int, metrics: dict | None = None) -> None:
-        """The attempt ends at ``step`` with exit ``code``: 0 completes the run (``metrics.json``
-        with ``metrics``, :meth:`Attempt.complete`), 143 reports ``preempted``; the goodput file
-        gets the status (:meth:`Attempt.end`)."""
+        """The attempt ends at ``step`` with exit ``code``: 0 completes the run (``metrics.json`` with ``metrics``,
+        :meth:`Attempt.complete`), 143 reports ``preempted``; the goodput file gets the status (:meth:`Attempt.end`)."""
         attempt, self.attempt = self.attempt, None
         if attempt is None:
             return
@@ -203,11 +182,9 @@ class ArtifactCheckpoints(CommitStore):
         attempt.end(code)
 
     def exit_preempted(self, step: int) -> None:
-        """Log the stop, end the attempt's account and raise ``SystemExit(143)``, the exit code of a
-        resumable interruption.
+        """Log the stop, end the attempt's account and raise ``SystemExit(143)`` (a resumable interruption).
 
-        :raises SystemExit: always, with code 143.
-        """
+        :raises SystemExit: always, with code 143."""
         self.log.info("preempted: exiting", step=step, exit_code=EXIT_PREEMPTED, last_committed=self.last_committed,
                       remaining_grace_seconds=round(self.watcher.remaining_grace(), 3))
         self.end_attempt(step, EXIT_PREEMPTED)

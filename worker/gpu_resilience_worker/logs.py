@@ -1,7 +1,5 @@
-"""Structured logs: one JSON object per line with ``severity`` and ``message``.
-
-Cloud Logging parses these fields from a container's stdout.
-"""
+"""Structured logs: one JSON object per line with ``severity`` and ``message``, which Cloud Logging parses from a
+container's stdout."""
 
 from __future__ import annotations
 
@@ -21,13 +19,10 @@ class StructuredLogger:
     """Writes one JSON log record per line.
 
     :param stream: where to write; default ``sys.stdout`` at call time.
-    :param context: fields added to every record (e.g. job, task index, attempt).
-    """
+    :param context: fields added to every record (e.g. job, task index, attempt)."""
 
     def __init__(self, stream: TextIO | None = None, **context: Any) -> None:
-        self._stream = stream
-        self._context = dict(context)
-        self._lock = threading.Lock()
+        self._stream, self._context, self._lock = stream, dict(context), threading.Lock()
 
     def bind(self, **context: Any) -> StructuredLogger:
         """:return: a logger on the same stream with extra context fields."""
@@ -38,12 +33,9 @@ class StructuredLogger:
 
         :param severity: Cloud Logging severity (DEBUG, INFO, WARNING, ERROR, CRITICAL).
         :param message: the human-readable message.
-        :param fields: structured fields; values that are not JSON types are stringified.
-        """
-        record = {"severity": severity, "message": message, "time": utc_now()}
-        record.update(self._context)
-        record.update(fields)
-        line = json.dumps(record, default=str, sort_keys=False)
+        :param fields: structured fields; values that are not JSON types are stringified."""
+        record = {"severity": severity, "message": message, "time": utc_now(), **self._context, **fields}
+        line = json.dumps(record, default=str)
         stream = self._stream or sys.stdout
         with self._lock:
             stream.write(line + "\n")

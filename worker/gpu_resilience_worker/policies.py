@@ -1,5 +1,5 @@
-"""When to checkpoint and what to keep: the save and keep policies, the save measurements they
-use, and :class:`CheckpointConfig`, which selects them."""
+"""When to checkpoint and what to keep: the save and keep policies, their save measurements, and the
+:class:`CheckpointConfig` that selects them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import math
 from typing import Iterable
 
 
-#: Checkpoint saves that fail in a row before the attempt ends, in every driver (the bundled
-#: trainer, :class:`~gpu_resilience_worker.loop.ResilientLoop`): counted by the checkpoint manager
-#: when each save's outcome is known (its commit, or its error), background saves alike.
+#: Checkpoint saves that fail in a row before the attempt ends, in every driver: counted by the checkpoint
+#: manager when each save's outcome is known (its commit, or its error), background saves alike.
 MAX_FAILED_SAVES_IN_A_ROW = 3
 #: ``errno`` values of a file system without room for the checkpoint: ENOSPC, EDQUOT (a quota).
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -25,11 +24,9 @@ def failed_save_verdict(failed_in_a_row: int, error: BaseException) -> str:
 
     :param failed_in_a_row: saves failed in a row, this one included (>= 1).
     :param error: this save's error (an ``OSError`` of the write, or any other).
-    :return: :data:`GO_ON` below :data:`MAX_FAILED_SAVES_IN_A_ROW` (training goes on without
-        the checkpoint); at it, :data:`OUT_OF_SPACE` when ``error`` is an ``OSError`` with an
-        errno of :data:`OUT_OF_SPACE_ERRNOS` (exit 74, not retryable), else :data:`GIVE_UP`
-        (exit 1, retryable: EIO and its kind pass).
-    """
+    :return: :data:`GO_ON` below :data:`MAX_FAILED_SAVES_IN_A_ROW` (training goes on without the checkpoint);
+        at it, :data:`OUT_OF_SPACE` for an ``OSError`` with an errno of :data:`OUT_OF_SPACE_ERRNOS` (exit 74, not
+        retryable), else :data:`GIVE_UP` (exit 1, retryable: EIO and its kind pass)."""
     if failed_in_a_row < MAX_FAILED_SAVES_IN_A_ROW:
         return GO_ON
     if isinstance(error, OSError) and error.errno in OUT_OF_SPACE_ERRNOS:
@@ -39,15 +36,13 @@ def failed_save_verdict(failed_in_a_row: int, error: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SavePolicy:
-    """When to save: every ``steps`` optimizer steps, when ``seconds`` passed since the last save,
-    or at the Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after it, whichever comes first
-    (a preemption is a ``force`` on :meth:`CheckpointManager.save`).
+    """When to save: every ``steps`` optimizer steps, when ``seconds`` passed since the last save, or at the
+    Young/Daly optimum ``sqrt(2 * cost * mtbi)`` seconds after it, whichever is first (a preemption forces one).
 
     :param steps: steps between checkpoints; default 0 (off).
     :param seconds: wall seconds between checkpoints; default 0 (off).
     :param mtbi: mean time between interruptions for the Young/Daly interval, seconds; default ``None`` (off).
-    :param floor: never save more often than this by the Young/Daly interval, in seconds; default 0.
-    """
+    :param floor: never save more often than this by the Young/Daly interval, in seconds; default 0."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -55,26 +50,21 @@ class SavePolicy:
     floor: float = 0.0
 
     def interval(self, cost: float) -> float | None:
-        """
-        :return: the Young/Daly interval in seconds for a checkpoint costing ``cost`` seconds
-            (``None`` without ``mtbi``)."""
+        """:return: the Young/Daly interval (seconds) for a save of ``cost`` seconds (``None`` without ``mtbi``)."""
         return None if self.mtbi is None else max(math.sqrt(2.0 * max(cost, 0.0) * self.mtbi), self.floor)
 
     def should_save(self, step: int, elapsed: float = 0.0, cost: float = 0.0) -> bool:
-        """
-        :return: whether a checkpoint is due at ``step``, ``elapsed`` seconds after the last save,
-            for a save costing ``cost`` seconds (never at step 0)."""
+        """Whether a save costing ``cost`` seconds is due at ``step`` (never 0), ``elapsed`` seconds after the last."""
         auto = self.interval(cost)
-        return step > 0 and (bool(self.steps) and step % self.steps == 0 or bool(self.seconds) and elapsed >= self.seconds
-                             or auto is not None and elapsed >= auto)
+        return step > 0 and (bool(self.steps) and step % self.steps == 0
+                             or bool(self.seconds) and elapsed >= self.seconds or auto is not None and elapsed >= auto)
 
 
 @dataclasses.dataclass(frozen=True)
 class KeepLatestN:
     """Keep the newest ``n`` valid checkpoints.
 
-    :param n: how many valid checkpoints to keep (>= 1 here; the manager requires >= 2).
-    """
+    :param n: how many valid checkpoints to keep (>= 1 here; the manager requires >= 2)."""
 
     n: int
 
@@ -83,19 +73,12 @@ class KeepLatestN:
         return sorted(set(valid_steps), reverse=True)[: self.n]
 
     def to_delete(self, present_steps: Iterable[int], valid_steps: Iterable[int]) -> list[int]:
-        """:return: the steps to delete, oldest first.
-
-        Only steps older than the newest kept one are deleted, so a checkpoint newer than the
-        last valid one (possibly still being written) is never touched. With no valid checkpoint,
-        nothing is deleted.
-
-        :param present_steps: every step with any file (valid or not).
+        """:param present_steps: every step with any file (valid or not).
         :param valid_steps: the steps whose checkpoint is committed and verified.
-        """
+        :return: the steps to delete, oldest first: only those older than the newest kept one (a checkpoint newer
+            than the last valid one may still be being written); none without a valid checkpoint."""
         keep = self.to_keep(valid_steps)
-        if not keep:
-            return []
-        return sorted(s for s in set(present_steps) if s not in keep and s < keep[0])
+        return sorted(s for s in set(present_steps) if s not in keep and s < keep[0]) if keep else []
 
 
 class AsyncMode(enum.Enum):
@@ -113,20 +96,14 @@ class CheckpointConfig:
 
     :param folder: the task's checkpoint namespace (a plain path string).
     :param interval: save every this many optimizer steps; default 50; 0: no step interval.
-    :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest
-        may be incomplete when the process is killed, and the previous one must still exist.
+    :param keep_latest_k: keep this many valid checkpoints; default 2. 1 is refused: the newest may be incomplete
+        when the process is killed, and the previous one must still exist.
     :param async_mode: :attr:`AsyncMode.ASYNC` (default) or :attr:`AsyncMode.DISABLED`.
     :param load_step: step to load, or -1 for the newest valid one.
-    :param interval_seconds: also save when this many seconds passed since the last save;
-        default 0 (off).
-    :param auto_interval: save at the Young/Daly optimum from the measured save cost and
-        ``mtbi_seconds``; default off.
-    :param mtbi_seconds: mean time between interruptions for ``auto_interval``, in seconds;
-        default 3600.
-
-    With ``interval`` 0, ``interval_seconds`` 0 and no ``auto_interval``, checkpointing is off
-    (:attr:`enabled` is false): only forced saves write.
-    """
+    :param interval_seconds: also save when this many seconds passed since the last save; default 0 (off).
+    :param auto_interval: save at the Young/Daly optimum from the measured save cost and ``mtbi_seconds``;
+        default off. With none of the three policies, only forced saves write (:attr:`enabled` is false).
+    :param mtbi_seconds: mean time between interruptions for ``auto_interval``, in seconds; default 3600."""
 
     folder: str
     interval: int = 50
@@ -143,10 +120,8 @@ class CheckpointConfig:
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
             raise ValueError(f"checkpoint interval must be an int >= 0 (0: never), got {self.interval!r}")
         if self.keep_latest_k == 1:
-            raise ValueError(
-                "keep_latest_k=1 is refused: the newest checkpoint may still be in flight "
-                "when the task is killed, so at least 2 must be kept"
-            )
+            raise ValueError("keep_latest_k=1 is refused: the newest checkpoint may still be in flight "
+                             "when the task is killed, so at least 2 must be kept")
         if not isinstance(self.keep_latest_k, int) or self.keep_latest_k < 2:
             raise ValueError(f"keep_latest_k must be an int >= 2, got {self.keep_latest_k!r}")
         if not isinstance(self.async_mode, AsyncMode):
@@ -175,8 +150,7 @@ class SaveStats:
 
     :param blocking: seconds the caller was blocked per save (the snapshot, for async saves).
     :param durations: seconds from start to commit per save.
-    :param sizes: bytes per save.
-    """
+    :param sizes: bytes per save."""
 
     blocking: list[float] = dataclasses.field(default_factory=list)
     durations: list[float] = dataclasses.field(default_factory=list)

@@ -8,21 +8,15 @@ from typing import Any
 
 
 class SnapshotBuffers:
-    """Host copies of nested state, into buffers kept from one save to the next.
-
-    The first snapshot allocates (pinned memory when the source is on CUDA); later ones with the
-    same structure copy into the same buffers, so no page is faulted in again. A snapshot's
-    buffers are reused by the next one: take a new one only after the previous save finished.
-    """
+    """Host copies of nested state, into buffers kept from one save to the next: the first snapshot allocates
+    (pinned memory for a CUDA source), later ones of the same structure copy into the same buffers, so no page is
+    faulted in again. Hence take a new snapshot only after the previous save finished."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
 
     def copy(self, obj: Any) -> Any:
-        """:return: ``obj`` with every tensor copied to host memory, containers rebuilt.
-
-        CUDA copies are asynchronous and awaited before returning.
-        """
+        """:return: ``obj`` with every tensor copied to host memory, containers rebuilt (CUDA copies awaited)."""
         import torch
 
         devices: set[Any] = set()
@@ -45,8 +39,7 @@ class SnapshotBuffers:
             return tensor.to("cpu", copy=True)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pinned = tensor.is_cuda
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             self._buffers[key] = buffer
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if tensor.is_cuda:
@@ -54,19 +47,15 @@ class SnapshotBuffers:
         return buffer
 
     def adopt(self, loaded: Any, live: Any) -> int:
-        """Keep a restore's host tensors as the buffers of the next snapshot.
-
-        The loaded tensors hold the states' values in host memory, as a snapshot would. Those the
-        states copied become the buffers for their place in ``live``: the restore frees no pages
-        (a large part of its cost) and the first save after it faults in none. Adopted only where
-        both are CPU strided tensors of one shape and dtype (a CUDA source wants pinned buffers)
-        and no live tensor or other adopted one shares the loaded one's storage (an optimizer keeps
-        its loaded moments: a snapshot into them would write the live state).
+        """Keep a restore's host tensors (the states' values, as a snapshot would hold them) as the next snapshot's
+        buffers for their place in ``live``: the restore frees no pages (a large part of its cost) and the first save
+        after it faults in none. Adopted only where both are CPU strided tensors of one shape and dtype (a CUDA
+        source wants pinned buffers) and no live tensor or other adopted one shares the loaded one's storage (an
+        optimizer keeps its loaded moments: a snapshot into them would write the live state).
 
         :param loaded: the restored state, nested like ``live`` (extra entries are ignored).
         :param live: the states' current state dicts, nested (tensors, dicts, lists, tuples).
-        :return: bytes adopted.
-        """
+        :return: bytes adopted."""
         import torch
 
         pairs: list[tuple[tuple[Any, ...], Any, Any]] = []
@@ -109,8 +98,7 @@ def _storage_pointers(obj: Any, torch: Any) -> set[int]:
 
 
 def _same_layout(tensor: Any, target: Any, torch: Any) -> bool:
-    """Whether ``tensor`` can be the snapshot buffer of ``target``: both CPU strided tensors, not
-    quantized, of one shape and dtype."""
+    """Whether ``tensor`` can be ``target``'s snapshot buffer: both CPU strided, unquantized, one shape and dtype."""
     return all(t.layout is torch.strided and not t.is_quantized and t.device.type == "cpu"
                for t in (tensor, target)) and tensor.shape == target.shape and tensor.dtype == target.dtype
 
@@ -119,12 +107,9 @@ _CRC_LOCK = threading.Lock()
 
 
 def save_without_crc32(state: Any, writer: Any) -> None:
-    """``torch.save(state, writer)`` without the zip records' CRC-32 (the file's sha256 in the
-    commit record already covers every byte; CRC-32 would cost a second pass over the bytes).
-
-    torch keeps that option process-wide: it is switched off only for this call, under a lock
-    that serializes the manager's own saves. torch versions without the option save with it.
-    """
+    """``torch.save(state, writer)`` without the zip records' CRC-32 (a second pass over the bytes, which the
+    commit record's sha256 already covers). torch keeps that option process-wide: it is off only for this call,
+    under a lock that serializes the manager's own saves; torch versions without the option save with CRC-32."""
     import torch
 
     getter = getattr(torch.serialization, "get_crc32_options", None)

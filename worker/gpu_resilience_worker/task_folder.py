@@ -1,18 +1,12 @@
-"""The task folder's contract: its file names and the one commit-record schema, as pure code.
+"""The task folder's contract as pure code (no I/O, no torch): its file names and the one commit-record schema.
 
-No I/O and no torch here: what the worker writes in a task folder, and how a reader (the worker
-itself, or the provider, which reads this schema from ``docs/worker-contract.rst`` and imports
-nothing from the worker) tells a committed checkpoint from anything else. That document holds the
-names, both shapes of the record (one file, folder), the digests and why format 1 is what the
-previous release wrote; this module is its one implementation.
-
-A checkpoint is committed when its record parses and every file it lists has the recorded size
-and chunk digests. A newer release's record (a ``format`` above :data:`FORMAT`, or a ``digest``
-not in :data:`DIGESTS`) is not a torn record: :func:`parse_record` raises
-:class:`~gpu_resilience_worker.errors.NewerCheckpointError`, and a reader must then neither use an older checkpoint in its place nor
-delete anything (the worker exits 78, see
-:class:`~gpu_resilience_worker.errors.NewerCheckpointError`).
-"""
+``docs/worker-contract.rst`` holds the names, both record shapes (one file, folder), the digests and why format 1
+is what the previous release wrote; this module is its one implementation (the provider reads the schema from
+that document and imports nothing from the worker). A checkpoint is committed when its record parses and every
+file it lists has the recorded size and chunk digests. A newer release's record (a ``format`` above
+:data:`FORMAT`, or a ``digest`` not in :data:`DIGESTS`) is not a torn record: :func:`parse_record` raises
+:class:`~gpu_resilience_worker.errors.NewerCheckpointError`, and a reader must then neither use an older
+checkpoint in its place nor delete anything (the worker exits 78)."""
 
 from __future__ import annotations
 
@@ -49,11 +43,10 @@ DIGESTS = ("sha256", "crc32c", "crc32")
 HEX_CHARS = {"sha256": 64, "crc32c": 8, "crc32": 8}
 #: Bytes per digest of a hash list the worker writes (64 MiB: 16 digests for a 1 GiB file).
 DIGEST_CHUNK = 64 << 20
-#: Smallest ``chunk_bytes`` a record may carry (one 4 KiB page): bounds the work a record asks of
-#: a verifier.
+#: Smallest ``chunk_bytes`` a record may carry (one 4 KiB page): bounds the work a record asks of a verifier.
 MIN_CHUNK_BYTES = 4096
-#: Largest record read, in bytes (8 MiB: the hash list of about 7 TiB in 64 MiB chunks); a larger
-#: one is invalid, like a torn one, and is never read whole.
+#: Largest record read, in bytes (8 MiB: the hash list of about 7 TiB in 64 MiB chunks); a larger one is
+#: invalid, like a torn one, and is never read whole.
 MAX_RECORD_BYTES = 8 << 20
 #: What a name is: a checkpoint's data (a file, or a framework's folder) or its commit record.
 DATA, COMMIT = "data", "commit"
@@ -73,8 +66,7 @@ class ParsedName:
 
     :param step: the optimizer step of the checkpoint.
     :param kind: :data:`DATA` or :data:`COMMIT`.
-    :param temporary: whether the name carries the ``.tmp`` suffix of an unfinished write.
-    """
+    :param temporary: whether the name carries the ``.tmp`` suffix of an unfinished write."""
 
     step: int
     kind: str
@@ -89,8 +81,7 @@ class Naming:
     :param data_suffix: the data's name after the step.
     :param record_suffix: the record's name after the step.
     :param width: digits of the step at least (zero-padded); 0: as they come.
-    :param one_file: records of the one-file shape (no ``name``, no ``files``).
-    """
+    :param one_file: records of the one-file shape (no ``name``, no ``files``)."""
 
     def __init__(self, prefix: str, data_suffix: str, record_suffix: str, width: int = 0,
                  one_file: bool = False) -> None:
@@ -102,10 +93,8 @@ class Naming:
     @classmethod
     def folder_shape(cls, prefix: str, suffix: str = "") -> Naming:
         """:return: the naming of a framework's ``{prefix}{step}{suffix}`` and ``{prefix}{step}{suffix}.commit.json``.
-
-        :raises ValueError: a prefix or suffix with other characters than letters, digits and
-            ``._=-``, an empty prefix, or a suffix that ends like a record's name.
-        """
+        :raises ValueError: a prefix or suffix with other characters than letters, digits and ``._=-``, an empty
+            prefix, or a suffix that ends like a record's name."""
         if not isinstance(prefix, str) or not prefix or not _SAFE_AFFIX.fullmatch(prefix):
             raise ValueError(f"prefix must be non-empty letters, digits or ._=-, got {prefix!r}")
         if not isinstance(suffix, str) or not _SAFE_AFFIX.fullmatch(suffix) or suffix.endswith(RECORD_SUFFIX):
@@ -114,9 +103,7 @@ class Naming:
 
     def build(self, step: int, kind: str = DATA) -> str:
         """:return: the name of the data (default) or the record of ``step``.
-
-        :raises ValueError: for a negative or non-int step, or another kind.
-        """
+        :raises ValueError: for a negative or non-int step, or another kind."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if kind not in self._suffix:
@@ -142,9 +129,7 @@ CheckpointName = Naming("ckpt-", DATA_SUFFIX, RECORD_SUFFIX, width=8, one_file=T
 
 def root_digest(chunks: Iterable[str]) -> str:
     """:return: the sha256 (hex) of the concatenated binary digests ``chunks`` (hex, in order).
-
-    :raises ValueError: when a digest is not hex.
-    """
+    :raises ValueError: when a digest is not hex."""
     return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
 
 
@@ -156,8 +141,7 @@ class FileEntry:
     :param size: its size, in bytes.
     :param chunk_bytes: bytes per entry of ``chunks`` (>= :data:`MIN_CHUNK_BYTES`).
     :param chunks: the hex ``digest`` of every ``chunk_bytes`` bytes, in order.
-    :param digest: one of :data:`DIGESTS`; default ``sha256``.
-    """
+    :param digest: one of :data:`DIGESTS`; default ``sha256``."""
 
     path: str
     size: int
@@ -172,10 +156,8 @@ class FileEntry:
 
     def fields(self) -> dict[str, Any]:
         """:return: the entry's JSON fields (no ``path``; no ``digest`` when it is ``sha256``)."""
-        obj: dict[str, Any] = {"size": self.size, "chunk_bytes": self.chunk_bytes, "chunks": list(self.chunks)}
-        if self.digest != "sha256":
-            obj["digest"] = self.digest
-        return obj
+        digest = {} if self.digest == "sha256" else {"digest": self.digest}
+        return {"size": self.size, "chunk_bytes": self.chunk_bytes, "chunks": list(self.chunks), **digest}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +169,7 @@ class CommitRecord:
     :param sha256: the record's root digest.
     :param created_at: RFC 3339 UTC time of the commit (``""`` when the record has none).
     :param name: the checkpoint's name in the folder shape; ``None`` in the one-file shape.
-    :param format: the schema's version; default :data:`FORMAT`.
-    """
+    :param format: the schema's version; default :data:`FORMAT`."""
 
     step: int
     files: tuple[FileEntry, ...]
@@ -241,8 +222,7 @@ def _count(value: Any) -> bool:
 
 
 def _check_digests(obj: dict[str, Any]) -> None:
-    """Raise :class:`NewerCheckpointError` for a newer ``format`` or an unknown ``digest`` name,
-    ``ValueError`` for a ``format`` or ``digest`` of the wrong type."""
+    """Raise :class:`NewerCheckpointError` for a newer ``format`` or unknown ``digest``, ``ValueError`` if ill-typed."""
     version = obj.get("format", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValueError("commit record has no valid format (an int >= 1)")
@@ -262,7 +242,8 @@ def _file_entry(obj: Any, path: str) -> FileEntry:
     """:return: the validated entry of ``obj``'s ``size``, ``chunk_bytes``, ``chunks``, ``digest``."""
     if not isinstance(obj, dict):
         raise ValueError("commit record's files must be JSON objects")
-    size, chunk_bytes, chunks, kind = obj.get("size"), obj.get("chunk_bytes"), obj.get("chunks"), obj.get("digest", "sha256")
+    size, chunk_bytes, chunks = obj.get("size"), obj.get("chunk_bytes"), obj.get("chunks")
+    kind = obj.get("digest", "sha256")
     if not _count(size):
         raise ValueError("commit record has no valid step or size")
     if not _count(chunk_bytes) or chunk_bytes < MIN_CHUNK_BYTES:
@@ -298,11 +279,10 @@ def parse_record(raw: bytes) -> CommitRecord:
 
     :param raw: the record's bytes (a reader reads at most :data:`MAX_RECORD_BYTES` + 1 of them).
     :return: the record.
-    :raises NewerCheckpointError: a newer release's record (a ``format`` above :data:`FORMAT`, or an
-        unknown ``digest``): not to be used, skipped past or deleted.
-    :raises ValueError: a torn or malformed record, or one whose hash lists do not cover their
-        sizes or do not hash to its ``sha256``.
-    """
+    :raises NewerCheckpointError: a newer release's record (a ``format`` above :data:`FORMAT`, or an unknown
+        ``digest``): not to be used, skipped past or deleted.
+    :raises ValueError: a torn or malformed record, or one whose hash lists do not cover their sizes or do not
+        hash to its ``sha256``."""
     try:
         obj = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -6,12 +6,10 @@ Install with the extra: ``pip install './worker[lightning]'``. Use::
     trainer = lightning.Trainer(max_steps=1000, callbacks=[callback], enable_checkpointing=False)
     trainer.fit(model, ResumableLoader(dataset, batch_size=32, seed=0), ckpt_path=callback.latest())
 
-An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits
-``step-<step>.ckpt``, resumes from the newest verified one with the RNG states it keeps in its own
-state, replaces Lightning's SIGTERM handler (whose ``SIGTERMException`` exits 0 in Lightning 2.6)
-by the stop decision, raising ``SystemExit(143)``, and records the attempt. The rules in full:
-``docs/your-code.rst``.
-"""
+An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits ``step-<step>.ckpt``,
+resumes from the newest verified one with the RNG states it keeps in its own state, replaces Lightning's SIGTERM
+handler (whose ``SIGTERMException`` exits 0 in Lightning 2.6) by the stop decision, raising ``SystemExit(143)``,
+and records the attempt. The rules in full: ``docs/your-code.rst``."""
 
 from __future__ import annotations
 
@@ -30,13 +28,10 @@ PREFIX, SUFFIX = "step-", ".ckpt"
 
 
 def _warm_up_save_path(folder: str) -> None:
-    """Run the imports Lightning's first save does lazily, now rather than in the final save.
-
-    ``lightning.fabric.utilities.cloud_io._atomic_save`` asks, at every save, whether the file
-    system is object storage, importing ``adlfs``, ``gcsfs`` and ``s3fs`` when installed: seconds
-    of CPU in the first save, which would be spent in the grace period if the first save is the
-    one after SIGTERM. A private helper: skipped when it moved.
-    """
+    """Run now, not in the grace period of a first save after SIGTERM, the imports Lightning's first save does lazily:
+    ``lightning.fabric.utilities.cloud_io._atomic_save`` asks at every save whether the file system is object
+    storage, importing ``adlfs``, ``gcsfs`` and ``s3fs`` when installed (seconds of CPU). Skipped when that
+    private helper moved."""
     try:
         from lightning.fabric.utilities.cloud_io import _is_object_storage, get_filesystem
 
@@ -53,9 +48,8 @@ class CommitCheckpoint(Callback):
     :param keep_latest_k: committed checkpoints to keep (>= 2); default 2.
     :param grace_seconds: SIGTERM to SIGKILL, in seconds; default ``PREEMPTION_GRACE_SECONDS`` or 10.
     :param logger: structured logger; default one on stdout.
-    :raises ValueError: for ``every_n_steps`` <= 0, ``keep_latest_k`` < 2, ``grace_seconds`` <= 0
-        or an empty ``dirpath``.
-    """
+    :raises ValueError: for ``every_n_steps`` <= 0, ``keep_latest_k`` < 2, ``grace_seconds`` <= 0 or an empty
+        ``dirpath``."""
 
     def __init__(self, dirpath: str, every_n_steps: int, keep_latest_k: int = 2,
                  grace_seconds: float | None = None, logger: StructuredLogger | None = None) -> None:
@@ -79,8 +73,8 @@ class CommitCheckpoint(Callback):
         _warm_up_save_path(self.checkpoints.folder)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Put the callback's SIGTERM handler in place of the one Lightning installed at fit start;
-        record the attempt (Lightning restored its checkpoint by now)."""
+        """Put the callback's SIGTERM handler in place of the one Lightning installed at fit start; record the
+        attempt (Lightning restored its checkpoint by now)."""
         watcher = self.checkpoints.watcher
         watcher.uninstall()
         watcher.install()
@@ -134,14 +128,15 @@ class CommitCheckpoint(Callback):
         action = self.checkpoints.stop_action(step)
         if action == "exit":
             self.checkpoints.exit_preempted(step)
-        if action == "save" or (step > 0 and step % self.every_n_steps == 0 and self.checkpoints.last_committed != step):
+        due = step > 0 and step % self.every_n_steps == 0 and self.checkpoints.last_committed != step
+        if action == "save" or due:
             self._save(trainer, step)
         if action == "save" or self.checkpoints.watcher.requested:
             self.checkpoints.exit_preempted(step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Commit the final step when the interval did not; end the attempt's account as complete
-        (``metrics.json`` gets the scalars the module logged, as ``logged``)."""
+        """Commit the final step when the interval did not; end the attempt's account as complete (``metrics.json``
+        gets the scalars the module logged, as ``logged``)."""
         if self.checkpoints.last_committed != trainer.global_step:
             self._save(trainer, trainer.global_step)
         logged = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
@@ -149,8 +144,7 @@ class CommitCheckpoint(Callback):
 
 
 def _total_steps(trainer: Any) -> int:
-    """:return: the fit's optimizer steps: ``max_steps``, else Lightning's estimate from the epochs
-    (0 when it has none)."""
+    """:return: the fit's optimizer steps: ``max_steps``, else Lightning's estimate from the epochs (0 if none)."""
     if trainer.max_steps and trainer.max_steps > 0:
         return int(trainer.max_steps)
     try:
@@ -163,16 +157,13 @@ def _total_steps(trainer: Any) -> int:
 class ResumableLoader:
     """Batches of a map-style dataset in a seeded order per epoch, resumable at the next batch.
 
-    Lightning saves its ``state_dict`` in every checkpoint and restores it with
-    ``load_state_dict``, so a fit resumed mid-epoch continues with the batch after the last one
-    trained, in the same order (a plain ``DataLoader`` restarts the epoch). The order of epoch
-    ``e`` is ``torch.randperm(len(dataset))`` from a generator seeded with ``seed + e``; each
-    iteration after one that yielded a batch is the next epoch. Batches are stacked with
-    ``torch.utils.data.default_collate``, in the training process (no workers).
-
-    The position saved is the number of batches yielded in the epoch, less ``lookahead``:
-    Lightning 2.6's training loop fetches no batch ahead from a loader with a length (checked by
-    the integration test); a consumer that prefetches ``k`` batches needs ``lookahead=k``.
+    Lightning saves its ``state_dict`` in every checkpoint and restores it, so a fit resumed mid-epoch continues
+    with the batch after the last one trained, in the same order (a plain ``DataLoader`` restarts the epoch). Epoch
+    ``e``'s order is ``torch.randperm(len(dataset))`` from a generator seeded with ``seed + e``; each iteration after
+    one that yielded a batch is the next epoch. Batches are stacked with ``torch.utils.data.default_collate`` in the
+    training process (no workers). The position saved is the batches yielded in the epoch less ``lookahead``:
+    Lightning 2.6's loop fetches no batch ahead from a loader with a length (the integration test checks it); a
+    consumer that prefetches ``k`` batches needs ``lookahead=k``.
 
     :param dataset: a map-style dataset (``__len__``, ``__getitem__``).
     :param batch_size: samples per batch (> 0); the last batch may be smaller unless ``drop_last``.
@@ -180,8 +171,7 @@ class ResumableLoader:
     :param shuffle: shuffle each epoch; default true (else the dataset order).
     :param drop_last: drop a last incomplete batch; default false.
     :param lookahead: batches the consumer fetches ahead of the one it trains on; default 0.
-    :raises ValueError: for ``batch_size`` <= 0 or ``lookahead`` < 0.
-    """
+    :raises ValueError: for ``batch_size`` <= 0 or ``lookahead`` < 0."""
 
     def __init__(self, dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, lookahead: int = 0) -> None:
@@ -198,13 +188,9 @@ class ResumableLoader:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.dataset)))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.dataset), generator=generator).tolist()
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def __iter__(self) -> Iterator[Any]:
-        return self._batches()
-
-    def _batches(self) -> Iterator[Any]:
         if self._started:  # the iteration after one that began: the next epoch
             self.epoch, start = self.epoch + 1, 0
         else:  # the first one, or the first after load_state_dict

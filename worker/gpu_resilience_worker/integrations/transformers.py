@@ -10,8 +10,7 @@ Install with the extra: ``pip install './worker[transformers]'``. Use::
 An adapter of :class:`~gpu_resilience_worker.artifacts.ArtifactCheckpoints`: it commits each ``checkpoint-<step>/``
 Trainer writes (``save_total_limit`` must be unset: Trainer's rotation would keep a torn folder over a committed one),
 deletes uncommitted ones when the Trainer is built, answers a stop through the stop decision (``SystemExit(143)``)
-and records the attempt. The rules in full: ``docs/your-code.rst``.
-"""
+and records the attempt. The rules in full: ``docs/your-code.rst``."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ class CommitCallback(TrainerCallback):
     :param keep_latest_k: committed checkpoints to keep (>= 2); default 2.
     :param grace_seconds: SIGTERM to SIGKILL, in seconds; default ``PREEMPTION_GRACE_SECONDS`` or 10.
     :param logger: structured logger; default one on stdout.
-    :raises ValueError: for ``keep_latest_k`` < 2 or ``grace_seconds`` < 0 (here), and, when the
-        Trainer is built, for ``TrainingArguments.save_total_limit`` set or ``save_strategy="no"``.
-    """
+    :raises ValueError: for ``keep_latest_k`` < 2 or ``grace_seconds`` < 0 (here), and, when the Trainer is built,
+        for ``TrainingArguments.save_total_limit`` set or ``save_strategy="no"``."""
 
     def __init__(self, keep_latest_k: int = 2, grace_seconds: float | None = None,
                  logger: StructuredLogger | None = None) -> None:
@@ -59,9 +57,7 @@ class CommitCallback(TrainerCallback):
 
     def latest(self) -> str | None:
         """:return: the newest committed, verified ``checkpoint-<step>`` folder, or ``None``.
-
-        :raises RuntimeError: before the Trainer holding this callback was built.
-        """
+        :raises RuntimeError: before the Trainer holding this callback was built."""
         return self._require().latest()
 
     def finish(self) -> None:
@@ -88,8 +84,7 @@ class CommitCallback(TrainerCallback):
             checkpoints.begin_save(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Account the step; decide on a stop after SIGTERM; clear a stale checkpoint of a step
-        about to be saved."""
+        """Account the step; decide on a stop after SIGTERM; clear a stale checkpoint of a step about to be saved."""
         self._require().step_done(state.global_step)
         self._before_possible_save(args, state, control)
 
@@ -109,8 +104,7 @@ class CommitCallback(TrainerCallback):
             checkpoints.exit_preempted(state.global_step)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Record the attempt (Trainer restored its checkpoint by now) and log the step training
-        starts from."""
+        """Record the attempt (Trainer restored its checkpoint by now) and log the step training starts from."""
         if args.should_save:
             self._require().begin_attempt(state.global_step, state.max_steps)
         self._require().log.info("training started", step=state.global_step, max_steps=state.max_steps)
