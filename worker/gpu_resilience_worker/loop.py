@@ -1,12 +1,9 @@
 """A plain training loop made preemption-safe: :class:`ResilientLoop` and :func:`run_training`.
 
-The user writes ``step_fn(step) -> loss``, which does optimizer step ``step + 1``, and hands over
-the objects it changes (each with ``state_dict()``/``load_state_dict()``). The loop resumes from
-the newest committed checkpoint, records the attempt, saves on its interval, answers a stop
-(SIGTERM/SIGINT or the task deadline) through
-:func:`~gpu_resilience_worker.preemption.decide_stop` and returns the exit code for
-:func:`exit_now`. The bundled trainer trains through it too. What it does step by step, and what
-bit-identical resume asks of ``step_fn``: ``docs/your-code.rst``.
+The user writes ``step_fn(step) -> loss`` (it does optimizer step ``step + 1``) and hands over the objects it changes.
+The loop resumes from the newest committed checkpoint, records the attempt, saves on its interval, answers a stop
+(SIGTERM/SIGINT or the task deadline) through :func:`~gpu_resilience_worker.preemption.decide_stop` and returns the
+exit code for :func:`exit_now`. Step by step, and what bit-identical resume asks of ``step_fn``: ``docs/your-code.rst``.
 """
 
 from __future__ import annotations
@@ -28,17 +25,12 @@ from gpu_resilience_worker.preemption import PREEMPTION_SAVES, SAVE, PreemptionW
 from gpu_resilience_worker.state import TrainState, match_threads, settle_vector_math
 from gpu_resilience_worker.storage import LocalStorage, Storage
 
-#: Seconds the loop keeps for its exit after the stop (the waits of ``_on_stop`` end this long
-#: before the expected kill).
+#: Seconds the loop keeps for its exit: the waits of ``_on_stop`` end this long before the expected kill.
 EXIT_RESERVE_SECONDS = 1.0
-
-
-#: The loop's numeric options: (minimum, an int, strictly above the minimum). The grace period and
-#: the task timeout are :meth:`StopTiming.check`'s.
-_NUMBERS = {
-    "total_steps": (1, True, False), "checkpoint_every": (0, True, False), "checkpoint_every_seconds": (0, False, False),
-    "mtbi_seconds": (0, False, True), "keep_latest_k": (2, True, False), "progress_interval": (0, False, False),
-}
+#: The loop's numeric options: (minimum, an int, strictly above it); grace and timeout: :meth:`StopTiming.check`.
+_NUMBERS = {"total_steps": (1, True, False), "checkpoint_every": (0, True, False),
+            "checkpoint_every_seconds": (0, False, False), "mtbi_seconds": (0, False, True),
+            "keep_latest_k": (2, True, False), "progress_interval": (0, False, False)}
 
 
 def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: Any) -> None:
@@ -60,102 +52,69 @@ def _check_options(states: Any, folder: Any, preemption_save: Any, **numbers: An
 
 
 class ResilientLoop:
-    """Runs a user's ``step_fn`` to ``total_steps`` through preemptions (see the module docs).
+    """Runs a user's ``step_fn`` (or the bundled trainer's) to ``total_steps`` through preemptions.
 
-    The bundled trainer (``python -m gpu_resilience_trainer train``) trains through this loop too.
-
-    :param states: the objects to checkpoint, keyed by name (e.g. ``{"model": model,
-        "optimizer": optimizer}``); each has ``state_dict()`` and ``load_state_dict()``. The name
-        ``train_state`` is the loop's own (step, losses, attempt history, RNG states).
+    :param states: the objects to checkpoint, keyed by name (e.g. ``{"model": model, "optimizer": optimizer}``), each
+        with ``state_dict()`` and ``load_state_dict()``. The name ``train_state`` is the loop's own (step, losses,
+        attempt history, RNG states).
     :param total_steps: optimizer steps of the whole run, >= 1.
-    :param folder: the task's checkpoint folder; default :func:`task_namespace` (from
-        ``CHECKPOINT_DIR``, ``CLOUD_RUN_JOB``, ``CHECKPOINT_RUN_ID``, ``CLOUD_RUN_TASK_INDEX``).
+    :param folder: the task's checkpoint folder; default :func:`task_namespace` (from the environment).
     :param checkpoint_every: save every this many steps; default 50; 0: no step interval.
-    :param checkpoint_every_seconds: also save when this many seconds passed since the last
-        save; default 0 (off).
-    :param auto_interval: save at the Young/Daly interval from the measured save cost and
-        ``mtbi_seconds``; default off.
+    :param checkpoint_every_seconds: also save when this many seconds passed since the last save; default 0 (off).
+    :param auto_interval: save at the Young/Daly interval from the measured save cost and ``mtbi_seconds``; default off.
     :param mtbi_seconds: mean time between interruptions for ``auto_interval``, seconds; default 3600.
     :param keep_latest_k: valid checkpoints kept, >= 2; default 2.
-    :param async_save: interval saves on a background thread (default) or on the training
-        thread; saves at a stop and at the end are always synchronous.
-    :param preemption_save: one of :data:`~gpu_resilience_worker.preemption.PREEMPTION_SAVES`;
-        default ``deadline``.
-    :param settings: the hyper-parameters a checkpoint must have been written with to be
-        resumed (JSON types); a checkpoint with others fails with exit 78 and ``FATAL``.
-        ``total_steps`` is always part of them.
+    :param async_save: interval saves on a background thread (default) or on the training thread; saves at a stop and at
+        the end are always synchronous.
+    :param preemption_save: one of :data:`~gpu_resilience_worker.preemption.PREEMPTION_SAVES`; default ``deadline``.
+    :param settings: the hyper-parameters (JSON types; ``total_steps`` always among them) a checkpoint must have been
+        written with to be resumed; a checkpoint with others fails with exit 78 and ``FATAL``.
     :param grace_seconds: SIGTERM to SIGKILL, seconds; default ``$PREEMPTION_GRACE_SECONDS``, else 10.
-    :param task_timeout_seconds: the attempt's timeout, seconds; default
-        ``$TASK_TIMEOUT_SECONDS``, else none (see :func:`set_task_deadline`).
-    :param watcher: a :class:`PreemptionWatcher` installed earlier (to catch a SIGTERM that
-        comes while the model is built); default one installed by :meth:`run` for its duration.
+    :param task_timeout_seconds: the attempt's timeout, seconds; default ``$TASK_TIMEOUT_SECONDS``, else none (see
+        :func:`set_task_deadline`).
+    :param watcher: a :class:`PreemptionWatcher` installed earlier (to catch a SIGTERM that comes while the model is
+        built); default one installed by :meth:`run` for its duration.
     :param logger: structured logger; default JSON lines on stdout.
     :param storage: the storage backend; default local files (a mounted bucket is local files).
     :param env: the environment for the defaults above; default ``os.environ``.
     :param argv: what a ``FATAL`` marker is tied to; default ``sys.argv[1:]``.
-    :param input_path: an input file a ``FATAL`` marker is tied to as well (its size and
-        modification time: a retry with a changed file ignores the marker); default none.
+    :param input_path: an input file a ``FATAL`` marker is tied to as well (its size and modification time: a retry with
+        a changed file ignores the marker); default none.
     :param progress_interval: minimum seconds between ``progress.json`` writes; default 1.
-    :param checkpointing: ``False``: no checkpoint is read or written, not even at a stop or at
-        the end (every attempt starts at step 0); default ``True``.
-    :param threads: the torch intra-op thread count the caller pinned, if any. A resumed attempt
-        trains on with the count its checkpoint was written with (CPU matrix products split their
-        sums by it, outside oneMKL's ``MKL_CBWR=AUTO,STRICT``), unless this is given: then it is
-        kept, with a warning that the result may differ from an uninterrupted run's.
+    :param checkpointing: ``False``: no checkpoint is read or written, not even at a stop or at the end (every attempt
+        starts at step 0); default ``True``.
+    :param threads: the torch intra-op thread count the caller pinned, kept on resume with a warning; default ``None``:
+        a resumed attempt trains on with its checkpoint's count (:func:`~gpu_resilience_worker.state.match_threads`).
     :param train_state: the loop's own checkpointed state; default a new
-        :class:`~gpu_resilience_worker.state.TrainState` of ``settings`` (with ``total_steps``).
-        One given keeps its own settings (the bundled worker's, as its checkpoints record them).
-    :raises ValueError: a parameter out of range, naming it (nothing is touched before).
-    """
+        :class:`~gpu_resilience_worker.state.TrainState` of ``settings`` (with ``total_steps``). One given keeps its own
+        settings (the bundled worker's, as its checkpoints record them).
+    :raises ValueError: a parameter out of range, naming it (nothing is touched before)."""
 
-    def __init__(
-        self,
-        states: Mapping[str, Stateful],
-        *,
-        total_steps: int,
-        folder: str | None = None,
-        checkpoint_every: int = 50,
-        checkpoint_every_seconds: float = 0.0,
-        auto_interval: bool = False,
-        mtbi_seconds: float = 3600.0,
-        keep_latest_k: int = 2,
-        async_save: bool = True,
-        preemption_save: str = "deadline",
-        settings: Mapping[str, Any] | None = None,
-        grace_seconds: float | None = None,
-        task_timeout_seconds: float | None = None,
-        watcher: PreemptionWatcher | None = None,
-        logger: StructuredLogger | None = None,
-        storage: Storage | None = None,
-        env: Mapping[str, str] | None = None,
-        argv: Sequence[str] | None = None,
-        input_path: str | None = None,
-        progress_interval: float = 1.0,
-        checkpointing: bool = True,
-        threads: int | None = None,
-        train_state: TrainState | None = None,
-    ) -> None:
+    def __init__(self, states: Mapping[str, Stateful], *, total_steps: int, folder: str | None = None,
+                 checkpoint_every: int = 50, checkpoint_every_seconds: float = 0.0, auto_interval: bool = False,
+                 mtbi_seconds: float = 3600.0, keep_latest_k: int = 2, async_save: bool = True,
+                 preemption_save: str = "deadline", settings: Mapping[str, Any] | None = None,
+                 grace_seconds: float | None = None, task_timeout_seconds: float | None = None,
+                 watcher: PreemptionWatcher | None = None, logger: StructuredLogger | None = None,
+                 storage: Storage | None = None, env: Mapping[str, str] | None = None,
+                 argv: Sequence[str] | None = None, input_path: str | None = None, progress_interval: float = 1.0,
+                 checkpointing: bool = True, threads: int | None = None, train_state: TrainState | None = None) -> None:
         _check_options(states, folder, preemption_save, total_steps=total_steps, checkpoint_every=checkpoint_every,
                        checkpoint_every_seconds=checkpoint_every_seconds, mtbi_seconds=mtbi_seconds,
                        keep_latest_k=keep_latest_k, progress_interval=progress_interval)
         StopTiming.check(grace_seconds, task_timeout_seconds)
-        self.states = dict(states)
-        self.total_steps = total_steps
+        self.states, self.total_steps = dict(states), total_steps
         self._folder = None if folder is None else os.fspath(folder)
         self._checkpoint = {
             "interval": checkpoint_every, "interval_seconds": float(checkpoint_every_seconds),
-            "auto_interval": bool(auto_interval), "mtbi_seconds": float(mtbi_seconds),
-            "keep_latest_k": keep_latest_k,
-            "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED,
-        }
+            "auto_interval": bool(auto_interval), "mtbi_seconds": float(mtbi_seconds), "keep_latest_k": keep_latest_k,
+            "async_mode": AsyncMode.ASYNC if async_save else AsyncMode.DISABLED}
         self.preemption_save, self.checkpointing, self._threads = preemption_save, bool(checkpointing), threads
-        self._grace, self._timeout = grace_seconds, task_timeout_seconds
+        self._grace, self._timeout, self._progress_interval = grace_seconds, task_timeout_seconds, progress_interval
         self._env = os.environ if env is None else env
         self._argv, self._input = list(sys.argv[1:] if argv is None else argv), input_path
         self.watcher: PreemptionWatcher | None = watcher
-        self._log = logger or StructuredLogger()
-        self._storage = storage or LocalStorage()
-        self._progress_interval = progress_interval
+        self._log, self._storage = logger or StructuredLogger(), storage or LocalStorage()
         #: The loop's checkpointed state: ``step``, ``loss_ema``, ``history``... (after :meth:`run`).
         self.state = train_state or TrainState({"total_steps": total_steps, **dict(settings or {})})
         self.settings = self.state.fingerprint
@@ -174,26 +133,22 @@ class ResilientLoop:
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds`` inside ``step_fn`` (pacing, polling), waking at a stop request.
 
-        :return: whether a stop was requested.
-        """
+        :return: whether a stop was requested."""
         if self.watcher is None:
             time.sleep(max(0.0, seconds))
             return False
         return self.watcher.wait(seconds)
 
-    def run(self, step_fn: Callable[[int], float | None],
-            finish: Callable[[], Mapping[str, Any]] | None = None) -> int:
+    def run(self, step_fn: Callable[[int], float | None], finish: Callable[[], Mapping[str, Any]] | None = None) -> int:
         """Resume, train to ``total_steps`` or until stopped, and finish.
 
-        :param step_fn: does one optimizer step; called with the number of steps done so far
-            (0-based); returns the step's loss (a float, or ``None``). A non-finite loss ends
-            the run with exit 70 (diverged, ``FATAL``).
-        :param finish: called once after the last step; its mapping (JSON types: e.g. the
-            held-out accuracy) goes into ``metrics.json``.
+        :param step_fn: does one optimizer step; called with the number of steps done so far (0-based); returns
+            the step's loss (a float, or ``None``). A non-finite loss ends the run with exit 70 (diverged, ``FATAL``).
+        :param finish: called once after the last step; its mapping (JSON types: e.g. the held-out accuracy) goes
+            into ``metrics.json``.
         :return: the exit code: 0 done, 143 stopped (resumable), 78/65/70/74 a
-            :class:`~gpu_resilience_worker.errors.WorkerError` (``FATAL`` written; 74: three saves
-            in a row found no space), 73 the folder is not writable, 1 any other error (retryable).
-        """
+            :class:`~gpu_resilience_worker.errors.WorkerError` (``FATAL`` written; 74: three saves in a row found
+            no space), 73 the folder is not writable, 1 any other error (retryable)."""
         if not callable(step_fn):
             raise ValueError(f"step_fn must be callable, got {step_fn!r}")
         if finish is not None and not callable(finish):
@@ -223,8 +178,7 @@ class ResilientLoop:
         self._log = TaskIdentity.from_env(self._env, fallback=True).bind(self._log)
         return run_guarded(self.namespace, self._log, called_as, lambda: self._train(step_fn, finish))
 
-    def _train(self, step_fn: Callable[[int], float | None],
-               finish: Callable[[], Mapping[str, Any]] | None) -> int:
+    def _train(self, step_fn: Callable[[int], float | None], finish: Callable[[], Mapping[str, Any]] | None) -> int:
         check_writable(self.namespace)
         if self.watcher.requested:  # stopped during the start-up: nothing past the last checkpoint exists
             return self._stopped_early("during start-up; exiting before the restore")
@@ -247,8 +201,7 @@ class ResilientLoop:
         return code
 
     def _stopped_early(self, where: str) -> int:
-        """A stop before the first step: nothing past the newest committed checkpoint exists yet,
-        so the attempt ends at once (not after loading a checkpoint only to stop at its step).
+        """A stop before the first step ends the attempt at once: nothing past the last checkpoint exists.
         :return: 143."""
         watcher = self.watcher
         self._log.warning(f"{watcher.signal_name} received {where}", signal=watcher.signal_name,
@@ -267,10 +220,7 @@ class ResilientLoop:
             except Exception as exc:
                 if not self.watcher.requested:
                     raise
-                # the preemption's signal reached more than this process (Cloud Run signals
-                # the whole group): a DataLoader worker still starting, before its
-                # worker_init_fn, dies of it and the next batch raises. The step is torn, so it
-                # is not saved; the stop goes on from the last whole step
+                # a DataLoader worker still starting (before worker_init_fn) dies of Cloud Run's group-wide signal
                 self._log.warning("the step raised after the stop request; answered as the stop, "
                                   "without saving the interrupted step", error=repr(exc), step=self.state.step)
                 return self._on_stop(manager, step_torn=True)
@@ -295,8 +245,8 @@ class ResilientLoop:
             self._log.info("no checkpoint found; starting from step 0", resumed_from_step=0)
 
     def _save(self, manager: CheckpointManager, *, force: bool) -> bool:
-        """Save through ``manager`` (the time training was blocked goes to the goodput file); a
-        failed save is logged and training goes on, until the manager ends the attempt."""
+        """Save through ``manager`` (the time training was blocked goes to the goodput file); a failed save
+        is logged and training goes on, until the manager ends the attempt."""
         began = time.monotonic()
         try:
             saved = manager.save(self.state.step, force=force)
@@ -311,10 +261,9 @@ class ResilientLoop:
         return saved
 
     def _settle(self, manager: CheckpointManager, step: int) -> bool:
-        """Wait for the save in flight until shortly before the kill; abandon it when out of
-        time. :return: whether it settled (committed or failed)."""
-        watcher, began = self.watcher, time.monotonic()
-        settled = True
+        """Wait for the save in flight until shortly before the kill; abandon it when out of time.
+        :return: whether it settled (committed or failed)."""
+        watcher, began, settled = self.watcher, time.monotonic(), True
         try:
             settled = manager.wait_until_finished(timeout=max(0.0, watcher.remaining_grace() - EXIT_RESERVE_SECONDS))
         except CheckpointSaveError as exc:
@@ -326,12 +275,10 @@ class ResilientLoop:
         return settled
 
     def _on_stop(self, manager: CheckpointManager, step_torn: bool = False) -> int:
-        """Answer a stop request: settle the save in flight, save where :func:`decide_stop` says,
-        exit 143.
+        """Answer a stop request: settle the save in flight, save where :func:`decide_stop` says, exit 143.
 
-        :param step_torn: the step after ``self.state.step`` raised midway: the model and optimizer
-            may hold part of it, so no final save is made (the last checkpoint stays in force).
-        """
+        :param step_torn: the step after ``self.state.step`` raised midway: the model and optimizer may hold
+            part of it, so no final save is made (the last checkpoint stays in force)."""
         step, watcher = self.state.step, self.watcher
         self._log.warning(f"{watcher.signal_name} received; stopping at step {step}", signal=watcher.signal_name,
                           step=step, remaining_grace_seconds=round(watcher.remaining_grace(), 3))
@@ -340,8 +287,7 @@ class ResilientLoop:
                                estimated_save_seconds=manager.estimated_save_seconds,
                                remaining_grace=watcher.remaining_grace(), mode=self.preemption_save,
                                step_torn=step_torn, save_abandoned=not settled, checkpointing=self.checkpointing)
-        self._log.info(decision.reason, step=step, action=decision.action,
-                       last_checkpoint_step=manager.last_saved_step,
+        self._log.info(decision.reason, step=step, action=decision.action, last_checkpoint_step=manager.last_saved_step,
                        estimated_save_seconds=round(manager.estimated_save_seconds, 4),
                        remaining_grace_seconds=round(watcher.remaining_grace(), 3))
         if decision.action == SAVE:
@@ -361,19 +307,17 @@ class ResilientLoop:
             if not self._save(manager, force=True) and manager.last_saved_step != total:
                 raise CheckpointSaveError(f"the final checkpoint of step {total} was not written")
         metrics = self.attempt.complete({
-            **(dict(finish() or {}) if finish is not None else {}),
-            "settings": self.settings, "wall_seconds": round(self.state.elapsed_seconds, 3),
+            **(dict(finish() or {}) if finish is not None else {}), "settings": self.settings,
+            "wall_seconds": round(self.state.elapsed_seconds, 3),
             "attempt_wall_seconds": round(time.monotonic() - self._started, 3),
             "checkpoints_written": self.state.checkpoints, "failed_saves": manager.failed_saves,
-            "history": self.state.history,
-        })
+            "history": self.state.history})
         self._log.info("training complete", resumed_from_step=self.resumed_from_step,
                        **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool, type(None)))})
 
 
-def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, Stateful], *,
-                 total_steps: int, finish: Callable[[], Mapping[str, Any]] | None = None,
-                 **options: Any) -> int:
+def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, Stateful], *, total_steps: int,
+                 finish: Callable[[], Mapping[str, Any]] | None = None, **options: Any) -> int:
     """``ResilientLoop(states, total_steps=..., **options).run(step_fn, finish)`` in one call.
 
     :param step_fn: does one optimizer step (see :meth:`ResilientLoop.run`).
@@ -382,6 +326,5 @@ def run_training(step_fn: Callable[[int], float | None], states: Mapping[str, St
     :param finish: metrics for ``metrics.json`` after the last step, or ``None``.
     :param options: the other keyword parameters of :class:`ResilientLoop`.
     :return: the exit code (0, 143, 78/65/70/73/74, 1); hand it to :func:`exit_now`.
-    :raises ValueError: a bad parameter (before anything is touched).
-    """
+    :raises ValueError: a bad parameter (before anything is touched)."""
     return ResilientLoop(states, total_steps=total_steps, **options).run(step_fn, finish)

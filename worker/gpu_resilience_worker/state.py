@@ -17,11 +17,8 @@ def capture_rng() -> dict[str, Any]:
     """:return: python ``random``, torch CPU and CUDA RNG states as lists and tensors."""
     version, internal, gauss_next = random.getstate()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "torch": torch.get_rng_state(),
-        "cuda": list(cuda),
-    }
+    return {"python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+            "torch": torch.get_rng_state(), "cuda": list(cuda)}
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -61,27 +58,24 @@ def state_digest(state: Any) -> str:
 
 
 def settle_vector_math() -> None:
-    """Let oneMKL's vector math (torch's CPU ``tanh``, ``erf``...) detect the CPU on this thread before
-    any step, for every way in: in a parallel first call its lazy detection (``mkl_vml_serv_cpu_detect``)
-    races, and a thread may run another code path (other low bits) than the run resumed from did."""
+    """Let oneMKL's vector math (torch's CPU ``tanh``, ``erf``...) detect the CPU on this thread before any step,
+    for every way in: in a parallel first call its lazy detection (``mkl_vml_serv_cpu_detect``) races, and a
+    thread may run another code path (other low bits) than the run resumed from did."""
     torch.tanh(torch.zeros(1))  # one element: on this thread; a value training never uses
 
 
 def match_threads(saved: int | None, pinned: int | None, step: int, logger: Any) -> None:
     """Train on with the torch intra-op thread count a checkpoint was written with.
 
-    On CPU, torch's matrix products split their work by the number of intra-op threads, and
-    outside oneMKL's strict reproducibility mode (``MKL_CBWR=AUTO,STRICT``) the split changes the
-    order of the floating-point sums. The default count comes from the machine and from
-    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a retry may not share; so a resumed attempt uses
-    the recorded count, unless the caller pinned one: that is kept, with a warning that the run
-    may then end with other bits than an uninterrupted one.
+    On CPU, torch's matrix products split their work by the intra-op thread count, and outside oneMKL's strict
+    reproducibility mode (``MKL_CBWR=AUTO,STRICT``) the split changes the order of the floating-point sums. The
+    default count comes from the machine and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which a retry may not share;
+    so a resumed attempt uses the recorded count, unless the caller pinned one (kept, with a warning).
 
     :param saved: the count in the loaded ``train_state`` (``None``: not recorded).
     :param pinned: the count the caller pinned (``--threads``), or ``None``.
     :param step: the resumed step, for the log.
-    :param logger: a :class:`~gpu_resilience_worker.logs.StructuredLogger`.
-    """
+    :param logger: a :class:`~gpu_resilience_worker.logs.StructuredLogger`."""
     current = torch.get_num_threads()
     if saved is None or saved == current:
         return
@@ -99,21 +93,16 @@ class TrainState:
     """Step counter, running metrics, per-attempt history and RNG states.
 
     :param fingerprint: the settings a resumable checkpoint must match.
-    :param clock: monotonic clock in seconds, for the accumulated wall time.
-    """
+    :param clock: monotonic clock in seconds, for the accumulated wall time."""
 
     def __init__(self, fingerprint: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = dict(fingerprint)
-        self._clock = clock
-        self._attempt_started = clock()
-        self._elapsed_before = 0.0
-        self.step = 0
+        self._clock, self._attempt_started, self._elapsed_before = clock, clock(), 0.0
+        self.step, self.checkpoints = 0, 0
         self.last_loss: float | None = None
         self.loss_ema: float | None = None
-        self.checkpoints = 0
         self.history: list[dict[str, Any]] = []
-        #: torch intra-op threads recorded in the loaded checkpoint (``None``: none loaded, or
-        #: a checkpoint from a version that did not record them).
+        #: torch intra-op threads recorded in the loaded checkpoint (``None``: none loaded, or none recorded).
         self.saved_threads: int | None = None
 
     def observe(self, loss: float, decay: float = 0.95) -> None:
@@ -128,25 +117,16 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """
-        :return: the state, capturing the RNG states and the torch intra-op thread count
-            (``threads``) now."""
-        return {
-            "step": self.step,
-            "last_loss": self.last_loss,
-            "loss_ema": self.loss_ema,
-            "checkpoints": self.checkpoints,
-            "elapsed_seconds": self.elapsed_seconds,
-            "history": [dict(entry) for entry in self.history],
-            "fingerprint": dict(self.fingerprint),
-            "rng": capture_rng(),
-            "threads": torch.get_num_threads(),
-        }
+        :return: the state, capturing the RNG states and the torch intra-op thread count (``threads``) now."""
+        return {"step": self.step, "last_loss": self.last_loss, "loss_ema": self.loss_ema,
+                "checkpoints": self.checkpoints, "elapsed_seconds": self.elapsed_seconds,
+                "history": [dict(entry) for entry in self.history], "fingerprint": dict(self.fingerprint),
+                "rng": capture_rng(), "threads": torch.get_num_threads()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state and RNG states.
 
-        :raises ConfigError: when the checkpoint was written with different settings.
-        """
+        :raises ConfigError: when the checkpoint was written with different settings."""
         saved = state["fingerprint"]
         differing = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
         if differing:
