@@ -1,14 +1,14 @@
 """Fast paths for big checkpoints' bytes: the hashing writer, early writeback, pipelined reads, and chunk
 digests on parallel threads: a data file is hashed as a *hash list* (the commit record's ``chunks``, see
 :mod:`gpu_resilience_worker.task_folder`), its chunks on several threads at once (``hashlib`` and file reads
-and writes release the GIL on large buffers).
-"""
+and writes release the GIL on large buffers)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
+import glob
 import hashlib
 import mmap
 import os
@@ -37,9 +37,8 @@ def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if _POOL is None:
             pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
-            # every thread started now, from this thread: a pool starts one per submit, from the submitting
-            # thread, and one started inside forkguard.write_privately would share that write's descriptor
-            # table, keeping a copy of every descriptor of the process open for as long as it lives
+            # every thread started now, from here: a pool starts one per submit, from the submitting thread, and one
+            # started in forkguard.write_privately would share that write's descriptor table, keeping it all open
             started = threading.Barrier(HASH_THREADS)
             wait([pool.submit(started.wait, 30.0) for _ in range(HASH_THREADS)])  # a broken barrier: no error
             _POOL = pool
@@ -70,8 +69,6 @@ def _crc32c_extend() -> Any:
     """:return: ``crc32c_extend(crc, pointer, length)`` of the C library ``google-crc32c`` ships,
     through ctypes (no copy of the buffer, the GIL released), or ``None`` when not found."""
     with contextlib.suppress(ImportError, OSError, AttributeError):
-        import glob
-
         import google_crc32c
 
         folder = os.path.dirname(os.path.dirname(google_crc32c.__file__))
@@ -101,16 +98,13 @@ _RELEASE_BUFFER.restype = None
 
 
 class _Crc32c(_Crc32):
-    """CRC-32C: ``google-crc32c``'s C library called on the buffer in place, writable or read-only (a restore
-    hashes a read-only mapping of the checkpoint), through the buffer protocol; without that library, its
-    extension module (which takes ``bytes`` only, so a copy)."""
+    """CRC-32C: ``google-crc32c``'s C library called on the buffer in place, read-only too (a restore hashes a read-only
+    map of the checkpoint), through the buffer protocol; without it, its extension module (``bytes`` only: a copy)."""
 
     def __init__(self) -> None:
         import google_crc32c
 
-        self._extend = _crc32c_extend()
-        self._module = google_crc32c
-        self._value = 0
+        self._extend, self._module, self._value = _crc32c_extend(), google_crc32c, 0
 
     def update(self, data: Any) -> None:
         view = memoryview(data).cast("B")  # C-contiguous bytes, or TypeError
@@ -138,8 +132,9 @@ def crc32c_available() -> bool:
 
 
 def default_digest() -> str:
-    """:return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`, else ``crc32``
-    (``zlib``); cheaper than sha256 and, with the size in the commit record, as sure to catch a torn file."""
+    """
+    :return: the chunk digest new checkpoints use: ``crc32c`` when :func:`crc32c_available`, else ``crc32``
+        (``zlib``); cheaper than sha256 and, with the size in the commit record, as sure to catch a torn file."""
     return "crc32c" if crc32c_available() else "crc32"
 
 
@@ -149,13 +144,9 @@ def new_hasher(digest: str) -> Any:
     :param digest: one of :data:`DIGESTS`.
     :raises ValueError: for another name; :raises ImportError: for ``crc32c`` without ``google-crc32c``.
     """
-    if digest == "sha256":
-        return hashlib.sha256()
-    if digest == "crc32":
-        return _Crc32()
-    if digest == "crc32c":
-        return _Crc32c()
-    raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
+    if digest not in DIGESTS:
+        raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
+    return {"sha256": hashlib.sha256, "crc32": _Crc32, "crc32c": _Crc32c}[digest]()
 
 
 def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, digest: str = "sha256") -> list[str]:
@@ -166,9 +157,8 @@ def chunk_digests(data: bytes | memoryview, chunk_bytes: int = DIGEST_CHUNK, dig
 
 
 class ChunkHasher:
-    """The hash list of a byte stream fed in order: sha256 chunks hashed on the helper threads,
-    CRC chunks inline on the calling thread (they cost less than handing them over), unless
-    ``parallel`` (bytes already in memory: nothing to overlap the hashing with).
+    """The hash list of a byte stream fed in order: sha256 chunks hashed on the helper threads, CRC chunks inline
+    (cheaper than handing them over), unless ``parallel`` (bytes in memory: nothing to overlap the hashing with).
 
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.
     :param digest: one of :data:`DIGESTS`; default ``sha256``.
@@ -215,7 +205,7 @@ class ChunkHasher:
             future.result()
 
     def digests(self) -> list[str]:
-        """:return: the hex sha256 of every chunk so far, in order (all submits awaited)."""
+        """:return: the hex digest of every chunk so far, in order (all submits awaited)."""
         return [hasher.hexdigest() for hasher in self._hashers]
 
 
@@ -259,10 +249,10 @@ def _write_all(handle: BinaryIO, view: memoryview) -> None:
 
 class HashingWriter:
     """A write-only file object (for ``torch.save``) that builds the hash list of what goes through it, and counts
-    it. The calling thread writes big records in :data:`CHUNK` pieces, starting each piece's writeback, while the
-    helper threads hash them (one task per :data:`DIGEST_CHUNK` chunk); with a CRC ``digest`` it hashes each piece
-    itself, then writes it (one pass, no helper thread competing with training). Small records are buffered.
-    Every record is hashed before :meth:`write` returns (a view is only valid during the call).
+    it. The calling thread writes big records in :data:`CHUNK` pieces, starting each one's writeback, while the
+    helper threads hash them (a task per :data:`DIGEST_CHUNK` chunk); with a CRC ``digest`` it hashes each piece,
+    then writes it (one pass, no helper thread competing with training). Small records are buffered. Every record is
+    hashed before :meth:`write` returns (a view is valid only during the call).
 
     :param handle: an unbuffered binary file opened for writing, at its start.
     :param chunk_bytes: bytes per digest; default :data:`DIGEST_CHUNK`.

@@ -1,8 +1,7 @@
 """The ``FATAL`` marker: a process whose error would happen again on every retry writes ``{namespace}/FATAL`` and
 exits with its code; a later attempt of the same invocation exits at once with that code instead of burning a GPU
 attempt. Which codes are obeyed, and when 73 and 74 are looked at again: the exit codes and the ``FATAL`` row of
-``docs/worker-contract.rst``. Used by :class:`~gpu_resilience_worker.loop.ResilientLoop`.
-"""
+``docs/worker-contract.rst``. Used by :class:`~gpu_resilience_worker.loop.ResilientLoop`."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ import traceback
 from typing import Callable, Sequence
 
 from gpu_resilience_worker.commit import CheckpointName, read_record
-from gpu_resilience_worker.errors import (
-    EXIT_CANTCREAT, EXIT_FAILURE, EXIT_IOERR, NewerCheckpointError, OutputError, WorkerError,
-)
+from gpu_resilience_worker.errors import (EXIT_CANTCREAT, EXIT_FAILURE, EXIT_IOERR, NewerCheckpointError, OutputError,
+                                          WorkerError)
 from gpu_resilience_worker.files import read_json, write_json
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import LocalStorage
@@ -38,8 +36,9 @@ def invocation(argv: Sequence[str], data_path: str | None = None) -> dict:
 
 
 def free_bytes(folder: str) -> int | None:
-    """:return: the bytes an unprivileged writer may still use on ``folder``'s file system (``statvfs``: available
-    blocks times the fragment size), or ``None`` when it cannot be asked."""
+    """
+    :return: the bytes an unprivileged writer may still use on ``folder``'s file system (``statvfs``: available
+        blocks times the fragment size), or ``None`` when it cannot be asked."""
     try:
         info = os.statvfs(folder)
     except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
@@ -55,8 +54,7 @@ def space_came_back(recorded: object, now: int | None) -> bool:
     :return: ``True`` only when both are byte counts and more is free now; an unknown count keeps
         the marker (a volume whose free-space figure never changes keeps it until it is removed).
     """
-    known = all(isinstance(v, int) and not isinstance(v, bool) for v in (recorded, now))
-    return known and now > recorded
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in (recorded, now)) and now > recorded
 
 
 def write_fatal(namespace: str | None, error: WorkerError, logger: StructuredLogger,
@@ -99,9 +97,8 @@ OWN_FILES = (PROGRESS, METRICS, ATTEMPTS, FATAL, WRITE_PROBE)
 
 
 def _in_the_way(namespace: str) -> list[str]:
-    """:return: the entries of ``namespace`` that carry a name the worker writes a file under
-    (:data:`OWN_FILES`, a checkpoint's data file, commit record or their temporary files) but
-    are folders: no write of that name could ever succeed there."""
+    """:return: the entries of ``namespace`` named like a file the worker writes (:data:`OWN_FILES`, a checkpoint's
+    data file, commit record or their temporary files) but folders: no write of that name could ever succeed."""
     found = []
     for name in sorted(os.listdir(namespace)):
         if name in OWN_FILES or CheckpointName.parse(name) is not None:
@@ -138,12 +135,9 @@ def check_writable(namespace: str) -> None:
 
 
 def _newer_record_still_there(newer: object, logger: StructuredLogger) -> bool:
-    """Whether a marker's ``newer_record`` (see :class:`~gpu_resilience_worker.errors.NewerCheckpointError`) still
-    holds: that record, read again (one small file), is there and still unreadable to this release.
-
-    :param newer: the marker's ``newer_record`` (anything read from the file; ``None``: no such field).
-    :return: ``True`` when the marker is not one of a newer record, or when the record still refuses.
-    """
+    """Whether a marker's ``newer_record`` (anything read from the file; ``None``: no such field; see
+    :class:`~gpu_resilience_worker.errors.NewerCheckpointError`) still holds: ``True`` unless it names a record
+    that, read again (one small file), this release reads now or that is gone."""
     if not isinstance(newer, dict) or not isinstance(newer.get("file"), str):
         return True
     try:
@@ -158,28 +152,25 @@ def _newer_record_still_there(newer: object, logger: StructuredLogger) -> bool:
 
 
 def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict | None = None) -> int | None:
-    """The exit code of an earlier attempt's ``FATAL`` marker, if it applies. A stale marker is removed and ``None``
-    returned: one written for another :func:`invocation` (other arguments, or an input file changed since; with a
-    warning), one of exit 73 (the folder is checked again), one of exit 74 whose folder has more free space now than
-    it recorded (:func:`space_came_back`), and one of a newer release's commit record that this release reads, or
-    that is gone.
+    """The exit code of an earlier attempt's ``FATAL`` marker, if it applies. A stale one is removed: one written
+    for another :func:`invocation` (other arguments, or an input file changed since; with a warning), one of exit 73
+    (the folder is checked again), one of exit 74 with more free space now (:func:`space_came_back`), and one of a
+    newer release's commit record that this release reads, or that is gone.
 
-    :return: the marker's exit code (64 to 78, else 78), or ``None``.
+    :return: the marker's exit code (64 to 78, else 78), or ``None`` (no marker, or a stale one).
     """
     path = os.path.join(namespace, FATAL)
     if not os.path.exists(path) or os.path.isdir(path):
         return None  # a folder: check_writable refuses it (exit 73), not a marker any attempt wrote
     record = read_json(LocalStorage(), path)
     if record is None or not isinstance(record.get("exit_code"), int):
-        # markers are written whole (temporary file, then rename): an empty or garbled one is not ours, and
-        # honouring it would fail every attempt until someone deletes it
+        # written whole (temporary file, then rename): a garbled one is not ours; obeyed, it would fail every attempt
         logger.warning("ignoring an unreadable FATAL marker; removing it", file=path)
         with contextlib.suppress(OSError):
             LocalStorage().remove(path)
         return None
     if record["exit_code"] == EXIT_CANTCREAT:
-        # check_writable looks again before any work, in no time: a folder fixed since (a permission granted, a
-        # folder in the way removed) must not stay refused by its marker
+        # check_writable looks again first, in no time: a folder fixed since must not stay refused by its marker
         logger.info("a FATAL marker of an unwritable checkpoint folder: checking the folder again", file=path)
     elif not _newer_record_still_there(record.get("newer_record"), logger):
         pass  # it logged why
@@ -199,19 +190,17 @@ def fatal_marker_code(namespace: str, logger: StructuredLogger, called_as: dict 
 
 
 def run_guarded(namespace: str, logger: StructuredLogger, called_as: dict | None, body: Callable[[], int]) -> int:
-    """Run one attempt's ``body`` under the exit-code rules (the bundled worker and
-    :class:`~gpu_resilience_worker.loop.ResilientLoop` alike): not at all when an earlier
-    attempt's ``FATAL`` marker applies (:func:`fatal_marker_code`).
+    """Run one attempt's ``body`` under the exit-code rules: not at all when an earlier attempt's ``FATAL`` marker
+    applies (:func:`fatal_marker_code`).
 
     :param namespace: the task folder.
     :param logger: where the error lines go.
     :param called_as: the :func:`invocation` a marker is tied to.
     :param body: the attempt; returns its exit code.
-    :return: that code, the marker's, a :class:`WorkerError`'s (``FATAL`` written), or 1 for any
-        other exception (logged with its traceback: retryable).
+    :return: that code, the marker's, a :class:`WorkerError`'s (``FATAL`` written), or 1 for any other exception
+        (logged with its traceback: retryable).
     """
-    code = fatal_marker_code(namespace, logger, called_as)
-    if code is not None:
+    if (code := fatal_marker_code(namespace, logger, called_as)) is not None:
         return code
     try:
         return body()

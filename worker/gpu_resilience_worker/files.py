@@ -1,6 +1,5 @@
 """The small JSON files in the task namespace: ``progress.json``, ``metrics.json``, ``attempts.json`` (names
-from :mod:`gpu_resilience_worker.task_folder`, re-exported here).
-"""
+from :mod:`gpu_resilience_worker.task_folder`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from typing import Any, Callable, Mapping
 from gpu_resilience_worker.logs import StructuredLogger, utc_now
 from gpu_resilience_worker.storage import Storage
 from gpu_resilience_worker.task_folder import ATTEMPTS, FATAL, METRICS, PROGRESS  # noqa: F401 - re-exported
-#: Fewest seconds between two writes of one file name in the namespace: Cloud Storage accepts
-#: about one mutation per second of one object name.
+#: Fewest seconds between two writes of one file name: Cloud Storage accepts about one mutation per second per object.
 MIN_REWRITE_SECONDS = 1.0
 
 
@@ -127,14 +125,12 @@ class ProgressReporter:
         :param loss: the running loss, or ``None`` before any step.
         :param status: ``running``, ``preempted`` or ``completed``.
         :param force: write regardless of ``min_interval`` (still never within 1 s of the last).
-        :param max_wait: for a forced write, the longest sleep (seconds) to wait for the 1 s to pass; default 1
-            (always wait).
+        :param max_wait: for a forced write, the longest sleep (seconds) for the 1 s to pass; default 1 (always wait).
         :return: whether the file was written (a failed write is logged once and tolerated: :class:`AdvisoryFile`).
         """
         if not (force or self._file.due()):
             return False
-        rest = self._file.wait_for_rule(max_wait)
-        if rest:
+        if rest := self._file.wait_for_rule(max_wait):
             self._log.info("progress write skipped: written less than a second ago",
                            step=step, status=status, wait_seconds=round(rest, 3))
             return False
@@ -156,11 +152,10 @@ class ProgressReporter:
 
 def reported_step(previous: Mapping[str, Any], keys: tuple[str, ...] = ("step",),
                   total_steps: int | None = None) -> int | None:
-    """A step an earlier attempt reported in the ``progress.json`` it left, bounded by the run. ``step`` is the last
-    attempt's; ``high_water_step`` the highest of every attempt's, so that an attempt stopped before it got back to
-    an earlier one's step does not hide the steps that one lost (the next resume recomputes them too). The file is
-    only a report (no commit record vouches for it): a claim beyond ``total_steps`` (a torn or forged file) counts
-    as ``total_steps``.
+    """A step an earlier attempt reported in its ``progress.json``, bounded by the run. ``step`` is the last attempt's;
+    ``high_water_step`` the highest of every attempt's, so that an attempt stopped before it got back to an earlier
+    one's step does not hide the steps that one lost (the next resume recomputes them). The file is only a report (no
+    commit record vouches for it): a claim beyond ``total_steps`` (a torn or forged file) counts as ``total_steps``.
 
     :param previous: the parsed ``progress.json`` (``{}`` when there is none).
     :param keys: the fields to read; the highest is taken (default ``("step",)``).
@@ -187,8 +182,7 @@ def record_attempt(storage: Storage, namespace: str, entry: dict[str, Any]) -> l
     :return: all recorded attempts, oldest first.
     """
     path = os.path.join(namespace, ATTEMPTS)
-    previous = read_json(storage, path) or {}
-    recorded = previous.get("attempts", [])
+    recorded = (read_json(storage, path) or {}).get("attempts", [])
     attempts = with_unrecorded_attempts([a for a in recorded if isinstance(a, dict)] if isinstance(recorded, list)
                                         else [], entry)
     write_json(storage, path, {"attempts": attempts})

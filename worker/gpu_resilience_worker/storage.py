@@ -1,7 +1,6 @@
 """Storage behind a small protocol on ``str`` paths, implemented for a local (or FUSE-mounted) file system.
 Nothing here assumes that rename is atomic (on a GCS FUSE mount it is a copy, then a delete): readers validate
-what they read (see :mod:`gpu_resilience_worker.checkpoint`).
-"""
+what they read (see :mod:`gpu_resilience_worker.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ class Storage(Protocol):
         """:return: ``path`` opened for unbuffered binary reading; raises ``OSError``."""
 
     def size(self, path: str) -> int:
-        """:return: the size of ``path`` in bytes; raises ``OSError`` when it is missing."""
+        """:return: the size of ``path`` in bytes; raises ``OSError`` when it is missing or not a file."""
 
     def list(self, folder: str) -> list[str]:
         """:return: the names (not paths) directly in ``folder``; empty when it is missing."""
@@ -48,8 +47,9 @@ class Storage(Protocol):
         """
 
     def local_path(self, path: str) -> str | None:
-        """:return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped, or ``None`` when
-        it must be read through :meth:`open_read`."""
+        """
+        :return: ``path`` on a local (or FUSE-mounted) file system that can be memory-mapped, or ``None`` when it
+            must be read through :meth:`open_read`."""
 
 
 def _fsync_dir(folder: str) -> None:
@@ -70,17 +70,15 @@ class LocalStorage(Storage):
     """:class:`Storage` on a local or FUSE-mounted POSIX file system (methods documented there are not again)."""
 
     def write(self, path: str, data: Payload, *, atomic: bool = False) -> None:
-        """Write, flush and fsync ``data`` to ``path`` as a new file written sequentially from its start (an
-        existing one is deleted first, never truncated or overwritten in place), in
-        :func:`~gpu_resilience_worker.forkguard.write_privately` while the caller waits. Errors of ``close()``
-        propagate (on Cloud Storage FUSE an upload fails there); an ``OSError`` without a path (``os.write``'s
-        ENOSPC) is given the file's.
+        """Write, flush and fsync ``data`` to ``path`` in :func:`~gpu_resilience_worker.forkguard.write_privately` (the
+        caller waits), as a new file written sequentially from its start (an existing one is deleted first, never
+        truncated or overwritten in place). Errors of ``close()`` propagate (on Cloud Storage FUSE an upload fails
+        there); an ``OSError`` without a path (``os.write``'s ENOSPC) is given the file's.
 
         :param path: destination file.
         :param data: the bytes, or a function writing them into the open file (it runs on that thread: it must
             keep neither the file nor its descriptor after it returns, pass neither on, nor start threads).
-        :param atomic: write ``path + ".tmp"`` first, then rename it over ``path`` (atomic on local disks only:
-            readers still validate the content).
+        :param atomic: write ``path + ".tmp"`` first, then rename it over ``path`` (atomic on local disks only).
         """
         folder = os.path.dirname(path) or "."
         os.makedirs(folder, exist_ok=True)
@@ -116,7 +114,6 @@ class LocalStorage(Storage):
         return open(path, "rb", buffering=0)
 
     def size(self, path: str) -> int:
-        """:return: the size of ``path`` in bytes (``OSError`` when missing or not a file)."""
         info = os.stat(path)
         if not os.path.isfile(path):
             raise IsADirectoryError(f"not a regular file: {path}")
@@ -152,8 +149,7 @@ class LocalStorage(Storage):
                 return False
             raise
         try:
-            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
                 return False
             os.unlink(name, dir_fd=fd)
             return True
