@@ -168,9 +168,10 @@ def record_commits(raw: bytes, name: str) -> tuple[int, dict[str, int]] | NewerR
     step = non_negative_int(obj.get("step"))
     if step is None or not _matches_its_hash_lists(obj):
         return None
-    if "files" in obj:
+    if "files" in obj:  # the worker's names carry the step (a framework's prefix, the step, its suffix)
         sizes = _folder_sizes(obj, name)
-        return None if sizes is None else (step, sizes)
+        numbers = {int(number) for number in re.findall(r"\d+", name[: -len(RECORD_SUFFIX)])}
+        return None if sizes is None or step not in numbers else (step, sizes)
     match, size = _ONE_FILE_RECORD_RE.match(name), non_negative_int(obj.get("size"))
     if match is None or int(match.group("step")) != step or size is None:
         return None
