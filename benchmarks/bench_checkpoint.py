@@ -48,23 +48,21 @@ TENSOR_BYTES = 64 << 20
 
 
 class TensorBag(torch.nn.Module):
-    """A stateful holder of named tensors, a module loading into its existing tensors like a model.
+    """Named tensors as a module's buffers: torch's own ``state_dict`` and ``load_state_dict``, which
+    copies into the existing tensors as a model's does.
 
-    :param tensors: the live tensors (``state_dict`` returns them, not copies).
+    :param tensors: the tensors (registered as they are, not copied).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.tensors = tensors
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """:return: the live tensors."""
-        return dict(self.tensors)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` into the existing tensors."""
-        for name, tensor in self.tensors.items():
-            tensor.copy_(state[name])
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """:return: the live tensors by name."""
+        return dict(self.named_buffers())
 
 
 def make_state(size_bytes: int, seed: int = 0) -> dict[str, TensorBag]:

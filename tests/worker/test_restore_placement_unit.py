@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import random
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,10 @@ import pytest
 import torch
 
 from gpu_resilience_worker.checkpoint import AsyncMode, CheckpointConfig, CheckpointManager, RestoreInterrupted
+from gpu_resilience_worker.fastio import DIGEST_CHUNK, chunk_digests
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.restore_copy import LocalCopy, ModulePlacement
-from gpu_resilience_worker.torch_archive import ArchiveStream, Pickle, read_records
+from gpu_resilience_worker.task_folder import CommitRecord
 
 
 class Net(torch.nn.Module):
@@ -172,87 +172,6 @@ def test_a_placement_torch_would_not_read_is_undone_before_the_load(tmp_path: Pa
     assert _equal(_snapshot(model), saved) and placements == [{}] and put_back == [-1]
 
 
-def _archive() -> bytes:
-    torch.manual_seed(0)
-    model = Net(32)
-    optimizer = torch.optim.Adam(model.parameters())
-    _train(model, optimizer, 1, seed=1)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7}, buffer)
-    return buffer.getvalue()
-
-
-def _stream(data: bytes, place, pieces: list[int]) -> tuple[ArchiveStream, list[tuple[int, bytes, Any, int]]]:
-    stream, segments, position = ArchiveStream(place), [], 0
-    for size in pieces:
-        view = memoryview(bytearray(data[position : position + size]))
-        segments += [(at, bytes(b), d, into) for at, b, d, into in stream.feed(view, position)]
-        position += view.nbytes
-    return stream, segments + [(at, bytes(b), d, into) for at, b, d, into in stream.finish()]
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_the_stream_splits_any_pieces_into_the_file_and_the_storages_where_torch_reads_them(tmp_path: Path,
-                                                                                              seed: int) -> None:
-    data = _archive()
-    (tmp_path / "a.pt").write_bytes(data)
-    reader = torch._C.PyTorchFileReader(str(tmp_path / "a.pt"))
-
-    def place(records: Pickle) -> dict[str, tuple[int, Any]]:  # every other storage has a destination
-        return {key: (reader.get_record_size(f"data/{key}"), key if int(key) % 2 else None) for key in records.storages}
-
-    rng = random.Random(seed)
-    pieces = [rng.choice([1, 3, 30, 64, 517, 4096, 1 << 16]) for _ in range(len(data))]
-    stream, segments = _stream(data, place, pieces)
-    assert b"".join(b for _, b, _, _ in segments) == data
-    assert [at for at, *_ in segments] == [sum(len(b) for _, b, _, _ in segments[:i]) for i in range(len(segments))]
-    for at, _, key, into in segments:
-        if key is not None:
-            assert at - into == reader.get_record_offset(f"data/{key}")
-    keys = [name.rsplit("/", 1)[-1] for name in reader.get_all_records() if name.startswith("data/")]
-    assert stream.placed == {k: (reader.get_record_offset(f"data/{k}"), reader.get_record_size(f"data/{k}"))
-                             for k in keys if int(k) % 2}
-
-
-def _everything(records: Pickle) -> dict[str, tuple[int, Any]]:
-    return {key: (storage.numel * 4, "somewhere") for key, storage in records.storages.items()}
-
-
-@pytest.mark.parametrize("case, place, mangle", [
-    ("not an archive", _everything, lambda d: os.urandom(len(d))),
-    ("the pickle cannot be followed", lambda records: 1 / 0, lambda d: d),
-    ("a storage the pickle does not name", lambda records: {}, lambda d: d),
-    ("the stream ends inside a storage", _everything, lambda d: d[: len(d) // 2]),
-    ("the archive is cut after its pickle", _everything, lambda d: d[:900]),
-])
-def test_what_the_stream_cannot_follow_ends_the_following_and_every_byte_still_comes_out(case: str, place, mangle) -> None:
-    data = mangle(_archive())
-    stream, segments = _stream(data, place, [1000] * (len(data) // 1000 + 1))
-    assert b"".join(b for _, b, _, _ in segments) == data, case
-    complete = {key for key, (start, size) in stream.placed.items() if start + size <= len(data)}
-    assert complete == set(stream.placed), case
-
-
-_T = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-
-
-@pytest.mark.parametrize("case, obj, tensors, shared", [
-    ("entries of their own", {"a": _T, "b": {"c": [_T.clone()]}}, [("a",), ("b", "c", 0)], set()),
-    ("one tensor twice", {"a": _T, "b": _T}, [("a",), ("b",)], set()),
-    ("a view of another entry", {"a": _T, "b": _T[1]}, [("a",), ("b",)], set()),
-    ("a parameter on an entry's storage", {"a": _T, "b": torch.nn.Parameter(_T)}, [("a",)], {"0"}),
-    ("a conjugate view", {"c": torch.ones(3, dtype=torch.complex64).conj()}, [], {"0"}),
-])
-def test_the_pickle_names_each_tensor_by_path_and_the_storages_something_else_uses(case, obj, tensors, shared) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
-        records = read_records(archive.read("archive/data.pkl"))
-    assert sorted(records.tensors) == sorted(tensors), case
-    assert records.shared == shared, case
-    assert all(storage.type_name.endswith("Storage") for storage in records.storages.values()), case
-
-
 class Holder:
     """Not a module: keeps the tensors it is given, and shows them in its state."""
 
@@ -284,10 +203,210 @@ def test_a_storage_another_state_also_holds_is_loaded_not_placed(tmp_path: Path,
     assert len(placements) == 1 and len(placements[0]) == len(entries)
 
 
-def test_an_archive_of_another_byte_order_is_not_placed() -> None:
-    data = bytearray(_archive())
-    at = data.index(b"little")  # the byteorder record's content; torch would byte-swap the storages
-    data[at : at + 6] = b"LITTLE"
-    stream, segments = _stream(bytes(data), _everything, [4096] * (len(data) // 4096 + 1))
-    assert b"".join(b for _, b, _, _ in segments) == data and stream.placed == {}
-    assert _stream(_archive(), _everything, [len(data)])[0].placed  # the unmangled archive is
+# --- what a breaker found: each case restores exactly what torch.load + load_state_dict gives ---
+
+class Many(torch.nn.Module):
+    """A pickle of about 60 KiB (beyond the first 64 KiB step of the stream's search)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(500):
+            self.register_buffer(f"a_buffer_with_a_long_name_{i:04d}", torch.randn(4))
+
+
+class KeepsItsHead(torch.nn.Module):
+    """A ``load_state_dict`` that keeps its own head (fine-tuning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def load_state_dict(self, state, strict=True, assign=False):  # noqa: ANN001
+        return super().load_state_dict({k: v for k, v in state.items() if not k.startswith("head.")}, strict=False)
+
+
+class Swaps(torch.nn.Module):
+    """A load pre-hook that exchanges two entries (a layout migration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
+        self._register_load_state_dict_pre_hook(Swaps._swap)
+
+    @staticmethod
+    def _swap(state, prefix, *args) -> None:  # noqa: ANN001
+        state[prefix + "gate.weight"], state[prefix + "up.weight"] = state[prefix + "up.weight"], state[prefix + "gate.weight"]
+
+
+class Calibrated(torch.nn.Module):
+    """An extra state that hands out a live tensor and declines to be restored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calibration = torch.nn.Linear(4, 4), torch.randn(8)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.calibration
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+class TiedWhenLoaded(torch.nn.Module):
+    """Saved untied, loaded tied: torch's copies (x, then y) decide what the tied weight holds."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        for i in range(9):  # storage keys 0-8: x's is "9", y's "10"
+            setattr(self, f"p{i}", torch.nn.Parameter(torch.randn(4)))
+        self.x, self.y = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+        if tie:
+            self.y.weight = self.x.weight
+
+
+class OddStorage(torch.nn.Module):
+    """A float32 buffer on a 10-byte storage (torch writes 10 bytes for 2 elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("odd", torch.randint(0, 255, (10,), dtype=torch.uint8)[:8].view(torch.float32))
+        self.lin = torch.nn.Linear(4, 4)
+
+
+class Gaps(torch.nn.Module):
+    """An empty buffer (its record has no data descriptor) and a 16-bit unsigned one (rebuilt another way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.register_buffer("empty", torch.zeros(0))
+        self.register_buffer("counts", torch.arange(6).to(torch.uint16))
+        self.last = torch.nn.Linear(4, 4)
+
+
+def _raw(state: dict[str, Any]) -> dict[str, Any]:
+    """Names, dtypes, shapes and bytes (NaN payloads included) of a state dict's tensors."""
+    return {k: (v.dtype, tuple(v.shape), bytes(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("make, saved_as, placed", [
+    (Many, Many, 500),
+    (KeepsItsHead, KeepsItsHead, 0),
+    (Swaps, Swaps, 0),
+    (Calibrated, Calibrated, 2),
+    (TiedWhenLoaded, lambda: TiedWhenLoaded(tie=False), 9),
+    (OddStorage, OddStorage, 0),
+    (Gaps, Gaps, 4),  # records 0 and 1 are theirs (the root's buffers first): the four after are placed
+], ids=["a pickle past 64 KiB", "a load_state_dict of its own", "a load pre-hook", "an extra state",
+        "tied only when loaded", "a storage longer than its tensor", "an empty and a uint16 buffer"])
+def test_a_restore_gives_what_torch_load_and_load_state_dict_give(tmp_path: Path, placements, make, saved_as,
+                                                                   placed: int) -> None:
+    torch.manual_seed(1)
+    with _manager(tmp_path, {"model": saved_as()}) as manager:
+        manager.save(1, force=True)
+    torch.manual_seed(2)
+    reference = make()
+    reference.load_state_dict(torch.load(tmp_path / "ckpt-00000001.pt", weights_only=True, mmap=True)["model"])
+    torch.manual_seed(2)
+    model = make()
+    with _manager(tmp_path, {"model": model}) as manager:
+        assert manager.load() is True
+    assert _raw(model.state_dict()) == _raw(reference.state_dict())
+    assert len(placements[0]) == placed
+
+
+def test_a_load_state_dict_that_raises_keeps_what_it_loaded_as_torch_does(tmp_path: Path) -> None:
+    """A strict load with a parameter the checkpoint lacks: torch copies every entry it has, then
+    raises; the placed entries stay too (no module left half old, half new)."""
+    torch.manual_seed(1)
+    with _manager(tmp_path, {"model": Net()}) as manager:
+        manager.save(1, force=True)
+    saved = torch.load(tmp_path / "ckpt-00000001.pt", weights_only=True)["model"]
+    model = Net()
+    model.extra = torch.nn.Parameter(torch.zeros(2))
+    with _manager(tmp_path, {"model": model}) as manager, pytest.raises(RuntimeError, match="extra"):
+        manager.load()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+class Unseekable(io.RawIOBase):
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.written += data
+        return len(data)
+
+
+class Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.q = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64))
+
+
+def test_a_pickle_the_central_directory_does_not_name_is_never_trusted(tmp_path: Path, placements) -> None:
+    """A crafted archive whose first record is a pickle mapping the two storages the other way
+    round, named ``data.pkl`` in its local header only, with a commit record made to match: torch
+    reads the other pickle, and so does the restore (every placement swapped back)."""
+    torch.manual_seed(1)
+    state = Pair().state_dict()
+    real, swapped = io.BytesIO(), io.BytesIO()
+    torch.save({"model": state}, real)
+    torch.save({"model": {"q": state["q"], "p": state["p"]}}, swapped)  # q on storage 0, p on 1
+    out = Unseekable()  # so that zipfile streams as torch does: a data descriptor after each record
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/xata.pkl", zipfile.ZipFile(io.BytesIO(swapped.getvalue())).read("archive/data.pkl"))
+        with zipfile.ZipFile(io.BytesIO(real.getvalue())) as source:
+            for name in source.namelist():
+                archive.writestr(name, source.read(name))
+    data = bytes(out.written).replace(b"archive/xata.pkl", b"archive/data.pkl", 1)  # the local header's name only
+    (tmp_path / "ckpt-00000001.pt").write_bytes(data)
+    manager = _manager(tmp_path, {})
+    manager._write_record(CommitRecord.of_chunks(1, len(data), chunk_digests(data, DIGEST_CHUNK, manager.digest),
+                                                 "2026-01-01T00:00:00Z", digest=manager.digest))
+    model = Pair()
+    with _manager(tmp_path, {"model": model}) as manager:
+        assert manager.load() is True
+    assert _raw(model.state_dict()) == _raw(state) and placements == [{}]
+
+
+def test_an_interrupt_during_the_read_puts_back_what_was_placed(tmp_path: Path, put_back) -> None:
+    _saved(tmp_path, width=2048)
+    model = Net(2048)
+    before = _snapshot(model)
+    asked = []
+
+    def should_stop() -> bool:  # a KeyboardInterrupt raised between two reads, as a SIGINT would
+        asked.append(1)
+        if len(asked) > 2:
+            raise KeyboardInterrupt
+        return False
+
+    with _manager(tmp_path, {"model": model}, should_stop=should_stop) as manager:
+        with pytest.raises(KeyboardInterrupt):
+            manager.load()
+    assert _equal(_snapshot(model), before) and put_back and put_back[0] > 0
+
+
+def test_the_first_background_save_after_a_restore_writes_no_state_s_live_tensor(tmp_path: Path) -> None:
+    """A storage the checkpoint shares between a module entry and another state, which keeps the
+    loaded tensor: it is never a snapshot buffer."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 8)
+    with _manager(tmp_path, {"model": model, "holder": Holder({"w": model.bias.detach()})}) as manager:
+        manager.save(1, force=True)
+    live, holder = torch.nn.Linear(8, 8), Holder({})
+    config = CheckpointConfig(folder=str(tmp_path), interval=1, keep_latest_k=3, async_mode=AsyncMode.ASYNC)
+    with CheckpointManager(config, {"model": live, "holder": holder},
+                           logger=StructuredLogger(open(os.devnull, "w"))) as manager:
+        assert manager.load() is True
+        kept = holder.tensors["w"].clone()
+        with torch.no_grad():
+            live.bias.fill_(7.0)
+        manager.save(2)
+        manager.wait_until_finished()
+    assert torch.equal(holder.tensors["w"], kept)

@@ -312,12 +312,12 @@ class CheckpointManager(CommitStore):
             if loaded is None:
                 continue
             state, copy, placement = loaded
-            try:
+            try:  # a load_state_dict that raises leaves the placed entries in, as torch's leaves what it copied
                 live = placement.into(state, copy.placed)
                 for key, obj in self._states.items():
                     obj.load_state_dict(live[key])
-                copy.keep_placed()
             finally:
+                copy.keep_placed()
                 copy.close()  # a memory-mapped state keeps its pages until it is dropped
             if self.config.async_mode is AsyncMode.ASYNC:
                 self._adopt_restored(state)
@@ -329,11 +329,13 @@ class CheckpointManager(CommitStore):
 
     def _adopt_restored(self, state: dict[str, Any]) -> None:
         """Keep the loaded tensors of the ``torch.nn.Module`` states (copied into the parameters;
-        ``assign=True`` keeps them, which ``SnapshotBuffers.adopt`` sees) as snapshot buffers."""
+        ``assign=True`` keeps them, which ``SnapshotBuffers.adopt`` sees) as snapshot buffers, but
+        none that any state's ``state_dict()`` shows (another state may keep a loaded tensor)."""
         import torch
 
-        modules = {key: obj for key, obj in self._states.items() if isinstance(obj, torch.nn.Module)}
-        self._snapshots.adopt({key: state[key] for key in modules}, {k: m.state_dict() for k, m in modules.items()})
+        modules = [key for key, obj in self._states.items() if isinstance(obj, torch.nn.Module)]
+        live = {key: obj.state_dict() for key, obj in self._states.items()}
+        self._snapshots.adopt({key: state[key] for key in modules}, live)
 
     def _deserialize(self, copy: LocalCopy) -> Any:
         """Load a verified local copy with the ``weights_only`` unpickler (no code runs).
@@ -382,7 +384,7 @@ class CheckpointManager(CommitStore):
             raise RestoreInterrupted(step)
         if copy is not None:
             try:
-                if copy.placed and not placement.check(copy):
+                if copy.displaced_bytes and not placement.check(copy):
                     copy.unplace()
                 state = self._deserialize(copy)
                 missing = [key for key in self._states if key not in state]

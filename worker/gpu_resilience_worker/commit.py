@@ -207,6 +207,10 @@ class CommitStore:
                 reason = self._mismatch(step, record, entry, size, digests)
             except (OSError, ValueError, ImportError) as exc:
                 reason = f"unreadable data file: {exc}"
+            except BaseException:  # an interrupt: the copy still puts back what it placed
+                if copy is not None:
+                    copy.close()
+                raise
             if reason:
                 if copy is not None:
                     copy.close()

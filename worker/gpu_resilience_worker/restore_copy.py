@@ -1,12 +1,6 @@
-"""The restore's private local copy of a checkpoint's bytes, verified while it is filled.
-
-:class:`LocalCopy` reads a checkpoint once (the Cloud Storage FUSE rule: a restore reads a
-checkpoint's bytes once), hashing each chunk on the threads of :mod:`gpu_resilience_worker.fastio`
-as it arrives, into memory that ``torch.load(..., mmap=True)`` maps without another copy. Given
-where the live tensors are, it writes each storage one of them will hold straight into it as the
-bytes arrive (:class:`~gpu_resilience_worker.torch_archive.ArchiveStream`), keeping what it
-displaced in the copy's place until the checkpoint proved whole.
-"""
+"""The restore's private local copy of a checkpoint's bytes, verified while it is filled (the Cloud Storage FUSE
+rule: a restore reads a checkpoint's bytes once), and :class:`ModulePlacement`: which of them go straight into the
+tensors of the modules as they arrive."""
 
 from __future__ import annotations
 
@@ -25,20 +19,15 @@ from gpu_resilience_worker.torch_archive import ArchiveStream, Pickle, TensorRec
 class LocalCopy:
     """A private local copy of a file's bytes that ``torch.load(..., mmap=True)`` can map.
 
-    On Linux it is an anonymous memory file (``memfd_create``), opened by path through
-    ``/proc/self/fd``; elsewhere an unnamed-after-use temporary file. Its pages are the one copy of
-    a checkpoint a restore holds: tensors loaded with ``mmap=True`` share them, and they are freed
-    when both the copy is closed and those tensors are gone (a mapping outlives its file).
+    On Linux an anonymous memory file (``memfd_create``) opened by path through ``/proc/self/fd``, elsewhere an
+    unnamed-after-use temporary file: the one copy a restore holds; tensors loaded with ``mmap=True`` share its
+    pages (freed once the copy is closed and they are gone). Where no such file can be made at that size, anonymous
+    memory: ``path`` is then ``None`` and ``buffer`` holds the bytes (loading costs one more copy).
 
-    Where no such file can be made at that size (a file size limit, a full temporary folder),
-    the copy is anonymous memory instead: ``path`` is then ``None`` and ``buffer`` holds
-    the bytes (loading it costs one more copy of the state while it is deserialized).
-
-    With ``place`` (a file-backed copy only), the bytes of each storage it gives an address for
-    go to that address instead, and the bytes they displace go into the copy in their place: the
-    copy then maps the live tensors' previous values there. Until :meth:`keep_placed`, closing
-    the copy puts those values back (a checkpoint found torn or unloadable changes nothing);
-    :meth:`unplace` turns the copy back into the file's bytes.
+    With ``place`` (a file-backed copy only), each storage it gives an address for goes there as it arrives
+    (:class:`~gpu_resilience_worker.torch_archive.ArchiveStream`), and the bytes it displaces go into the copy in
+    its place. Until :meth:`keep_placed`, closing the copy puts them back (a checkpoint found torn or unloadable
+    changes nothing); :meth:`unplace` swaps them back at once.
 
     :param size: bytes of the copy.
     :param place: for :class:`~gpu_resilience_worker.torch_archive.ArchiveStream`: the archive's
@@ -69,7 +58,8 @@ class LocalCopy:
             self.close()
             self.path = None
             self.buffer = mmap.mmap(-1, max(size, 1))
-        self._stream = ArchiveStream(place) if place is not None and self.path is not None else None
+        #: The archive followed while filling, when placing.
+        self.archive = ArchiveStream(place) if place is not None and self.path is not None else None
 
     @property
     def displaced_bytes(self) -> int:
@@ -79,7 +69,7 @@ class LocalCopy:
     @property
     def placed(self) -> dict[str, tuple[int, int]]:
         """``{storage key: (file offset, bytes)}`` of each storage written whole to its address."""
-        return self._stream.placed if self._stream is not None else {}
+        return self.archive.placed if self.archive is not None else {}
 
     @property
     def in_memory(self) -> bool:
@@ -104,7 +94,7 @@ class LocalCopy:
         if self.size == 0:
             return len(handle.read(1) or b""), []
         position = read_pipelined(handle, lambda view, offset: self._absorb(hasher, view, offset), self.size, stop)
-        for segment in self._stream.finish() if self._stream is not None else ():
+        for segment in self.archive.finish() if self.archive is not None else ():
             self._put(*segment)
         extra = len(handle.read(1) or b"") if position == self.size else 0
         return position + extra, hasher.digests()
@@ -112,14 +102,13 @@ class LocalCopy:
     def _absorb(self, hasher: ChunkHasher, view: memoryview, offset: int) -> None:
         """Put a piece into the copy (or its storages' parts to their addresses), then hash it
         (in that order it kept up with a cold read)."""
-        for segment in self._stream.feed(view, offset) if self._stream is not None else [(offset, view, None, 0)]:
+        for segment in self.archive.feed(view, offset) if self.archive is not None else [(offset, view, None, 0)]:
             self._put(*segment)
         hasher.update(view)
 
     def _put(self, offset: int, piece: memoryview, address: int | None, into: int) -> None:
-        """Write ``piece`` (file bytes at ``offset``) with ``pwrite`` into the file (no page fault or
-        zero-fill per page, as a write through a mapping of new pages costs), or into the anonymous
-        memory; or at ``address + into``, the bytes there first written to the copy in its place."""
+        """Write ``piece`` (file bytes at ``offset``) into the file with ``pwrite`` (no page fault per page), or into
+        the anonymous memory; or at ``address + into``, the bytes there first written to the copy in its place."""
         if address is not None:
             target = address + into
             self._pwrite((ctypes.c_char * piece.nbytes).from_address(target), offset)
@@ -180,57 +169,62 @@ class LocalCopy:
 
 
 class ModulePlacement:
-    """Which storages of a checkpoint go straight into the tensors of ``torch.nn.Module`` states,
-    as the ``place`` of a :class:`LocalCopy`.
+    """Which storages of a checkpoint go straight into the tensors of ``torch.nn.Module`` states (a
+    :class:`LocalCopy`'s ``place``): those every use of which is a whole ``state_dict()`` entry (not
+    ``_extra_state``) of a module that saves and loads as torch's own code does (no override, no state-dict hook,
+    every ``_save_to_state_dict``/``_load_from_state_dict`` from ``torch.nn``: ``load_state_dict`` copies each
+    entry into that very tensor), whose live tensor is a plain CPU, strided, contiguous tensor of the same dtype,
+    shape and elements, not a conjugate or negative view, sharing its bytes with no other such storage.
 
-    A storage is placed when every use of it is a whole entry of a module state's ``state_dict()``
-    and that live tensor has its layout exactly: a plain CPU, strided, contiguous tensor of the
-    same dtype, shape and elements, not a conjugate or negative view, overlapping no other placed
-    storage. Such an entry is what ``load_state_dict`` would copy into that tensor; everything else
-    is loaded from the copy.
-
-    :param states: the states by name (``CheckpointManager``'s); only modules are placed into. Their
-        ``state_dict()`` is taken here, on the caller's thread (the read calls the placement on another).
+    :param states: the states by name (``CheckpointManager``'s). Their ``state_dict()`` is taken
+        here, on the caller's thread (the read calls the placement on another).
     """
 
     def __init__(self, states: dict[str, Any]) -> None:
         import torch
 
         self._torch = torch
-        self._modules = {name: s.state_dict() for name, s in states.items() if isinstance(s, torch.nn.Module)}
+        self._modules = {name: s.state_dict() for name, s in states.items() if _saves_as_torch_does(s, torch)}
         self._targets: dict[str, list[tuple[Any, Any, Any]]] = {}  # key -> [(state, entry, live tensor)]
 
     def __call__(self, records: Pickle) -> dict[str, tuple[int, int | None]]:
         torch = self._torch
-        sizes = {key: storage.numel * dtype.itemsize for key, storage in records.storages.items()
-                 if (dtype := _storage_dtype(storage.type_name, torch)) is not None}
+        sizes = {}
+        for key, storage in records.storages.items():  # an untyped storage counts bytes
+            dtype = _storage_dtype(storage.type_name, torch)
+            if dtype is not None or storage.type_name == "UntypedStorage":
+                sizes[key] = storage.numel * (dtype.itemsize if dtype is not None else 1)
         uses: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
         for path, record in records.tensors.items():
             live = self._modules[path[0]].get(path[1]) if len(path) == 2 and path[0] in self._modules else None
-            dtype = _storage_dtype(record.storage.type_name, torch)
-            uses.setdefault(record.storage.key, []).append((path, live if _fits(record, dtype, live, torch) else None))
+            fits = _fits(record, _storage_dtype(record.storage.type_name, torch), live, torch)
+            uses.setdefault(record.storage.key, []).append((path, live if fits and not str(path[1]).endswith(
+                "_extra_state") else None))
         candidates = sorted((found[0][1].data_ptr(), key, found) for key, found in uses.items()
                             if key not in records.shared and all(live is not None for _, live in found)
                             and len({live.data_ptr() for _, live in found}) == 1)
-        self._targets, free_from = {}, 0
-        for start, key, found in candidates:  # by address: one that overlaps the one before is loaded
-            if start >= free_from:
-                free_from = start + sizes[key]
+        self._targets, last_end, last = {}, 0, None
+        for start, key, found in candidates:  # by address; storages bound for shared bytes are loaded
+            if start < last_end:  # (load_state_dict's order decides which one they end with)
+                self._targets.pop(last, None)
+            else:
                 self._targets[key] = [(path[0], path[1], live) for path, live in found]
+            if start + sizes[key] > last_end:
+                last_end, last = start + sizes[key], key
         return {key: (size, self._targets[key][0][2].data_ptr() if key in self._targets else None)
                 for key, size in sizes.items()}
 
     def check(self, copy: LocalCopy) -> bool:
-        """Whether torch reads each storage ``copy`` placed where it was placed, and nothing else
-        was placed (torch's own reader of the archive, on the verified copy)."""
+        """Whether torch reads the pickle ``copy`` followed and each storage it placed where they
+        were, and nothing else was placed (torch's own reader of the archive, on the verified copy)."""
         import torch
 
         reader = getattr(torch._C, "PyTorchFileReader", None)
-        if reader is None or copy.path is None or copy.displaced_bytes != sum(n for _, n in copy.placed.values()):
+        if reader is None or copy.archive is None or copy.displaced_bytes != sum(n for _, n in copy.placed.values()):
             return False
-        archive = reader(copy.path)
-        return all((archive.get_record_offset(f"data/{key}"), archive.get_record_size(f"data/{key}")) == spot
-                   for key, spot in copy.placed.items())
+        archive, records = reader(copy.path), [(f"data/{key}", spot) for key, spot in copy.placed.items()]
+        return all((archive.get_record_offset(name), archive.get_record_size(name)) == spot
+                   for name, spot in [("data.pkl", copy.archive.pickle), *records])
 
     def into(self, state: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
         """Hand the modules their own tensors for the placed entries (a tensor copied onto itself
@@ -245,6 +239,16 @@ class ModulePlacement:
                     result[name] = copy_module.copy(state[name])  # an OrderedDict keeps its _metadata
                 result[name][entry] = live
         return result
+
+
+def _saves_as_torch_does(state: Any, torch: Any) -> bool:
+    """Whether ``state`` is a module whose ``state_dict``/``load_state_dict`` are torch's own through and through."""
+    module = torch.nn.Module
+    return (isinstance(state, module) and type(state).state_dict is module.state_dict
+            and type(state).load_state_dict is module.load_state_dict
+            and all(not (m._state_dict_hooks or m._state_dict_pre_hooks or m._load_state_dict_pre_hooks)
+                    and type(m)._save_to_state_dict.__module__.startswith("torch.nn.")
+                    and type(m)._load_from_state_dict.__module__.startswith("torch.nn.") for m in state.modules()))
 
 
 def _storage_dtype(type_name: str, torch: Any) -> Any:

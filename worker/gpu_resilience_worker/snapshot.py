@@ -53,8 +53,8 @@ class SnapshotBuffers:
         source wants pinned buffers) and no live tensor or other adopted one shares the loaded one's storage (an
         optimizer keeps its loaded moments: a snapshot into them would write the live state).
 
-        :param loaded: the restored state, nested like ``live`` (extra entries are ignored).
-        :param live: the states' current state dicts, nested (tensors, dicts, lists, tuples).
+        :param loaded: the restored state of the states to adopt for, nested like ``live``.
+        :param live: the current state dicts of every state, nested (tensors, dicts, lists, tuples).
         :return: bytes adopted."""
         import torch
 

@@ -1,11 +1,7 @@
-"""Where a ``torch.save`` archive keeps each storage's bytes, found while the archive streams in.
-
-torch writes a zip archive: the pickle (``<prefix>/data.pkl``: each tensor's storage by key, type
-and elements), small records, then one record per storage (``<prefix>/data/<key>``); a local
-header without sizes precedes each record and a data descriptor follows it. :class:`ArchiveStream`
-follows that from the bytes alone, so that a restore can send each storage's bytes to the tensor
-that will hold them as they arrive. What it does not expect ends the following, never the read.
-"""
+"""Where a ``torch.save`` archive keeps each storage's bytes, found while it streams in: the zip's first record is
+the pickle (``<prefix>/data.pkl``: each tensor's storage by key, type and elements), then small records and one per
+storage (``<prefix>/data/<key>``), each after a local header without sizes and before a data descriptor.
+:class:`ArchiveStream` follows that from the bytes alone; what it does not expect ends the following, not the read."""
 
 from __future__ import annotations
 
@@ -49,14 +45,11 @@ class _Opaque:
 
 
 class Pickle(NamedTuple):
-    """What a restore needs of the archive's pickle."""
+    """What a restore needs of the archive's pickle: ``tensors`` by path of dict keys and list indices, every storage
+    by key, and the keys of those ``shared`` with something else (a tensor inside an object not followed here)."""
 
-    #: Every tensor a path of dicts, lists and tuples leads to, by that path (keys and indices).
     tensors: dict[tuple, TensorRecord]
-    #: Every storage, by key.
     storages: dict[str, StorageRef]
-    #: Keys of the storages that something else than those tensors also uses (a tensor inside an
-    #: object this reading does not follow, or rebuilt another way).
     shared: set[str]
 
 
@@ -68,8 +61,8 @@ class _RecordUnpickler(pickle.Unpickler):
         self.storages: dict[str, StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name.endswith("Storage"):
-            return name
+        if module.split(".")[0] == "torch" and name.endswith("Storage"):
+            return name  # a typed storage's class (``FloatStorage``), or ``UntypedStorage`` (numel in bytes)
         known = {("torch._utils", "_rebuild_tensor_v2"): self._tensor, ("collections", "OrderedDict"): collections.OrderedDict}
         return known.get((module, name), _Opaque)
 
@@ -134,16 +127,14 @@ class ArchiveStream:
         self._at, self._mode, self._prefix, self._name = 0, "header", "", ""
         self._data: tuple[int, int, Any] = (0, 0, None)  # a storage's first byte, end, destination
         self._scanned, self._native = 0, False
+        #: ``(data offset, bytes)`` of the pickle followed.
+        self.pickle: tuple[int, int] | None = None
         #: ``{key: (data offset, bytes)}`` of each storage sent whole to its destination.
         self.placed: dict[str, tuple[int, int]] = {}
 
     def feed(self, view: memoryview, offset: int) -> list[Segment]:
-        """Take the next piece of the file.
-
-        :param view: the piece.
-        :param offset: its offset in the file.
-        :return: the segments of ``view`` and of bytes held back before, in file order.
-        """
+        """:param view: the next piece of the file, at ``offset``.
+        :return: the segments of ``view`` and of bytes held back before, in file order."""
         out: list[Segment] = []
         position, end = offset, offset + view.nbytes
         while True:
@@ -154,7 +145,7 @@ class ArchiveStream:
             elif not self._parse(out):
                 if position >= end:
                     return out
-                take = min(end, position + self._want())
+                take = min(end, position + max(1, self._want()))
                 self._pending += view[position - offset : take - offset]
                 position = take
 
@@ -199,11 +190,14 @@ class ArchiveStream:
                 self._mode = "done"
                 return True
             return len(pending) >= 30 and self._want() <= 0 and self._header(out)
-        if self._mode == "descriptor":  # 16 bytes, or 24 with 64-bit sizes
+        if self._mode == "descriptor":  # 16 bytes, or 24 with 64-bit sizes; torch writes none after an empty one
+            if self._data[0] == self._data[1] and len(pending) >= 4 and pending[:4] in (LOCAL, CENTRAL):
+                self._mode = "header"
+                return True
             return self._ended(0, self._data[1] - self._data[0], out, last=True)
         while (found := pending.find(DESCRIPTOR, self._scanned)) >= 0:  # a record of unknown size
             if len(pending) < found + 28 or self._ended(found, found, out):
-                return len(pending) >= found + 28
+                return self._mode != "record"  # it ended (the bytes held back are then fewer)
             self._scanned = found + 1
         self._scanned = max(0, len(pending) - 3)
         if len(pending) > PICKLE_LIMIT:
@@ -230,6 +224,7 @@ class ArchiveStream:
             self._native = bytes(self._pending[:size]) == sys.byteorder.encode()
         if self._mode == "record" and self._name == "data.pkl" and self._storages is None:
             try:
+                self.pickle = (self._at, size)
                 self._storages = self._place(read_records(bytes(self._pending[:size])))
             except Exception:  # noqa: BLE001 - a pickle it cannot follow: nothing is placed
                 self._mode = "done"
