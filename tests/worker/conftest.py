@@ -218,3 +218,35 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, digits_npz: Path) -> tupl
 
 
 SIGTERM, SIGKILL = signal.SIGTERM, signal.SIGKILL
+
+
+@pytest.fixture
+def placements(monkeypatch) -> list[dict]:
+    """The storages each kept restore placed (recorded when the placement is kept)."""
+    from gpu_resilience_worker.restore_copy import LocalCopy
+
+    kept: list[dict] = []
+    original = LocalCopy.keep_placed
+
+    def keep_placed(self: LocalCopy) -> None:
+        kept.append(dict(self.placed))
+        original(self)
+
+    monkeypatch.setattr(LocalCopy, "keep_placed", keep_placed)
+    return kept
+
+
+@pytest.fixture
+def put_back(monkeypatch) -> list[int]:
+    """The bytes each closed copy gave back to the modules (placed, then not kept); -1 for a swap back."""
+    from gpu_resilience_worker.restore_copy import LocalCopy
+
+    given: list[int] = []
+    original = LocalCopy._give_back
+
+    def spy(self: LocalCopy, swap: bool = False) -> None:
+        given.append(-1 if swap else self.displaced_bytes)
+        original(self, swap)
+
+    monkeypatch.setattr(LocalCopy, "_give_back", spy)
+    return given

@@ -328,9 +328,8 @@ class CheckpointManager(CommitStore):
         return False
 
     def _adopt_restored(self, state: dict[str, Any]) -> None:
-        """Keep the loaded tensors of the ``torch.nn.Module`` states (copied into the parameters;
-        ``assign=True`` keeps them, which ``SnapshotBuffers.adopt`` sees) as snapshot buffers, but
-        none that any state's ``state_dict()`` shows (another state may keep a loaded tensor)."""
+        """Keep the loaded tensors of the ``torch.nn.Module`` states as snapshot buffers, none that any state's
+        ``state_dict()`` shows (``assign=True``, or another state, may keep a loaded tensor)."""
         import torch
 
         modules = [key for key, obj in self._states.items() if isinstance(obj, torch.nn.Module)]
@@ -338,15 +337,10 @@ class CheckpointManager(CommitStore):
         self._snapshots.adopt({key: state[key] for key in modules}, live)
 
     def _deserialize(self, copy: LocalCopy) -> Any:
-        """Load a verified local copy with the ``weights_only`` unpickler (no code runs).
-
-        A copy in memory (a ``memfd``) is mapped shared where torch keeps that choice per thread
-        (see :func:`_shared_mmap_is_thread_local`): the loaded tensors are the copy's pages, which
-        no file backs, and the tensors that stay after the load (an optimizer's moments, which
-        ``Optimizer.load_state_dict`` keeps as loaded) take their first training writes with no
-        copy-on-write fault per page. Otherwise the copy is mapped privately, and a copy that
-        cannot be mapped is read into memory; either way the checkpoint is never read again.
-        """
+        """Load a verified local copy with the ``weights_only`` unpickler (no code runs). A ``memfd`` copy is mapped
+        shared where torch keeps that choice per thread (:func:`_shared_mmap_is_thread_local`), so tensors that stay
+        loaded (an optimizer's moments) take their first writes with no copy-on-write fault per page; otherwise
+        privately, or read into memory where it cannot be mapped. The checkpoint is never read again."""
         import mmap
 
         import torch
@@ -393,6 +387,9 @@ class CheckpointManager(CommitStore):
                 reason = f"checkpoint lacks items {missing}"
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means "skip it"
                 reason = f"torch.load failed: {exc}"
+            except BaseException:  # an interrupt: the copy still puts back what it placed
+                copy.close()
+                raise
             copy.close()
             self.mark_invalid(step)  # verified bytes that do not load: retention skips it
         self._log.warning(

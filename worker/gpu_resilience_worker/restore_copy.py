@@ -130,8 +130,7 @@ class LocalCopy:
         self._displaced.clear()
 
     def unplace(self) -> None:
-        """Swap every placed part back: the live tensors get their values back, the copy the file's
-        bytes (a placement that did not land where torch reads the storage is undone this way)."""
+        """Swap every placed part back: the live tensors get their values back, the copy the file's bytes."""
         self._give_back(swap=True)
         self.placed.clear()
 
@@ -215,23 +214,24 @@ class ModulePlacement:
                 for key, size in sizes.items()}
 
     def check(self, copy: LocalCopy) -> bool:
-        """Whether torch reads the pickle ``copy`` followed and each storage it placed where they
-        were, and nothing else was placed (torch's own reader of the archive, on the verified copy)."""
+        """Whether torch reads the pickle ``copy`` followed and each storage it placed where they were, no record
+        shares a byte with another, and nothing else was placed (torch's own reader of the archive, on the copy)."""
         import torch
 
         reader = getattr(torch._C, "PyTorchFileReader", None)
         if reader is None or copy.archive is None or copy.displaced_bytes != sum(n for _, n in copy.placed.values()):
             return False
-        archive, records = reader(copy.path), [(f"data/{key}", spot) for key, spot in copy.placed.items()]
-        return all((archive.get_record_offset(name), archive.get_record_size(name)) == spot
-                   for name, spot in [("data.pkl", copy.archive.pickle), *records])
+        archive = reader(copy.path)  # in a whole archive no two records share a byte
+        spans = sorted((archive.get_record_offset(name), archive.get_record_size(name), name)
+                       for name in archive.get_all_records())
+        found = {name: (offset, size) for offset, size, name in spans}
+        return (all(offset + size <= after for (offset, size, _), (after, _, _) in zip(spans, spans[1:]))
+                and found.get("data.pkl") == copy.archive.pickle
+                and all(found.get(f"data/{key}") == spot for key, spot in copy.placed.items()))
 
     def into(self, state: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
-        """Hand the modules their own tensors for the placed entries (a tensor copied onto itself
-        is left as it is: ``load_state_dict`` copies nothing there).
-
-        :return: ``state`` as loaded, each placed entry replaced by its live tensor; ``state`` is unchanged.
-        """
+        """``state`` as loaded (unchanged) with each placed entry replaced by its live tensor, which
+        ``load_state_dict`` then leaves as it is (torch copies nothing onto itself)."""
         result = dict(state)
         for key in placed:
             for name, entry, live in self._targets.get(key, ()):
@@ -241,14 +241,17 @@ class ModulePlacement:
         return result
 
 
+_SAVE_AND_LOAD = ("state_dict", "load_state_dict", "_save_to_state_dict", "_load_from_state_dict")
+
+
 def _saves_as_torch_does(state: Any, torch: Any) -> bool:
-    """Whether ``state`` is a module whose ``state_dict``/``load_state_dict`` are torch's own through and through."""
-    module = torch.nn.Module
-    return (isinstance(state, module) and type(state).state_dict is module.state_dict
-            and type(state).load_state_dict is module.load_state_dict
-            and all(not (m._state_dict_hooks or m._state_dict_pre_hooks or m._load_state_dict_pre_hooks)
-                    and type(m)._save_to_state_dict.__module__.startswith("torch.nn.")
-                    and type(m)._load_from_state_dict.__module__.startswith("torch.nn.") for m in state.modules()))
+    """Whether ``state`` is a module whose saving and loading are torch's own through and through: each of
+    :data:`_SAVE_AND_LOAD` defined by a ``torch.nn`` class (not on an instance, not by a subclass), no state-dict hook."""
+    return isinstance(state, torch.nn.Module) and all(
+        not (m._state_dict_hooks or m._state_dict_pre_hooks or m._load_state_dict_pre_hooks)
+        and not any(name in vars(m) for name in _SAVE_AND_LOAD)
+        and all(next(c for c in type(m).__mro__ if name in vars(c)).__module__.startswith("torch.nn.")
+                for name in _SAVE_AND_LOAD) for m in state.modules())
 
 
 def _storage_dtype(type_name: str, torch: Any) -> Any:

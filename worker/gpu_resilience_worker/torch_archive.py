@@ -95,11 +95,8 @@ def _paths(obj: Any, path: tuple, out: dict[tuple, TensorRecord]) -> dict[tuple,
 
 
 def read_records(data: bytes) -> Pickle:
-    """Read the archive's pickle without importing any class (whatever else it builds is opaque).
-
-    :param data: the bytes of ``<prefix>/data.pkl``.
-    :raises Exception: what unpickling malformed bytes raises.
-    """
+    """Read the archive's pickle (``data``: ``<prefix>/data.pkl``) without importing any class (whatever else it
+    builds is opaque); malformed bytes raise what unpickling raises."""
     reader = _RecordUnpickler(data)
     tensors = _paths(reader.load(), (), {})
     reached = {id(record) for record in tensors.values()}
