@@ -188,15 +188,14 @@ class ModulePlacement:
 
     def __call__(self, records: Pickle) -> dict[str, tuple[int, int | None]]:
         torch = self._torch
-        sizes = {}
+        sizes, dtypes = {}, {key: _storage_dtype(storage.type_name, torch) for key, storage in records.storages.items()}
         for key, storage in records.storages.items():  # an untyped storage counts bytes
-            dtype = _storage_dtype(storage.type_name, torch)
-            if dtype is not None or storage.type_name == "UntypedStorage":
+            if (dtype := dtypes[key]) is not None or storage.type_name == "UntypedStorage":
                 sizes[key] = storage.numel * (dtype.itemsize if dtype is not None else 1)
         uses: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
         for path, record in records.tensors.items():
             live = self._modules[path[0]].get(path[1]) if len(path) == 2 and path[0] in self._modules else None
-            fits = _fits(record, _storage_dtype(record.storage.type_name, torch), live, torch)
+            fits = _fits(record, dtypes[record.storage.key], live, torch)
             uses.setdefault(record.storage.key, []).append((path, live if fits and not str(path[1]).endswith(
                 "_extra_state") else None))
         candidates = sorted((found[0][1].data_ptr(), key, found) for key, found in uses.items()
