@@ -1,10 +1,13 @@
 """ArtifactCheckpoints: the commit protocol around checkpoints a framework writes itself.
-Cost: well under 1 s (no framework imported)."""
+Cost: about a second (one child process; no framework imported)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,19 @@ def test_stop_action_after_sigterm(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ArtifactCheckpoints(tmp_path, **kwargs)
+
+
+def test_a_malformed_environment_is_fatal_as_for_the_other_ways_in(tmp_path: Path) -> None:
+    """A framework job whose deployment sets ``PREEMPTION_GRACE_SECONDS=soon`` exits 78 with ``FATAL`` naming the
+    variable (as the bundled worker and ``ResilientLoop`` do), in a real process: not 1, which Cloud Run retries."""
+    folder = tmp_path / "output"
+    env = {**os.environ, "PREEMPTION_GRACE_SECONDS": "soon"}
+    code = ("from gpu_resilience_worker.artifacts import ArtifactCheckpoints\n"
+            f"ArtifactCheckpoints({str(folder)!r}, prefix='checkpoint-')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 78, done.stderr
+    errors = [json.loads(line) for line in done.stdout.splitlines() if '"ERROR"' in line]
+    assert len(errors) == 1 and "PREEMPTION_GRACE_SECONDS='soon' is not a number" in errors[0]["message"], errors
+    marker = json.loads((folder / "FATAL").read_text())
+    assert marker["exit_code"] == 78 and "PREEMPTION_GRACE_SECONDS" in marker["reason"]
+    assert sorted(p.name for p in folder.iterdir()) == ["FATAL"]

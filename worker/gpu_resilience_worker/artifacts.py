@@ -16,7 +16,7 @@ from typing import Callable
 from gpu_resilience_worker.attempt import Attempt
 from gpu_resilience_worker.commit import CommitStore
 from gpu_resilience_worker.config import StopTiming
-from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, NewerCheckpointError, check_number
+from gpu_resilience_worker.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, NewerCheckpointError, check_number
 from gpu_resilience_worker.fatal import write_fatal
 from gpu_resilience_worker.logs import StructuredLogger
 from gpu_resilience_worker.policies import KeepLatestN, SaveStats
@@ -39,7 +39,7 @@ class ArtifactCheckpoints(CommitStore):
     :param clock: monotonic clock in seconds (save durations).
     :raises ValueError: for an empty folder, a prefix or suffix with other characters than letters, digits and
         ``._=-`` (or an empty prefix), ``keep_latest_k`` < 2 or ``grace_seconds`` < 0.
-    :raises ConfigError: a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``."""
+    :raises SystemExit: 78 (``FATAL`` written) for a malformed ``PREEMPTION_GRACE_SECONDS`` or ``TASK_TIMEOUT_SECONDS``."""
 
     def __init__(self, folder: str, *, prefix: str, suffix: str = "", keep_latest_k: int = 2,
                  grace_seconds: float | None = None, logger: StructuredLogger | None = None,
@@ -54,7 +54,10 @@ class ArtifactCheckpoints(CommitStore):
         super().__init__(os.path.abspath(os.fspath(folder)), LocalStorage(), self.log, naming)
         self.keep = KeepLatestN(keep_latest_k)
         self.watcher = PreemptionWatcher()
-        StopTiming.from_env(grace_seconds=grace_seconds).apply(self.watcher)
+        try:
+            StopTiming.from_env(grace_seconds=grace_seconds).apply(self.watcher)
+        except ConfigError as exc:  # the deployment's environment: non-retryable, as on every other way in
+            raise SystemExit(write_fatal(self.folder, exc, self.log)) from None
         self.stats, self._clock = SaveStats(), clock
         self.last_committed: int | None = None
         self._save_started: dict[int, float] = {}
