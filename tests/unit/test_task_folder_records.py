@@ -84,7 +84,12 @@ RECORDS = {
     "one file without a hash list (the worker cannot verify it)": (
         b'{"step": 40, "size": 16, "sha256": "ab"}', "ckpt-00000040.commit.json", None),
     "another root digest than its hash list's": (_raw(_ONE, sha256="f" * 64), "ckpt-00000020.commit.json", None),
-    "a chunk size below 4 KiB": (_raw(_ONE, chunk_bytes=1, chunks=["0" * 8] * 5), "ckpt-00000020.commit.json", None),
+    "a chunk size below 4 KiB (hash list and root consistent)": (
+        _raw(_ONE, chunk_bytes=1, chunks=["0" * 8] * 5, sha256=_root(bytes(20)).hex()), "ckpt-00000020.commit.json",
+        None),
+    "a chunk size of 4 KiB (hash list and root consistent)": (
+        _raw(_ONE, size=4097, chunks=["0" * 8] * 2, sha256=_root(bytes(8)).hex()), "ckpt-00000020.commit.json",
+        (20, {"ckpt-00000020.pt": 4097})),
     "a digest of another width": (_raw(_ONE, chunks=["0" * 64]), "ckpt-00000020.commit.json", None),
     "a folder's file with another root": (_raw(_FOLDER, sha256=_root(bytes(32)).hex()), "checkpoint-8.commit.json",
                                           None),
