@@ -100,7 +100,7 @@ stack: $(STAMP)
 	$(PY) scripts/airflow_stack.py $(STACK_ARGS)
 
 # Everything under tests/, the deployment tests included: PostgreSQL and Chromium first.
-# scripts/run_tests.sh runs it in two pytest runs: the tests not marked serial on two
+# scripts/run_tests.sh runs it in two pytest runs: the tests not marked serial on three
 # pytest-xdist workers (TEST_WORKERS), then the serial ones (timing-sensitive: real worker
 # processes against task timeouts and grace periods, the deployment) alone.
 test: $(STAMP)
